@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random mlx-lm models and a greedy generation helper."""
+
+from __future__ import annotations
+
+import contextlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.models import llama, qwen3
+
+VOCAB = 128
+
+
+def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2):
+    """A tiny fp32 model with GQA (4 query heads, 2 KV heads, head_dim 16)."""
+    mx.random.seed(seed)
+    common = dict(hidden_size=64, num_hidden_layers=layers, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096)
+    if arch == "llama":
+        model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **common))
+    elif arch == "qwen3":
+        model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", head_dim=16, rope_theta=10000.0,
+                                            tie_word_embeddings=True, **common))
+    else:
+        raise ValueError(arch)
+    mx.eval(model.parameters())
+    return model
+
+
+_TOKENIZER = None
+
+
+def tiny_tokenizer():
+    """A real (word-level) HF tokenizer over VOCAB tokens "t0".."t127", so stream_generate runs as usual."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        _TOKENIZER = TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tk))
+    return _TOKENIZER
+
+
+def greedy(model, prompt, max_tokens=8, prompt_cache=None, prefill_step_size=2048):
+    """Greedy generation through mlx_lm.stream_generate: (tokens, logprobs as numpy)."""
+    toks, lps = [], []
+    for r in stream_generate(model, tiny_tokenizer(), mx.array(prompt), max_tokens=max_tokens,
+                             prompt_cache=prompt_cache, prefill_step_size=prefill_step_size):
+        toks.append(r.token)
+        lps.append(np.array(r.logprobs.astype(mx.float32)))
+    return toks, np.stack(lps)
+
+
+def random_prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=n).tolist()
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny_model(request):
+    return make_tiny_model(request.param)
+
+
+@contextlib.contextmanager
+def forbid_host_sync():
+    """Make every MLX host synchronization raise inside the block."""
+
+    def boom(*a, **k):
+        raise AssertionError("host sync inside the cache hot path")
+
+    saved = {name: getattr(mx.array, name) for name in ("item", "tolist", "__bool__", "__int__", "__float__",
+                                                         "__array__")
+             if hasattr(mx.array, name)}
+    saved_fns = {name: getattr(mx, name) for name in ("eval", "async_eval")}
+    try:
+        for name in saved:
+            setattr(mx.array, name, boom)
+        for name in saved_fns:
+            setattr(mx, name, boom)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(mx.array, name, fn)
+        for name, fn in saved_fns.items():
+            setattr(mx, name, fn)

@@ -1,0 +1,14 @@
+"""veloxquant-mlx: KV-cache eviction for mlx-lm, with memory pinned at a fixed budget."""
+
+from .builder import KVCacheBuilder
+from .caches import EvictionCache
+from .config import KVCacheConfig
+from .mlx_lm_compat import install_query_tap, load_prompt_cache, remove_query_tap, save_prompt_cache
+from .registry import methods, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCacheBuilder", "KVCacheConfig", "EvictionCache", "methods", "register",
+    "install_query_tap", "remove_query_tap", "save_prompt_cache", "load_prompt_cache",
+]

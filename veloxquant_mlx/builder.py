@@ -1,0 +1,99 @@
+"""KVCacheBuilder: per-layer eviction caches for an mlx-lm model, and make_cache installation."""
+
+from __future__ import annotations
+
+import warnings
+
+from mlx_lm.models.cache import KVCache
+
+from .caches.base import EvictionCache
+from .config import KVCacheConfig
+from .mlx_lm_compat import install_query_tap, remove_query_tap
+from .registry import methods, register
+
+_ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
+_warned_no_tap: set = set()
+
+
+def _model_layer_caches(model) -> list:
+    """The caches the model itself would build (ignoring our own installation)."""
+    if _ORIGINAL_MAKE_CACHE in model.__dict__:
+        make = model.__dict__[_ORIGINAL_MAKE_CACHE]  # installed: ask what the model had before us
+    else:
+        make = getattr(model, "make_cache", None)
+    made = make() if callable(make) else None
+    return list(made) if made is not None else [KVCache() for _ in model.layers]
+
+
+class KVCacheBuilder:
+    """Registry front door: ``KVCacheBuilder.for_model(model, config)`` -> one fresh cache per layer."""
+
+    register = staticmethod(register)
+    methods = staticmethod(methods)
+
+    @staticmethod
+    def for_model(model, config: KVCacheConfig) -> list:
+        """Fresh caches for every layer of ``model``.
+
+        Full-attention layers (those for which the model builds a plain ``KVCache``) get
+        ``config``'s eviction cache, seeded ``config.seed + layer``; every other layer (sliding
+        window, SSM, ...) keeps the model's own cache. Also installs the query tap.
+        """
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        base = _model_layer_caches(model)
+        cls = config.cache_class
+        tapped = bool(install_query_tap(model))
+        if not tapped and cls.needs_queries and id(model) not in _warned_no_tap:
+            _warned_no_tap.add(id(model))
+            warnings.warn(
+                f"{type(model).__module__} does not call mlx-lm's scaled_dot_product_attention, so "
+                f"{config.method!r} cannot see real queries: falling back to keys as stand-in queries "
+                "(measurably worse; see docs/architecture.md)", stacklevel=2)
+        n = len(base)
+        caches = []
+        for i, c in enumerate(base):
+            if type(c) is KVCache or isinstance(c, EvictionCache):
+                ev = cls(config, layer_idx=i, n_layers=n)
+                ev.queries_from_keys = not tapped
+                ev.tap_active = tapped
+                caches.append(ev)
+            else:
+                caches.append(c)
+        return caches
+
+    @staticmethod
+    def install(model, config: KVCacheConfig) -> None:
+        """Make ``model.make_cache()`` (hence ``mlx_lm.generate``) build fresh eviction caches on
+        every call. Reversible with :meth:`uninstall`; installing again replaces the config."""
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if _ORIGINAL_MAKE_CACHE not in model.__dict__:
+            # Remember the instance-level make_cache if the user set one, else the class method.
+            inst = model.__dict__.get("make_cache")
+            cls_fn = getattr(type(model), "make_cache", None)
+            if inst is not None:
+                original = inst
+            else:
+                original = cls_fn.__get__(model) if cls_fn is not None else None
+            object.__setattr__(model, _ORIGINAL_MAKE_CACHE, original)
+            object.__setattr__(model, "_veloxquant_had_instance_make_cache", inst is not None)
+        object.__setattr__(model, "make_cache", lambda *a, **k: KVCacheBuilder.for_model(model, config))
+        install_query_tap(model)
+
+    @staticmethod
+    def uninstall(model) -> None:
+        """Undo :meth:`install` (and remove the query tap from the model's modules)."""
+        if _ORIGINAL_MAKE_CACHE in model.__dict__:
+            original = model.__dict__[_ORIGINAL_MAKE_CACHE]
+            had_instance = model.__dict__.get("_veloxquant_had_instance_make_cache", False)
+            for name in (_ORIGINAL_MAKE_CACHE, "_veloxquant_had_instance_make_cache", "make_cache"):
+                if name in model.__dict__:
+                    object.__delattr__(model, name)
+            if had_instance:
+                object.__setattr__(model, "make_cache", original)
+        remove_query_tap(model)
+
+    @staticmethod
+    def installed(model) -> bool:
+        return _ORIGINAL_MAKE_CACHE in getattr(model, "__dict__", {})

@@ -1,0 +1,463 @@
+"""EvictionCache: the machinery every eviction method shares.
+
+A subclass supplies ``scores()`` (higher = keep) or, where its selection is special,
+``select_rows()``. Everything else lives here: preallocated storage, logical ``offset`` versus
+stored rows, kept absolute positions per (batch, head), the observed-query window, lazy amortized
+eviction, masks, state round trips and byte accounting.
+
+Contract with mlx-lm (see docs/architecture.md): models call ``update_and_fetch`` with keys already
+rotated at ``offset``; we return the kept rows followed by the new rows, so the string mask
+``"causal"`` stays right. Nothing in ``update_and_fetch`` / ``observe_queries`` forces a host sync:
+all sizes are Python ints derived from shapes, all data work is lazy MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from ..config import KVCacheConfig, NoOptions
+from ..ops import gather_rows, keep_top_rows
+
+# Position stored for padding rows (ragged per-head storage); larger than any real position so a
+# causal "key position <= query position" test hides it.
+PAD_POSITION = 2**31 - 1
+_FORMAT_VERSION = 1
+
+
+class EvictionCache(_BaseCache):
+    """Base class of every eviction cache (not registered itself)."""
+
+    Options = NoOptions
+    method: str = ""
+    step = 256  # storage grows in steps of this many rows, like mlx-lm's KVCache
+    query_window = 0  # how many recent queries the method scores with (0: none kept)
+    needs_queries = True  # False for key-only / position-only methods
+    prefill_only = False  # True: compress once when the prompt ends, then only append
+
+    # -- construction -----------------------------------------------------------------------
+    def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if config.cache_class is not type(self):
+            raise ValueError(f"config.method={config.method!r} builds {config.cache_class.__name__}, "
+                             f"not {type(self).__name__}")
+        if not (isinstance(layer_idx, int) and isinstance(n_layers, int) and 0 <= layer_idx < n_layers):
+            raise ValueError(f"need 0 <= layer_idx < n_layers, got layer_idx={layer_idx}, n_layers={n_layers}")
+        self.config = config
+        self.options = config.options
+        self.layer_idx = layer_idx
+        self.n_layers = n_layers
+        self.n_sink = config.n_sink
+        self.recent = config.recent
+        self.budget = self.layer_budget()
+        self.slack = self.eviction_slack()
+        self.keys = self.values = self.positions = None
+        self.row_extras: dict = {}  # per-row method state, grown/appended/gathered with the keys
+        self.offset = 0
+        self._rows = 0
+        self.evictions = 0
+        self.queries_observed = 0
+        self.queries_from_keys = False  # set by the builder when the model has no query tap
+        self.tap_active = False  # set by the builder when per-layer masks reach this cache
+        self.scale = None
+        self._window_q = None
+        self._saw_decode = False
+        self._compressed = False
+        self._rng = mx.random.key(config.seed + layer_idx)
+
+    # Hooks a method may override -------------------------------------------------------------
+    @classmethod
+    def default_recent(cls, budget: int, options) -> int:
+        """Recent window used when the config leaves ``recent`` unset."""
+        return min(32, max(budget // 8, 1))
+
+    @classmethod
+    def check_config(cls, config: KVCacheConfig) -> None:
+        """Extra cross-field validation for a method (raise ValueError)."""
+
+    def layer_budget(self) -> int:
+        """Tokens kept per KV head in this layer (PyramidKV varies it by layer)."""
+        return self.config.budget
+
+    def eviction_slack(self) -> int:
+        """Rows allowed above the budget before an eviction step runs (amortizes the cost)."""
+        return getattr(self.options, "evict_every", None) or getattr(self.options, "block_size", None) or 32
+
+    def extra_row_fields(self) -> dict:
+        """Per-row state to keep aligned with the rows: name -> fill value for new rows."""
+        return {}
+
+    def on_queries(self, queries: mx.array) -> None:
+        """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
+        if self.query_window:
+            q = queries if self._window_q is None else mx.concatenate([self._window_q, queries], axis=2)
+            self._window_q = q[:, :, -self.query_window:, :]
+
+    def scores(self) -> mx.array:
+        """(B, H, rows) importance of every stored row; higher is kept."""
+        raise NotImplementedError
+
+    def select_rows(self):
+        """Row indices (B, H, K) to keep, ascending; optionally also a (B, H, K) bool mask of rows
+        that are real (False rows become padding: ragged per-head budgets)."""
+        return keep_top_rows(self.scores(), self.budget, self.n_sink, self.recent)
+
+    # -- mlx-lm cache protocol -------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_kv(keys, values)
+        S = keys.shape[2]
+        if S > 1 and self._saw_decode:
+            warnings.warn(
+                f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
+                "earlier generation and now receives a new prompt. If you wrote "
+                "`model.make_cache = lambda *a, **k: caches`, every generate() continues the old context: "
+                "use KVCacheBuilder.install(model, config) for fresh caches per call (pass prompt_cache "
+                "explicitly to continue on purpose).", stacklevel=2)
+            self._saw_decode = False
+        if S == 1 and self.offset > 0:
+            self._saw_decode = True
+        if S > 1:
+            self._compressed = False  # new prompt text: the next single-token call compresses again
+        if self.prefill_only:
+            if S == 1 and not self._compressed and self._rows > self.budget:
+                self._evict()  # the prompt ended: compress once over all of it
+                self._compressed = True
+        elif self._rows > self.budget + self.slack:
+            self._evict()  # queries never arrived for the last append (no tap): evict now
+        self._append(keys, values)
+        if self.queries_from_keys:
+            self._observe(keys, keys.shape[-1] ** -0.5)
+        return self._fetch()
+
+    def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
+        """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
+        if self.keys is None:
+            raise RuntimeError("observe_queries called before any update_and_fetch")
+        if not isinstance(queries, mx.array) or queries.ndim != 4:
+            raise ValueError(f"queries must be a 4-D mx.array (B, H_q, S, D), got "
+                             f"{getattr(queries, 'shape', type(queries).__name__)}")
+        B, Hq, S, D = queries.shape
+        kB, kH, _, kD = self.keys.shape
+        if B != kB or D != kD or Hq % kH != 0 or S > self.offset:
+            raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
+                             f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
+        self._observe(queries, D ** -0.5 if scale is None else float(scale))
+
+    def _observe(self, queries: mx.array, scale: float) -> None:
+        self.scale = scale
+        self.queries_observed += 1
+        self.on_queries(queries)
+        if not self.prefill_only and self._rows > self.budget + self.slack:
+            self._evict()
+
+    def attention_mask(self, mask, queries: mx.array):
+        """The mask this layer's attention should use, given the one mlx-lm built from cache[0].
+
+        Uniform storage keeps the string/None masks (they are right for every layer). An array mask
+        was built for cache[0]'s row count, so it is rebuilt for ours; ragged storage needs a
+        per-head mask that hides padding rows.
+        """
+        ragged = self.is_ragged
+        if not ragged and not isinstance(mask, mx.array):
+            return mask
+        rows, n_queries = self._rows, queries.shape[2]
+        if not ragged:
+            return create_causal_mask(n_queries, offset=rows - n_queries)
+        pos = self.positions[..., :rows]  # (B, H, rows)
+        q_pos = mx.arange(self.offset - n_queries, self.offset)
+        visible = mx.expand_dims(pos, 2) <= q_pos[:, None]  # (B, H_kv, N, rows)
+        group = queries.shape[1] // pos.shape[1]
+        return mx.repeat(visible, group, axis=1) if group > 1 else visible
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise NotImplementedError(
+                "eviction caches serve full-attention layers only; sliding-window layers keep "
+                "mlx-lm's RotatingKVCache (KVCacheBuilder.for_model does this)")
+        if N == 1 and not return_array:
+            return None
+        if return_array:
+            return create_causal_mask(N, offset=self._rows)
+        return "causal"
+
+    @property
+    def is_ragged(self) -> bool:
+        """True when heads keep different numbers of rows (padding present)."""
+        return bool(getattr(self, "_ragged", False))
+
+    def size(self) -> int:
+        return self._rows
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n):
+        raise NotImplementedError("eviction caches cannot be trimmed: evicted rows are gone")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the allocated key/value buffers (capacity, not just kept rows)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    # Batching: selection state is per row, so mlx-lm's KVCache.merge would silently drop it.
+    @classmethod
+    def merge(cls, caches):
+        raise NotImplementedError(
+            f"{cls.__name__} does not support batch merging (BatchGenerator / server batching): "
+            "eviction state is per sequence. Run sequences separately, or pass a batch dimension B>1 "
+            "to a single generation.")
+
+    def filter(self, batch_indices):
+        raise NotImplementedError(f"{type(self).__name__} does not support batch filtering")
+
+    def extend(self, other):
+        raise NotImplementedError(f"{type(self).__name__} does not support batch extension")
+
+    # -- storage ------------------------------------------------------------------------------
+    def _check_kv(self, keys, values):
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError("keys and values must be mx.array")
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(f"keys/values must be 4-D (B, H_kv, S, D), got {keys.shape} and {values.shape}")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, H_kv, S)")
+        if keys.shape[2] == 0:
+            raise ValueError("update_and_fetch needs at least one new token")
+        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+            raise TypeError(f"keys/values must be floating point, got {keys.dtype} and {values.dtype}")
+        hd = self.config.head_dim
+        if hd is not None and keys.shape[-1] != hd:
+            raise ValueError(f"config.head_dim={hd} but the model sends keys with head_dim={keys.shape[-1]}")
+        if self.keys is not None:
+            B, H, _, Dk = self.keys.shape
+            if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, self.values.shape[3]):
+                raise ValueError(f"new keys {keys.shape}/values {values.shape} do not match the stored "
+                                 f"(B={B}, H_kv={H}, D_k={Dk}, D_v={self.values.shape[3]})")
+            if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+                raise TypeError(f"dtype changed: stored {self.keys.dtype}/{self.values.dtype}, "
+                                f"new {keys.dtype}/{values.dtype}")
+
+    def _append(self, keys, values):
+        B, H, S, _ = keys.shape
+        prev, need = self._rows, self._rows + S
+        if self.keys is None or need > self.keys.shape[2]:
+            cap = -(-need // self.step) * self.step
+
+            def grow(old, shape, dtype, fill):
+                new = mx.full(shape, fill, dtype) if fill else mx.zeros(shape, dtype)
+                if old is not None and prev:
+                    new[:, :, :prev] = old[:, :, :prev]
+                return new
+
+            self.keys = grow(self.keys, (B, H, cap, keys.shape[3]), keys.dtype, 0)
+            self.values = grow(self.values, (B, H, cap, values.shape[3]), values.dtype, 0)
+            self.positions = grow(self.positions, (B, H, cap), mx.int32, PAD_POSITION)
+            for name, fill in self.extra_row_fields().items():
+                self.row_extras[name] = grow(self.row_extras.get(name), (B, H, cap), mx.float32, fill)
+        self.keys[:, :, prev:need] = keys
+        self.values[:, :, prev:need] = values
+        self.positions[:, :, prev:need] = mx.arange(self.offset, self.offset + S, dtype=mx.int32)
+        for name, fill in self.extra_row_fields().items():
+            self.row_extras[name][:, :, prev:need] = fill
+        self._rows = need
+        self.offset += S
+
+    def _fetch(self):
+        r = self._rows
+        if r == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[:, :, :r], self.values[:, :, :r]
+
+    def stored(self, name: str = "keys") -> mx.array:
+        """The stored rows of ``keys``, ``values``, ``positions`` or a row extra (no padding trim)."""
+        arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
+        if arr is None:
+            arr = self.row_extras[name]
+        return arr[:, :, :self._rows]
+
+    def next_key(self) -> mx.array:
+        """A fresh PRNG key for one eviction step (same seed -> same sequence of keys)."""
+        k = mx.random.split(self._rng)
+        self._rng = k[0]
+        return k[1]
+
+    def _evict(self):
+        sel = self.select_rows()
+        idx, real = (sel if isinstance(sel, tuple) else (sel, None))
+        K = idx.shape[-1]
+        self.keys[:, :, :K] = gather_rows(self.stored("keys"), idx)
+        self.values[:, :, :K] = gather_rows(self.stored("values"), idx)
+        pos = gather_rows(self.stored("positions"), idx)
+        if real is not None:
+            pos = mx.where(real, pos, PAD_POSITION)
+        self._ragged = real is not None
+        self.positions[:, :, :K] = pos
+        for name in self.row_extras:
+            self.row_extras[name][:, :, :K] = gather_rows(self.stored(name), idx)
+        self._rows = K
+        self.evictions += 1
+        self.on_evicted(idx)
+
+    def on_evicted(self, idx: mx.array) -> None:
+        """Hook after an eviction step (idx: the kept old row indices)."""
+
+    def window_queries(self):
+        """(queries (B, Hq, W, D), their absolute positions (W,)) of the observation window."""
+        if self._window_q is None:
+            return None, None
+        W = self._window_q.shape[2]
+        return self._window_q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def _row_bytes(self) -> int:
+        return self.keys.shape[3] * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
+
+    def kept_per_head(self) -> mx.array:
+        """(B, H) number of real kept rows per batch row and KV head."""
+        if self.keys is None:
+            return mx.zeros((0, 0), mx.int32)
+        return (self.stored("positions") != PAD_POSITION).sum(axis=-1)
+
+    def kept_positions(self) -> mx.array:
+        """(B, H, rows) absolute positions of the kept rows, -1 for padding."""
+        if self.keys is None:
+            return mx.zeros((0, 0, 0), mx.int32)
+        pos = self.stored("positions")
+        return mx.where(pos == PAD_POSITION, -1, pos)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.offset
+
+    @property
+    def tokens_kept(self) -> float:
+        """Kept rows per KV head (mean over batch rows and heads when ragged)."""
+        if self.keys is None:
+            return 0
+        if not self.is_ragged:
+            return self._rows
+        return self.kept_per_head().astype(mx.float32).mean().item()
+
+    @property
+    def kept_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H = self.keys.shape[:2]
+        n = B * H * self._rows if not self.is_ragged else int(self.kept_per_head().sum().item())
+        return n * self._row_bytes()
+
+    @property
+    def full_seq_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H = self.keys.shape[:2]
+        return B * H * self.offset * self._row_bytes()
+
+    @property
+    def compression_ratio(self) -> float:
+        kept = self.kept_bytes
+        return self.full_seq_bytes / kept if kept else 1.0
+
+    def byte_report(self) -> dict:
+        return {"method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
+                "tokens_kept": self.tokens_kept, "kept_bytes": self.kept_bytes,
+                "full_seq_bytes": self.full_seq_bytes, "compression_ratio": self.compression_ratio,
+                "evictions": self.evictions}
+
+    # -- state ------------------------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        """Non-row arrays a method needs to resume exactly (row extras are saved automatically)."""
+        return {}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return {}
+        st = {"keys": self.stored("keys"), "values": self.stored("values"),
+              "positions": self.stored("positions"), "rng": self._rng}
+        for name in self.row_extras:
+            st["row." + name] = self.stored(name)
+        if self._window_q is not None:
+            st["window_q"] = self._window_q
+        st.update({"extra." + k: v for k, v in self.extra_state().items()})
+        return st
+
+    @state.setter
+    def state(self, st):
+        if not st:
+            self.keys = self.values = self.positions = None
+            self.row_extras = {}
+            return
+        required = {"keys", "values", "positions", "rng"}
+        if not required <= set(st):
+            raise ValueError(f"{type(self).__name__} state is missing {sorted(required - set(st))}")
+        self.keys, self.values, self.positions = st["keys"], st["values"], st["positions"]
+        self._rng = st["rng"]
+        self.row_extras = {k[4:]: v for k, v in st.items() if k.startswith("row.")}
+        want = set(self.extra_row_fields())
+        if set(self.row_extras) != want:
+            raise ValueError(f"{type(self).__name__} state has row fields {sorted(self.row_extras)}, "
+                             f"expected {sorted(want)}")
+        self._window_q = st.get("window_q")
+        self.set_extra_state({k[6:]: v for k, v in st.items() if k.startswith("extra.")})
+        rows = self.keys.shape[2]
+        if self.values.shape[2] != rows or self.positions.shape != self.keys.shape[:3]:
+            raise ValueError("inconsistent cache state: keys/values/positions row counts differ")
+        self._rows = rows
+
+    @property
+    def meta_state(self):
+        return json.dumps({
+            "format": _FORMAT_VERSION, "class": type(self).__name__, "config": self.config.to_dict(),
+            "layer_idx": self.layer_idx, "n_layers": self.n_layers, "offset": self.offset,
+            "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
+            "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
+            "scale": self.scale, "saw_decode": self._saw_decode, "compressed": self._compressed,
+            "ragged": self.is_ragged,
+        }, sort_keys=True)
+
+    @meta_state.setter
+    def meta_state(self, text):
+        try:
+            meta = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"corrupted cache metadata: {e}") from None
+        if meta.get("format") != _FORMAT_VERSION or meta.get("class") != type(self).__name__:
+            raise ValueError(f"cache metadata is for {meta.get('class')!r} format {meta.get('format')!r}, "
+                             f"not {type(self).__name__} format {_FORMAT_VERSION}")
+        if meta["rows"] != self._rows:
+            raise ValueError(f"cache metadata says {meta['rows']} rows but the arrays hold {self._rows}")
+        self.offset = meta["offset"]
+        self.evictions = meta["evictions"]
+        self.queries_observed = meta["queries_observed"]
+        self.queries_from_keys = meta["queries_from_keys"]
+        self.tap_active = meta["tap_active"]
+        self.scale = meta["scale"]
+        self._saw_decode = meta["saw_decode"]
+        self._compressed = meta["compressed"]
+        self._ragged = meta["ragged"]
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        try:
+            meta = json.loads(meta_state)
+            config = KVCacheConfig.from_dict(meta["config"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"corrupted cache metadata: {e}") from None
+        obj = cls(config, layer_idx=meta["layer_idx"], n_layers=meta["n_layers"])
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj

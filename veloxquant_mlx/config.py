@@ -1,0 +1,206 @@
+"""KVCacheConfig: one validated description of how every layer's cache evicts.
+
+Each method declares a small ``Options`` dataclass (in its own file) whose fields use
+:func:`option` to state their type and range once; the config validates them and maps the flat
+keyword style (``nexus_window=16``, ``nestedkv_budget=512``) onto the same fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from .registry import get_method
+
+# Top-level fields that the flat ``<method>_<name>=`` style may also set.
+_CORE_FIELDS = ("budget", "n_sink", "recent", "seed")
+
+
+def option(default, *, kind=None, low=None, high=None, low_open=False, choices=None, allow_none=False,
+           doc=""):
+    """A validated dataclass field.
+
+    kind: int / float / bool / str / tuple; low/high: inclusive bounds (``low_open`` makes low
+    exclusive); choices: allowed values; allow_none: ``None`` is valid (e.g. n=None means n=inf).
+    """
+    if kind is None:
+        kind = type(default) if default is not None else float
+    meta = dict(kind=kind, low=low, high=high, low_open=low_open, choices=choices,
+                allow_none=allow_none, doc=doc)
+    if isinstance(default, (list, dict)):
+        raise TypeError("option defaults must be immutable")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _check_value(owner: str, name: str, value, meta: dict):
+    kind = meta["kind"]
+    if value is None:
+        if meta["allow_none"]:
+            return value
+        raise ValueError(f"{owner}.{name} must not be None")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{owner}.{name} must be finite, got {value!r}")
+        value = float(value)
+    elif kind is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{owner}.{name} must be a string, got {type(value).__name__} {value!r}")
+    elif kind is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"{owner}.{name} must be a tuple, got {type(value).__name__} {value!r}")
+        value = tuple(value)
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"{owner}.{name} must be one of {list(meta['choices'])}, got {value!r}")
+    low, high = meta["low"], meta["high"]
+    if low is not None and (value <= low if meta["low_open"] else value < low):
+        op = ">" if meta["low_open"] else ">="
+        raise ValueError(f"{owner}.{name} must be {op} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{owner}.{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def validate_options(opts) -> None:
+    """Check every field of an options dataclass against its :func:`option` metadata (in place)."""
+    owner = type(opts).__name__
+    for f in dataclasses.fields(opts):
+        if "kind" in f.metadata:
+            object.__setattr__(opts, f.name, _check_value(owner, f.name, getattr(opts, f.name), f.metadata))
+    check = getattr(opts, "check", None)
+    if check is not None:
+        check()
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """Methods without tunable options."""
+
+
+class KVCacheConfig:
+    """How each attention layer's cache evicts.
+
+    Args:
+        method: registry name (see :func:`veloxquant_mlx.methods`).
+        budget: tokens kept per KV head (per layer) after an eviction step.
+        n_sink: leading tokens never evicted (attention sinks).
+        recent: trailing tokens never evicted; ``None`` takes the method's default.
+        seed: base seed; layer ``l`` uses ``seed + l``.
+        head_dim: optional expected head dimension, checked against the keys the model sends.
+        options: the method's options dataclass (or a dict of its fields).
+        **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
+            option field of the chosen method, e.g. ``nexus_window=16``, ``nestedkv_budget=512``.
+    """
+
+    def __init__(self, method: str = "nexus", budget: int | None = None, n_sink: int | None = None,
+                 recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
+                 options: Any = None, **flat):
+        cls = get_method(method)
+        self.method = method
+        core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
+        opt_fields = {f.name for f in dataclasses.fields(cls.Options)}
+        opt_values = {}
+        if options is not None:
+            if isinstance(options, dict):
+                opt_values.update(options)
+            elif isinstance(options, cls.Options):
+                opt_values.update(dataclasses.asdict(options))
+            else:
+                raise TypeError(f"options for {method!r} must be {cls.Options.__name__} or a dict, "
+                                f"got {type(options).__name__}")
+        prefix = method + "_"
+        for key, value in flat.items():
+            if not key.startswith(prefix):
+                raise TypeError(f"unknown KVCacheConfig argument {key!r} (method is {method!r}; "
+                                f"flat options must start with {prefix!r})")
+            name = key[len(prefix):]
+            if name in _CORE_FIELDS:
+                if core[name] is not None and core[name] != value:
+                    raise ValueError(f"{key}={value!r} conflicts with {name}={core[name]!r}")
+                core[name] = value
+            elif name in opt_fields:
+                if name in opt_values and opt_values[name] != value:
+                    raise ValueError(f"{key}={value!r} conflicts with options.{name}={opt_values[name]!r}")
+                opt_values[name] = value
+            else:
+                known = sorted(set(_CORE_FIELDS) | opt_fields)
+                raise TypeError(f"unknown option {key!r} for method {method!r}; known: "
+                                f"{', '.join(prefix + k for k in known)}")
+        unknown = set(opt_values) - opt_fields
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)} for method {method!r}; "
+                            f"known: {sorted(opt_fields)}")
+        self.options = cls.Options(**opt_values)
+        validate_options(self.options)
+
+        int_meta = dict(kind=int, high=None, low_open=False, choices=None, allow_none=False)
+        self.budget = _check_value("KVCacheConfig", "budget",
+                                   512 if core["budget"] is None else core["budget"], {**int_meta, "low": 1})
+        self.n_sink = _check_value("KVCacheConfig", "n_sink",
+                                   4 if core["n_sink"] is None else core["n_sink"], {**int_meta, "low": 0})
+        self.seed = _check_value("KVCacheConfig", "seed",
+                                 0 if core["seed"] is None else core["seed"], {**int_meta, "low": 0})
+        recent = core["recent"]
+        if recent is None:
+            recent = cls.default_recent(self.budget, self.options)
+        self.recent = _check_value("KVCacheConfig", "recent", recent, {**int_meta, "low": 0})
+        self.head_dim = None if head_dim is None else _check_value(
+            "KVCacheConfig", "head_dim", head_dim, {**int_meta, "low": 1})
+        if self.budget <= self.n_sink + self.recent:
+            raise ValueError(
+                f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
+                f"{self.n_sink + self.recent}): nothing would be left for {method!r} to select")
+        cls.check_config(self)
+
+    # ``config.nexus.window`` reads the chosen method's options under the method's name.
+    def __getattr__(self, name):
+        if name != "method" and name == self.__dict__.get("method"):
+            return self.__dict__["options"]
+        raise AttributeError(name)
+
+    @property
+    def cache_class(self):
+        return get_method(self.method)
+
+    def replace(self, **changes) -> "KVCacheConfig":
+        """A copy with some fields changed (options fields may be passed flat or via options=)."""
+        d = self.to_dict()
+        opts = d.pop("options")
+        opts.update(changes.pop("options", {}) or {})
+        method = changes.pop("method", d.pop("method"))
+        if method != self.method:
+            opts = {}
+        d.pop("method", None)
+        d.update(changes)
+        return KVCacheConfig(method=method, options=opts, **d)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "budget": self.budget, "n_sink": self.n_sink,
+                "recent": self.recent, "seed": self.seed, "head_dim": self.head_dim,
+                "options": {k: (list(v) if isinstance(v, tuple) else v)
+                            for k, v in dataclasses.asdict(self.options).items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVCacheConfig":
+        d = dict(d)
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def __eq__(self, other):
+        return isinstance(other, KVCacheConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
+        return (f"KVCacheConfig(method={self.method!r}, budget={self.budget}, n_sink={self.n_sink}, "
+                f"recent={self.recent}, seed={self.seed}, {self.method}=({opts}))")

@@ -1,0 +1,38 @@
+"""Top-k row selection with forced sinks / recent rows, and the row gather that applies it."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+
+@functools.partial(mx.compile, shapeless=False)
+def _forced_top(scores: mx.array, forced: mx.array, k: int) -> mx.array:
+    # Forced rows get +inf so they always win; NaN scores lose to everything.
+    s = mx.where(mx.isnan(scores), -mx.inf, scores.astype(mx.float32))
+    s = mx.where(forced, mx.inf, s)
+    top = mx.argpartition(-s, kth=k - 1, axis=-1)[..., :k]
+    return mx.sort(top, axis=-1)
+
+
+def keep_top_rows(scores: mx.array, k: int, n_sink: int, n_recent: int) -> mx.array:
+    """Indices (ascending) of the ``k`` rows to keep along the last axis of ``scores``.
+
+    The first ``n_sink`` and last ``n_recent`` rows are always kept (stored rows are in position
+    order, so these are the attention sinks and the recent window); the rest are the highest
+    scores. ``scores`` is (..., rows); returns int32 (..., k).
+    """
+    rows = scores.shape[-1]
+    if k >= rows:
+        return mx.broadcast_to(mx.arange(rows, dtype=mx.int32), scores.shape)
+    idx = mx.arange(rows)
+    forced = (idx < n_sink) | (idx >= rows - n_recent)
+    return _forced_top(scores, forced, k).astype(mx.int32)
+
+
+def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """``x[b, h, idx[b, h, i], ...]`` for x of shape (B, H, rows, ...) and idx (B, H, k)."""
+    extra = x.ndim - idx.ndim
+    idx = idx.reshape(idx.shape + (1,) * extra)
+    return mx.take_along_axis(x, idx, axis=2)

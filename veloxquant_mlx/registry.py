@@ -1,0 +1,43 @@
+"""Method registry: name -> eviction cache class (each class carries its Options dataclass)."""
+
+from __future__ import annotations
+
+import importlib
+
+_METHODS: dict = {}
+
+
+def register(name: str):
+    """Class decorator: ``@register("nexus")`` makes ``KVCacheConfig(method="nexus")`` build this class."""
+
+    def wrap(cls):
+        if name in _METHODS and _METHODS[name] is not cls:
+            raise ValueError(f"method {name!r} is already registered to {_METHODS[name].__name__}")
+        cls.method = name
+        _METHODS[name] = cls
+        return cls
+
+    return wrap
+
+
+def _load_builtin_methods():
+    # Importing the caches package runs every method file's @register line.
+    importlib.import_module("veloxquant_mlx.caches")
+
+
+def get_method(name: str):
+    _load_builtin_methods()
+    if not isinstance(name, str):
+        raise TypeError(f"method must be a string, got {type(name).__name__}")
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown method {name!r}; known methods: {', '.join(sorted(_METHODS))}"
+        ) from None
+
+
+def methods() -> dict:
+    """All registered methods, name -> one-line description."""
+    _load_builtin_methods()
+    return {name: (cls.__doc__ or "").strip().splitlines()[0] for name, cls in sorted(_METHODS.items())}
