@@ -87,3 +87,16 @@ def forbid_host_sync():
             setattr(mx.array, name, fn)
         for name, fn in saved_fns.items():
             setattr(mx, name, fn)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False, help="run slow real-model tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: pass --run-slow to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -43,7 +43,7 @@ class EvictionCache(_BaseCache):
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if config.cache_class is not type(self):
+        if not isinstance(self, config.cache_class):
             raise ValueError(f"config.method={config.method!r} builds {config.cache_class.__name__}, "
                              f"not {type(self).__name__}")
         if not (isinstance(layer_idx, int) and isinstance(n_layers, int) and 0 <= layer_idx < n_layers):
@@ -130,9 +130,10 @@ class EvictionCache(_BaseCache):
         elif self._rows > self.budget + self.slack:
             self._evict()  # queries never arrived for the last append (no tap): evict now
         self._append(keys, values)
+        fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
         if self.queries_from_keys:
             self._observe(keys, keys.shape[-1] ** -0.5)
-        return self._fetch()
+        return fetched
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
