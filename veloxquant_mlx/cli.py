@@ -1,0 +1,274 @@
+"""``python -m veloxquant_mlx``: generate with an eviction cache, list methods, run the demo.
+
+Flags mirror ``mlx_lm.generate``; every method's options are exposed as ``--<method>-<option>``.
+Bad input ends with one ``error:`` line and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from .config import KVCacheConfig
+from .registry import get_method, methods
+
+FULL = "full"  # no eviction: mlx-lm's own KVCache
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line."""
+
+
+def _parse_value(kind, allow_none):
+    def parse(text):
+        if allow_none and text.lower() in ("none", "inf"):
+            return None
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+        if kind is tuple:
+            return tuple(float(x) for x in text.split(","))
+        return kind(text)
+
+    return parse
+
+
+def _add_method_options(parser):
+    group = parser.add_argument_group("method options (only the chosen --method's apply)")
+    for name in methods():
+        for f in dataclasses.fields(get_method(name).Options):
+            meta = f.metadata
+            kind = meta.get("kind", type(f.default))
+            flag = f"--{name}-{f.name.replace('_', '-')}"
+            group.add_argument(flag, dest=f"opt__{name}__{f.name}", default=argparse.SUPPRESS,
+                               type=_parse_value(kind, meta.get("allow_none", False)),
+                               help=f"{meta.get('doc') or f.name} (default {f.default!r})")
+
+
+def _add_cache_args(parser, default_method="nexus"):
+    parser.add_argument("--method", default=default_method,
+                        help=f"eviction method, or '{FULL}' for mlx-lm's full KVCache (default {default_method})")
+    parser.add_argument("--budget", type=int, default=None, help="tokens kept per KV head per layer")
+    parser.add_argument("--density", type=float, default=None,
+                        help="budget as a fraction of the prompt length (instead of --budget)")
+    parser.add_argument("--n-sink", type=int, default=None, help="leading tokens never evicted")
+    parser.add_argument("--recent", type=int, default=None, help="trailing tokens never evicted")
+    parser.add_argument("--cache-seed", type=int, default=None, help="seed of the eviction randomness")
+    _add_method_options(parser)
+
+
+def _config_from_args(args, prompt_len: int):
+    """KVCacheConfig from CLI flags, or None for the full cache."""
+    extra = {k: v for k, v in vars(args).items() if k.startswith("opt__")}
+    if args.method == FULL:
+        if extra:
+            raise CLIError(f"--method {FULL} takes no method options (got {_flags(extra)})")
+        return None
+    get_method(args.method)  # unknown method -> ValueError listing the known ones
+    wrong = {k: v for k, v in extra.items() if k.split("__")[1] != args.method}
+    if wrong:
+        raise CLIError(f"{_flags(wrong)} do(es) not apply to --method {args.method}")
+    if args.budget is not None and args.density is not None:
+        raise CLIError("give --budget or --density, not both")
+    budget = args.budget
+    if args.density is not None:
+        if not 0.0 < args.density <= 1.0:
+            raise CLIError(f"--density must be in (0, 1], got {args.density}")
+        budget = max(int(round(args.density * prompt_len)), 1)
+    options = {k.split("__")[2]: v for k, v in extra.items()}
+    return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
+                         seed=args.cache_seed, options=options)
+
+
+def _flags(extra):
+    return ", ".join("--" + k[5:].replace("__", "-").replace("_", "-") for k in extra)
+
+
+def kv_report(caches) -> dict:
+    """Kept vs full-sequence KV bytes over all layers (works for mlx-lm caches too)."""
+    kept = full = 0
+    for c in caches:
+        if hasattr(c, "kept_bytes"):
+            kept += c.kept_bytes
+            full += c.full_seq_bytes
+        elif getattr(c, "keys", None) is not None:
+            k, v = c.keys, c.values
+            rows = min(getattr(c, "offset", k.shape[2]), k.shape[2])
+            nbytes = k.shape[0] * k.shape[1] * rows * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
+            kept += nbytes
+            full += k.shape[0] * k.shape[1] * c.offset * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
+    return {"kept_bytes": kept, "full_bytes": full, "ratio": (full / kept) if kept else 1.0}
+
+
+def _prompt_tokens(tokenizer, prompt: str, use_chat: bool):
+    if use_chat and getattr(tokenizer, "has_chat_template", False):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
+def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
+                   prefill_step_size=2048, on_text=None) -> dict:
+    """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from .builder import KVCacheBuilder
+
+    mx.random.seed(seed)
+    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
+    text, last, n = "", None, 0
+    t0 = time.perf_counter()
+    for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
+                             sampler=make_sampler(temp=temp), prompt_cache=caches,
+                             prefill_step_size=prefill_step_size):
+        text += r.text
+        if on_text:
+            on_text(r.text)
+        last, n = r, n + 1
+    wall = time.perf_counter() - t0
+    out = {"text": text, "tokens": n, "wall_s": wall, "prompt_tokens": len(prompt_tokens),
+           "prompt_tps": last.prompt_tps if last else 0.0,
+           "generation_tps": last.generation_tps if last else 0.0,
+           "peak_memory_gb": last.peak_memory if last else 0.0}
+    out.update(kv_report(caches))
+    return out
+
+
+def _load(spec):
+    from .models import load_model
+
+    return load_model(None if spec in (None, "bundled") else spec)
+
+
+def _fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def _blas_footer():
+    from .blas import blas_hint
+
+    hint = blas_hint()
+    if hint:
+        print(f"note: {hint}", file=sys.stderr)
+
+
+def cmd_generate(args):
+    if args.density is None:
+        _config_from_args(args, 0)  # reject bad flags before the (slow) model load
+    model, tokenizer = _load(args.model)
+    tokens = _prompt_tokens(tokenizer, args.prompt, not args.ignore_chat_template)
+    config = _config_from_args(args, len(tokens))
+    out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
+                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    print("=" * 10)
+    label = FULL if config is None else f"{config.method} (budget {config.budget}/head)"
+    print(f"Cache: {label}")
+    print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
+    print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
+    print(f"KV cache: kept {_fmt_bytes(out['kept_bytes'])} of {_fmt_bytes(out['full_bytes'])} "
+          f"(ratio {out['ratio']:.2f}x); peak memory {out['peak_memory_gb']:.3f} GB")
+    _blas_footer()
+    return 0
+
+
+def cmd_methods(args):
+    for name, doc in methods().items():
+        print(f"{name:12s} {doc}")
+    return 0
+
+
+def cmd_demo(args):
+    from .evaluation.passkey import extract_digits, make_passkey_prompt
+
+    for method in args.methods:
+        get_method(method)
+    if not 0.0 < args.density <= 1.0:
+        raise CLIError(f"--density must be in (0, 1], got {args.density}")
+    model, tokenizer = _load(args.model)
+    key = "68043"
+    tokens, pos = make_passkey_prompt(tokenizer, args.context, args.depth, key)
+    budget = max(int(args.density * len(tokens)), 1)
+    print(f"Passkey demo: {len(tokens)}-token grass-filler prompt, key {key} at token {pos} "
+          f"(depth {args.depth}); eviction methods keep {budget} tokens/head ({args.density:.0%} density).")
+    rows = []
+    for method in [FULL] + args.methods:
+        config = None if method == FULL else KVCacheConfig(method=method, budget=budget)
+        out = run_generation(model, tokenizer, tokens, config, max_tokens=8,
+                             prefill_step_size=args.prefill_step_size)
+        answer = extract_digits(out["text"])
+        rows.append((method, answer, answer == key, out))
+    print(f"\n{'cache':10s} {'answer':>8s} {'ok':>3s} {'KV kept':>10s} {'ratio':>6s} "
+          f"{'prefill tok/s':>13s} {'decode tok/s':>12s}")
+    for method, answer, ok, out in rows:
+        print(f"{method:10s} {answer or '-':>8s} {'yes' if ok else 'no':>3s} {_fmt_bytes(out['kept_bytes']):>10s} "
+              f"{out['ratio']:>5.1f}x {out['prompt_tps']:>13.1f} {out['generation_tps']:>12.1f}")
+    _blas_footer()
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m veloxquant_mlx", description=__doc__.splitlines()[0])
+    p.add_argument("--fast-blas", action="store_true",
+                   help="re-run with Debian's OpenBLAS preloaded (Linux CPU; ~10x faster fp32 matmul)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with an eviction cache")
+    g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), a .gguf path, "
+                   "or an mlx-lm model path")
+    g.add_argument("--prompt", "-p", default="Write a haiku about memory.")
+    g.add_argument("--max-tokens", "-m", type=int, default=100)
+    g.add_argument("--temp", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefill-step-size", type=int, default=2048)
+    g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    _add_cache_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("methods", help="list the registered eviction methods")
+    m.set_defaults(func=cmd_methods)
+
+    d = sub.add_parser("demo", help="passkey retrieval: full cache vs eviction at 20%% density")
+    d.add_argument("--model", default="bundled")
+    d.add_argument("--context", type=int, default=1000, help="prompt length in tokens")
+    d.add_argument("--depth", type=float, default=0.5, help="where the key sits (0 = start, 1 = end)")
+    d.add_argument("--density", type=float, default=0.2)
+    d.add_argument("--methods", nargs="+", default=["nexus"], help="eviction methods to compare")
+    d.add_argument("--prefill-step-size", type=int, default=256)
+    d.set_defaults(func=cmd_demo)
+
+    try:
+        from .evaluation import cli as eval_cli  # real-model evaluation (optional module)
+    except ImportError:
+        eval_cli = None
+    if eval_cli is not None:
+        eval_cli.add_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    from .models import ModelNotAvailableError
+
+    args = build_parser().parse_args(argv)
+    if args.fast_blas:
+        from .blas import reexec_with_openblas
+
+        reexec_with_openblas()  # returns only if already preloaded or not possible
+    try:
+        return args.func(args)
+    except (CLIError, ValueError, TypeError, ModelNotAvailableError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
