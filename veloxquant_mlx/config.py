@@ -17,6 +17,10 @@ from .registry import get_method
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
 _CORE_FIELDS = ("budget", "n_sink", "recent", "seed")
 
+# Budget allocation across the KV heads of one layer (the "allocation" axis of score x allocation x
+# selection): "uniform" gives every head ``budget`` rows; "ada" is Ada-KV (Feng et al., NeurIPS 2025).
+ALLOCATIONS = ("uniform", "ada")
+
 
 def option(default, *, kind=None, low=None, high=None, low_open=False, choices=None, allow_none=False,
            doc=""):
@@ -96,6 +100,11 @@ class KVCacheConfig:
         recent: trailing tokens never evicted; ``None`` takes the method's default.
         seed: base seed; layer ``l`` uses ``seed + l``.
         head_dim: optional expected head dimension, checked against the keys the model sends.
+        allocation: how a layer's ``H x budget`` rows are split across its KV heads: ``"uniform"``
+            (every head keeps ``budget``) or ``"ada"`` (Ada-KV head-adaptive budgets; needs a method
+            with a per-head score, see ``EvictionCache.supports_allocation``).
+        floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
+            (Ada-KV reference default 0.2). Ignored for ``"uniform"``.
         options: the method's options dataclass (or a dict of its fields).
         **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
             option field of the chosen method, e.g. ``nexus_window=16``, ``nestedkv_budget=512``.
@@ -103,7 +112,7 @@ class KVCacheConfig:
 
     def __init__(self, method: str = "nexus", budget: int | None = None, n_sink: int | None = None,
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
-                 options: Any = None, **flat):
+                 options: Any = None, allocation: str = "uniform", floor_alpha: float = 0.2, **flat):
         cls = get_method(method)
         self.method = method
         core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
@@ -155,6 +164,15 @@ class KVCacheConfig:
         self.recent = _check_value("KVCacheConfig", "recent", recent, {**int_meta, "low": 0})
         self.head_dim = None if head_dim is None else _check_value(
             "KVCacheConfig", "head_dim", head_dim, {**int_meta, "low": 1})
+        self.allocation = _check_value("KVCacheConfig", "allocation", allocation,
+                                       dict(kind=str, low=None, high=None, low_open=False,
+                                            choices=ALLOCATIONS, allow_none=False))
+        self.floor_alpha = _check_value("KVCacheConfig", "floor_alpha", floor_alpha,
+                                        dict(kind=float, low=0.0, high=1.0, low_open=False, choices=None,
+                                             allow_none=False))
+        if not cls.supports_allocation(self.allocation):
+            raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r}: "
+                             f"{cls.allocation_unsupported_reason(self.allocation)}")
         if self.budget <= self.n_sink + self.recent:
             raise ValueError(
                 f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
@@ -186,6 +204,7 @@ class KVCacheConfig:
     def to_dict(self) -> dict:
         return {"method": self.method, "budget": self.budget, "n_sink": self.n_sink,
                 "recent": self.recent, "seed": self.seed, "head_dim": self.head_dim,
+                "allocation": self.allocation, "floor_alpha": self.floor_alpha,
                 "options": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in dataclasses.asdict(self.options).items()}}
 
@@ -203,4 +222,5 @@ class KVCacheConfig:
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
         return (f"KVCacheConfig(method={self.method!r}, budget={self.budget}, n_sink={self.n_sink}, "
-                f"recent={self.recent}, seed={self.seed}, {self.method}=({opts}))")
+                f"recent={self.recent}, seed={self.seed}, allocation={self.allocation!r}, "
+                f"floor_alpha={self.floor_alpha}, {self.method}=({opts}))")

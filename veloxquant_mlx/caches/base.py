@@ -22,11 +22,13 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..config import KVCacheConfig, NoOptions
 from ..ops import gather_rows, keep_top_rows
+from ..ops.allocation import ada_keep
 
 # Position stored for padding rows (ragged per-head storage); larger than any real position so a
 # causal "key position <= query position" test hides it.
 PAD_POSITION = 2**31 - 1
 _FORMAT_VERSION = 1
+_warned_ada_no_tap: set = set()
 
 
 class EvictionCache(_BaseCache):
@@ -38,6 +40,10 @@ class EvictionCache(_BaseCache):
     query_window = 0  # how many recent queries the method scores with (0: none kept)
     needs_queries = True  # False for key-only / position-only methods
     prefill_only = False  # True: compress once when the prompt ends, then only append
+    # Allocation axis: does scores() rank rows per head comparably across heads, so that Ada-KV can
+    # move budget between heads? None = decide automatically (yes when the method supplies scores()
+    # and keeps the base select_rows, which is where the allocation is applied).
+    supports_ada: bool | None = None
 
     # -- construction -----------------------------------------------------------------------
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
@@ -69,6 +75,11 @@ class EvictionCache(_BaseCache):
         self._saw_decode = False
         self._compressed = False
         self._rng = mx.random.key(config.seed + layer_idx)
+        self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
+        # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
+        # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
+        self._fetched_positions = None
+        self._fetched_ragged = False
 
     # Hooks a method may override -------------------------------------------------------------
     @classmethod
@@ -79,6 +90,25 @@ class EvictionCache(_BaseCache):
     @classmethod
     def check_config(cls, config: KVCacheConfig) -> None:
         """Extra cross-field validation for a method (raise ValueError)."""
+
+    @classmethod
+    def allocation_unsupported_reason(cls, allocation: str):
+        """None when this method supports ``allocation`` ("uniform" / "ada"), else why not."""
+        if allocation != "ada":
+            return None
+        if cls.supports_ada is not None:
+            return None if cls.supports_ada else f"{cls.__name__} has no per-head importance score"
+        if cls.select_rows is not EvictionCache.select_rows:
+            return (f"{cls.__name__} overrides select_rows (its own selection rule), and the Ada-KV "
+                    "allocation lives in the base select_rows; the method must call "
+                    "self.ada_select(scores) itself and set supports_ada = True")
+        if cls.scores is EvictionCache.scores:
+            return f"{cls.__name__} has no per-head scores() to allocate with"
+        return None
+
+    @classmethod
+    def supports_allocation(cls, allocation: str) -> bool:
+        return cls.allocation_unsupported_reason(allocation) is None
 
     def layer_budget(self) -> int:
         """Tokens kept per KV head in this layer (PyramidKV varies it by layer)."""
@@ -105,7 +135,34 @@ class EvictionCache(_BaseCache):
     def select_rows(self):
         """Row indices (B, H, K) to keep, ascending; optionally also a (B, H, K) bool mask of rows
         that are real (False rows become padding: ragged per-head budgets)."""
+        if self.use_ada():
+            return self.ada_select(self.scores())
         return keep_top_rows(self.scores(), self.budget, self.n_sink, self.recent)
+
+    def use_ada(self) -> bool:
+        """True when this eviction step should use Ada-KV head-adaptive budgets.
+
+        Ragged storage is only safe when the per-layer mask reaches attention (the query tap):
+        without it, fall back to uniform budgets with a one-time warning."""
+        if self.config.allocation != "ada":
+            return False
+        if not self.tap_active:
+            if self.method not in _warned_ada_no_tap:
+                _warned_ada_no_tap.add(self.method)
+                warnings.warn(f"allocation='ada' needs the query tap's per-layer mask (ragged per-head "
+                              f"storage); it is not active for {type(self).__name__}, so uniform "
+                              "per-head budgets are used instead", stacklevel=3)
+            return False
+        return True
+
+    def ada_select(self, scores: mx.array):
+        """(idx, real): Ada-KV allocation of this layer's H x budget rows over (B, H, rows) scores."""
+        return ada_keep(scores, self.stored("positions"), self.offset, self.budget, self.n_sink,
+                        self.recent, self.config.floor_alpha, PAD_POSITION)
+
+    def evict_threshold(self) -> int:
+        """Stored rows above which a (decode-bounded) method runs an eviction step."""
+        return max(self.budget, self._evict_floor) + self.slack
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -127,10 +184,12 @@ class EvictionCache(_BaseCache):
             if S == 1 and not self._compressed and self._rows > self.budget:
                 self._evict()  # the prompt ended: compress once over all of it
                 self._compressed = True
-        elif self._rows > self.budget + self.slack:
+        elif self._rows > self.evict_threshold():
             self._evict()  # queries never arrived for the last append (no tap): evict now
         self._append(keys, values)
         fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
+        self._fetched_positions = self.positions[:, :, :self._rows]
+        self._fetched_ragged = self.is_ragged
         if self.queries_from_keys:
             self._observe(keys, keys.shape[-1] ** -0.5)
         return fetched
@@ -153,7 +212,7 @@ class EvictionCache(_BaseCache):
         self.scale = scale
         self.queries_observed += 1
         self.on_queries(queries)
-        if not self.prefill_only and self._rows > self.budget + self.slack:
+        if not self.prefill_only and self._rows > self.evict_threshold():
             self._evict()
 
     def attention_mask(self, mask, queries: mx.array):
@@ -163,13 +222,16 @@ class EvictionCache(_BaseCache):
         was built for cache[0]'s row count, so it is rebuilt for ours; ragged storage needs a
         per-head mask that hides padding rows.
         """
-        ragged = self.is_ragged
+        pos = self._fetched_positions  # the rows this step attends to (before any eviction after it)
+        if pos is None:
+            pos, ragged = self.positions[..., :self._rows], self.is_ragged
+        else:
+            ragged = self._fetched_ragged
         if not ragged and not isinstance(mask, mx.array):
             return mask
-        rows, n_queries = self._rows, queries.shape[2]
+        rows, n_queries = pos.shape[-1], queries.shape[2]
         if not ragged:
             return create_causal_mask(n_queries, offset=rows - n_queries)
-        pos = self.positions[..., :rows]  # (B, H, rows)
         q_pos = mx.arange(self.offset - n_queries, self.offset)
         visible = mx.expand_dims(pos, 2) <= q_pos[:, None]  # (B, H_kv, N, rows)
         group = queries.shape[1] // pos.shape[1]
@@ -306,6 +368,7 @@ class EvictionCache(_BaseCache):
         for name in self.row_extras:
             self.row_extras[name][:, :, :K] = gather_rows(self.stored(name), idx)
         self._rows = K
+        self._evict_floor = K
         self.evictions += 1
         self.on_evicted(idx)
 
@@ -427,7 +490,7 @@ class EvictionCache(_BaseCache):
             "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
             "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
             "scale": self.scale, "saw_decode": self._saw_decode, "compressed": self._compressed,
-            "ragged": self.is_ragged,
+            "ragged": self.is_ragged, "evict_floor": self._evict_floor,
         }, sort_keys=True)
 
     @meta_state.setter
@@ -450,6 +513,7 @@ class EvictionCache(_BaseCache):
         self._saw_decode = meta["saw_decode"]
         self._compressed = meta["compressed"]
         self._ragged = meta["ragged"]
+        self._evict_floor = meta.get("evict_floor", 0)
 
     @classmethod
     def from_state(cls, state, meta_state):

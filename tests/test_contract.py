@@ -1,0 +1,191 @@
+"""One contract every registered eviction method must keep (methods added later join automatically).
+
+Per method: budget invariants under chunked updates, ``offset`` = tokens seen, exact equality with
+mlx-lm's KVCache when nothing is evicted, chunked-prefill generation with eviction, save/load then
+continue with identical logits, no host sync in the hot path, clear errors for bad options.
+"""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
+
+from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt
+
+# Per-method config tweaks so the tiny shapes below (budget 32, window <= 8) are valid for it.
+EXTRA_KWARGS = {
+    "snapkv": {"snapkv_window": 8},
+    "pyramidkv": {"pyramidkv_window": 8, "pyramidkv_beta": 2.0},
+    "morphkv": {"morphkv_window": 8, "morphkv_evict_every": 4},
+    "random": {"random_evict_every": 4},
+    "streaming": {"streaming_evict_every": 4},
+    "h2o": {"h2o_evict_every": 4},
+    "nexus": {"nexus_block_size": 4, "nexus_window": 4},
+    "nestedkv": {"nestedkv_window": 8},
+}
+METHODS = sorted(methods())
+ALLOCATIONS = ["uniform", "ada"]
+BUDGET = 32
+D = 16
+
+
+def config(method, budget=BUDGET, **kw):
+    return KVCacheConfig(method=method, budget=budget, **{**EXTRA_KWARGS.get(method, {}), **kw})
+
+
+def direct_cache(method, tap=True, **kw):
+    cfg = config(method, **kw)
+    cache = cfg.cache_class(cfg, layer_idx=0, n_layers=2)
+    cache.tap_active = tap
+    return cache
+
+
+def real_positions(cache):
+    pos = np.array(cache.kept_positions())
+    return [[row[row >= 0] for row in b] for b in pos]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    prompt = random_prompt(40, seed=3)
+    return prompt, greedy(model, prompt, max_tokens=8, prefill_step_size=16)
+
+
+# -- invariants ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_budget_invariants_under_chunked_updates(method):
+    cache = direct_cache(method)
+    rng = np.random.default_rng(0)
+    seen, compressed_at = 0, None
+    for s in [20, 13, 40, 7] + [1] * 12:
+        k = mx.array(rng.normal(size=(1, 2, s, D)).astype(np.float32))
+        v = k * 0.5
+        keys, values = cache.update_and_fetch(k, v)
+        assert mx.array_equal(keys[:, :, -s:], k) and mx.array_equal(values[:, :, -s:], v)
+        cache.observe_queries(mx.array(rng.normal(size=(1, 4, s, D)).astype(np.float32)))
+        seen += s
+        assert cache.offset == seen == cache.tokens_seen
+        for row in real_positions(cache)[0]:
+            assert len(set(row.tolist())) == len(row) and row.min() >= 0
+            assert row.max() == seen - 1  # the newest token is always kept
+        if cache.prefill_only:
+            if s == 1 and compressed_at is None:
+                compressed_at = seen
+                assert cache.evictions == 1 and cache.tokens_kept <= cache.budget + 1
+            if compressed_at is not None:
+                assert cache.evictions == 1  # compress once, then only append
+                assert cache.tokens_kept <= cache.budget + (seen - compressed_at) + 1
+        else:
+            assert cache.size() <= cache.budget + cache.slack
+    assert cache.evictions >= 1
+
+
+# -- exact equivalence with KVCache ----------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_equals_kvcache_when_nothing_is_evicted(method, model, reference):
+    prompt, (ref_tokens, ref_lp) = reference
+    caches = KVCacheBuilder.for_model(model, config(method, budget=4096))
+    tokens, lp = greedy(model, prompt, max_tokens=8, prompt_cache=caches, prefill_step_size=16)
+    assert tokens == ref_tokens
+    assert np.abs(lp - ref_lp).max() <= 1e-5
+    assert all(c.evictions == 0 and c.offset == len(prompt) + 8 for c in caches)
+
+
+# -- generation with eviction ----------------------------------------------------------------------
+def _skip_unsupported(method, allocation):
+    if not config(method).cache_class.supports_allocation(allocation):
+        pytest.skip(f"{method} does not support allocation={allocation!r}")
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+@pytest.mark.parametrize("method", METHODS)
+def test_chunked_prefill_generation_with_eviction(method, allocation, model):
+    _skip_unsupported(method, allocation)
+    prompt = random_prompt(80, seed=4)
+    caches = KVCacheBuilder.for_model(model, config(method, allocation=allocation))
+    tokens, lp = greedy(model, prompt, max_tokens=8, prompt_cache=caches, prefill_step_size=16)
+    assert len(tokens) == 8 and np.isfinite(lp).all()
+    for c in caches:
+        assert c.evictions >= 1 and c.queries_observed > 0
+        if c.prefill_only:  # compressed when the last prompt token (position 79) arrived
+            assert c.tokens_kept <= c.budget + (c.offset - 79)
+        elif allocation == "uniform":
+            assert c.size() <= c.budget + c.slack
+        else:  # ragged: the mean real rows per head stay within budget + slack
+            assert c.tokens_kept <= c.budget + c.slack
+
+
+# -- save / load -----------------------------------------------------------------------------------
+def _decode(model, caches, tok, n):
+    out = []
+    for _ in range(n):
+        logits = model(mx.array([[tok]]), cache=caches)[:, -1]
+        tok = int(mx.argmax(logits, axis=-1).item())
+        out.append(np.array(logits))
+    return out
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+@pytest.mark.parametrize("method", METHODS)
+def test_save_load_then_continue_is_identical(method, allocation, model, tmp_path):
+    _skip_unsupported(method, allocation)
+    a = KVCacheBuilder.for_model(model, config(method, allocation=allocation))
+    prompt = random_prompt(70, seed=5)
+    for i in range(0, len(prompt), 16):
+        model(mx.array([prompt[i:i + 16]]), cache=a)
+    _decode(model, a, 3, 3)
+    mx.eval([c.state for c in a])
+    path = tmp_path / f"{method}.safetensors"
+    save_prompt_cache(path, a)
+    b = load_prompt_cache(path)
+    for x, y in zip(a, b):
+        assert type(x) is type(y) and (x.offset, x.size(), x.evictions) == (y.offset, y.size(), y.evictions)
+        assert x.config == y.config and x.budget == y.budget and x.is_ragged == y.is_ragged
+    la, lb = _decode(model, a, 7, 6), _decode(model, b, 7, 6)
+    assert all(np.array_equal(x, y) for x, y in zip(la, lb))
+    assert a[0].evictions >= 1
+
+
+# -- no host sync ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_hot_path_forces_no_host_sync(method):
+    cls = config(method).cache_class
+    for allocation in [a for a in ("uniform", "ada") if cls.supports_allocation(a)]:
+        cache = direct_cache(method, allocation=allocation)
+        k = mx.random.normal((1, 2, 60, D), key=mx.random.key(1))
+        q = mx.random.normal((1, 4, 60, D), key=mx.random.key(2))
+        with forbid_host_sync():
+            at = 0
+            for s in (20, 20, 9, 1, 1, 1, 1, 1, 1, 1):
+                cache.update_and_fetch(k[:, :, at:at + s], k[:, :, at:at + s])
+                cache.observe_queries(q[:, :, at:at + s])
+                cache.attention_mask(None, q[:, :, at:at + s])
+                at += s
+        assert cache.evictions >= 1, allocation
+        mx.eval(cache.state)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_bad_options_raise_clear_errors(method):
+    with pytest.raises(TypeError, match=f"unknown option '{method}_bogus'"):
+        config(method, **{f"{method}_bogus": 1})
+    cls = config(method).cache_class
+    for f in dataclasses.fields(cls.Options):
+        kind = f.metadata.get("kind")
+        if kind in (int, float):
+            with pytest.raises(TypeError, match=f.name):
+                config(method, **{f"{method}_{f.name}": "nope"})
+        if f.metadata.get("low") is not None and kind in (int, float):
+            with pytest.raises(ValueError, match=f.name):
+                config(method, **{f"{method}_{f.name}": kind(f.metadata["low"]) - 1})
+    with pytest.raises(ValueError, match="allocation"):
+        config(method, allocation="bogus")

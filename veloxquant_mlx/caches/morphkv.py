@@ -1,0 +1,38 @@
+"""MorphKV (Ghadia et al., ICML 2025): a constant-size cache refined during decode.
+
+The cache always keeps the ``window`` most recent tokens; every older token is scored by the attention
+it receives from the window's queries (summed over the GQA group, reduced over the window by ``sum``,
+or ``max``), and each KV head keeps its top ``budget - window - n_sink`` of them (plus sinks). Scoring
+and eviction run through prefill and decode, lazily once ``evict_every`` rows past the budget have
+accumulated, so memory stays constant however long the response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import option
+from ..ops.window_scores import window_scores
+from ..registry import register
+from .snapkv import _WindowScoreCache
+
+
+@dataclasses.dataclass
+class MorphKVOptions:
+    # Recent window 32 as in the MorphKV paper; sum fusion over the window by default ("max" is its
+    # other fusion); evict_every amortizes the per-step re-ranking (exact MorphKV is 1).
+    window: int = option(32, low=1, doc="recent tokens kept and whose queries score the older tokens")
+    reduce: str = option("sum", choices=("sum", "max"), doc="fusion of the window's attention")
+    evict_every: int = option(32, low=1, doc="rows allowed above the budget before one eviction step")
+
+
+@register("morphkv")
+class MorphKVCache(_WindowScoreCache):
+    """MorphKV: recent window + top older tokens by the window's attention, prefill and decode."""
+
+    Options = MorphKVOptions
+
+    def scores(self):
+        q, q_pos, scale = self._window()
+        return window_scores(q, self.stored("keys"), q_pos, self.stored("positions"), scale,
+                             self.options.reduce)

@@ -1,0 +1,82 @@
+"""Budget allocation across the KV heads of one layer: Ada-KV (Feng et al., NeurIPS 2025).
+
+Ada-KV splits a layer's total budget ``H x B`` across heads by where the layer's attention mass
+concentrates: a layer-wide top-``H*B`` over every head's (non-forced) scores picks the winners, head
+``h`` wins ``count_h`` of them, and keeps ``budget_h = round(count_h * (1 - alpha) + alpha * B)`` rows
+(a floor of ``alpha * B`` per head, largest-remainder rounding so the total is exactly ``H * B``).
+Each head then keeps its own top ``budget_h``. Heads keep different row counts, so storage is padded
+to a static width ``K`` and the padding rows are reported through ``real`` (ragged storage).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+_NEG = -3.0e38  # finite "very low" score: a real candidate with a -inf/NaN score still beats padding
+
+
+def _rank_desc(x: mx.array, axis: int = -1) -> mx.array:
+    """Rank of every element along ``axis`` (0 = largest)."""
+    return mx.argsort(mx.argsort(-x, axis=axis), axis=axis)
+
+
+def ada_width(rows: int, n_heads: int, budget: int, n_forced: int, alpha: float) -> int:
+    """Static per-head storage width (forced rows included) after one Ada-KV step over ``rows``."""
+    sel, cand = budget - n_forced, rows - n_forced
+    top = math.ceil((1.0 - alpha) * min(cand, n_heads * sel) + alpha * sel - 1e-9)
+    return n_forced + max(0, min(cand, top))
+
+
+def ada_head_budgets(counts: mx.array, sel_budget: int, alpha: float) -> mx.array:
+    """(B, H) int32 per-head selectable budgets from the (B, H) winner counts (sum = H * sel_budget)."""
+    H = counts.shape[-1]
+    raw = counts.astype(mx.float32) * (1.0 - alpha) + alpha * sel_budget
+    base = mx.floor(raw + 1e-4)
+    short = H * sel_budget - base.sum(axis=-1, keepdims=True)  # in [0, H): largest remainders get +1
+    bump = _rank_desc(raw - base, axis=-1) < short
+    return (base + bump.astype(mx.float32)).astype(mx.int32)
+
+
+def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_sink: int, n_recent: int,
+             alpha: float, pad_position: int):
+    """Ada-KV selection over stored rows.
+
+    scores (B, H, R) (higher = keep); positions (B, H, R) absolute positions, ``pad_position`` for
+    padding rows; offset: tokens seen. Sinks (position < n_sink) and the recent window (position >=
+    offset - n_recent) are forced in every head. Returns (idx (B, H, K) int32, real (B, H, K) bool):
+    every head's kept rows in ascending row order, then padding rows (real False).
+    """
+    B, H, R = scores.shape
+    F = n_sink + n_recent
+    sel = budget - F
+    n_total = H * sel
+    kc = ada_width(R, H, budget, F, alpha) - F
+    valid = positions != pad_position
+    forced = valid & ((positions < n_sink) | (positions >= offset - n_recent))
+    cand = valid & ~forced
+    s = scores.astype(mx.float32)
+    s = mx.where(mx.isnan(s) | (s == -mx.inf), _NEG, s)
+    s = mx.where(cand, s, -mx.inf)
+
+    # Layer-wide winners of the H * sel selectable slots, counted per head.
+    win = (_rank_desc(s.reshape(B, H * R)) < n_total).reshape(B, H, R) & cand
+    target = ada_head_budgets(win.sum(axis=-1), sel, alpha)
+    target = mx.minimum(mx.minimum(target, cand.sum(axis=-1).astype(mx.int32)), kc)
+
+    head_rank = _rank_desc(s)  # (B, H, R)
+    primary = cand & (head_rank < mx.expand_dims(target, -1))
+    # A head with fewer candidates than its target (possible only when re-evicting ragged storage)
+    # hands its leftover slots to the best remaining candidates of the layer that still fit.
+    left = n_total - target.sum(axis=-1)  # (B,)
+    pool = cand & ~primary & (head_rank < kc)
+    extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * R)).reshape(B, H, R)
+    extra = pool & (extra_rank < left[:, None, None])
+    keep = forced | primary | extra
+
+    K = F + kc
+    rows = mx.arange(R, dtype=mx.int32)
+    order = mx.argsort(mx.where(keep, rows, rows + R), axis=-1)[..., :K].astype(mx.int32)
+    real = mx.take_along_axis(keep, order, axis=-1)
+    return order, real
