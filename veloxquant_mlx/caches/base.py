@@ -358,15 +358,16 @@ class EvictionCache(_BaseCache):
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
         K = idx.shape[-1]
-        self.keys[:, :, :K] = gather_rows(self.stored("keys"), idx)
-        self.values[:, :, :K] = gather_rows(self.stored("values"), idx)
-        pos = gather_rows(self.stored("positions"), idx)
+        # Gather from the whole buffers (row indices are < rows): flattening them is free.
+        self.keys[:, :, :K] = gather_rows(self.keys, idx)
+        self.values[:, :, :K] = gather_rows(self.values, idx)
+        pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
         self._ragged = real is not None
         self.positions[:, :, :K] = pos
         for name in self.row_extras:
-            self.row_extras[name][:, :, :K] = gather_rows(self.stored(name), idx)
+            self.row_extras[name][:, :, :K] = gather_rows(self.row_extras[name], idx)
         self._rows = K
         self._evict_floor = K
         self.evictions += 1

@@ -32,7 +32,15 @@ def keep_top_rows(scores: mx.array, k: int, n_sink: int, n_recent: int) -> mx.ar
 
 
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
-    """``x[b, h, idx[b, h, i], ...]`` for x of shape (B, H, rows, ...) and idx (B, H, k)."""
-    extra = x.ndim - idx.ndim
-    idx = idx.reshape(idx.shape + (1,) * extra)
-    return mx.take_along_axis(x, idx, axis=2)
+    """``x[b, h, idx[b, h, i], ...]`` for x of shape (B, H, rows, ...) and idx (B, H, k).
+
+    One ``mx.take`` of whole rows from the flattened array: on MLX's CPU backend
+    ``take_along_axis`` gathers element by element and measured 10-20x slower at 8K rows (it
+    dominated the eviction step). Pass the whole contiguous buffer, not a sliced view, so the
+    reshape is free.
+    """
+    B, H, rows = x.shape[:3]
+    rest = x.shape[3:]
+    offsets = (mx.arange(B * H, dtype=mx.int32) * rows).reshape(B, H, 1)
+    flat = x.reshape(B * H * rows, *rest)
+    return mx.take(flat, (idx.astype(mx.int32) + offsets).reshape(-1), axis=0).reshape(B, H, idx.shape[-1], *rest)

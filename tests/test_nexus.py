@@ -1,0 +1,319 @@
+"""Nexus Sampling: the paper's formulas and guarantees (Eq. 1-6, Lemma A.1/A.2/A.4/4.1, Theorem 4.2),
+budget invariants, determinism, exactness without eviction and the mlx-lm contract."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.nexus import NexusKVCache, min_budget
+from veloxquant_mlx.ops.nexus import (block_distribution, log_reservoir_priority, nexus_weights,
+                                      reservoir_uniforms, select_blocks, walk)
+
+from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt
+
+
+def _np(x):
+    return np.array(x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
+
+
+def _inclusion(blocks, nk):
+    """(T, k) kept block indices -> (T, nk) 0/1 inclusion."""
+    b = _np(blocks)
+    inc = np.zeros((b.shape[0], nk))
+    np.put_along_axis(inc, b, 1.0, axis=1)
+    return inc
+
+
+# -- Eq. 1-5 ---------------------------------------------------------------------------------------
+def test_block_distribution_matches_reference_with_partial_block_and_causal_mask():
+    rng = np.random.default_rng(0)
+    W, N, D, b = 5, 23, 8, 4  # 23 rows -> 6 blocks, the last one partial (3 rows)
+    q, k = rng.normal(size=(2, W, D)).astype(np.float32), rng.normal(size=(2, N, D)).astype(np.float32)
+    k_pos = np.arange(N) * 2  # stored rows need not be contiguous positions
+    q_pos = k_pos[-W:] - 1  # each window query sees keys up to its own position only
+    s_hat = _np(block_distribution(mx.array(q), mx.array(k), mx.array(q_pos), mx.array(k_pos), 0.3, b))
+    logits = np.where(k_pos[None, :] <= q_pos[:, None], 0.3 * q @ k.swapaxes(-1, -2), -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.stack([p[..., j * b:(j + 1) * b].sum(-1) for j in range(6)], -1)
+    assert s_hat.shape == (2, W, 6)
+    np.testing.assert_allclose(s_hat, ref / ref.sum(-1, keepdims=True), atol=1e-6)
+    assert np.all(s_hat[:, :3, -1] == 0) and np.all(s_hat[:, 3:, -1] > 0)  # causal by position
+
+
+def test_weights_formula_and_ablations():
+    rng = np.random.default_rng(1)
+    rows = rng.dirichlet(np.ones(7), size=(3, 6)).astype(np.float32)  # (batch, W, N_k)
+    a = rows.mean(1)
+    C = np.zeros_like(a)
+    for i in range(3, 6):  # the walk takes the most recent H = 3 rows, oldest first
+        C = C + (1 + (rows[:, i] * C).sum(-1, keepdims=True)) * rows[:, i]
+    ramp = np.arange(7) / 6
+    w = _np(nexus_weights(mx.array(rows), walk_depth=3, lam=0.5, eps_tie=1e-3))
+    np.testing.assert_allclose(w, a + 0.5 * C / C.sum(-1, keepdims=True) + 1e-3 * ramp, atol=1e-6)
+    # lam = 0: no walk, w is the windowed-attention score a (+ the tie ramp).
+    np.testing.assert_allclose(_np(nexus_weights(mx.array(rows), lam=0.0, eps_tie=0.0)), a, atol=1e-7)
+
+
+# -- Lemma A.4 / Theorem 4.2 -----------------------------------------------------------------------
+def test_lemma_a4_walk_decomposition_is_exact_and_hub_scores_sum_to_zero():
+    rng = np.random.default_rng(2)
+    H, nk = 6, 9
+    rows = rng.dirichlet(np.full(nk, 0.7), size=(16, H)).astype(np.float32)
+    C = [np.zeros((16, nk), np.float32)] + [_np(walk(mx.array(rows[:, :q]))) for q in range(1, H + 1)]
+    rhs = rows.sum(1) + sum(np.einsum("bi,bj,bj->bi", rows[:, q - 1], rows[:, q - 1], C[q - 1])
+                            for q in range(1, H + 1))  # Σ a^(q) + Σ M_q C^(q-1), M_q = a a^T
+    np.testing.assert_allclose(C[H], rhs, rtol=1e-5, atol=1e-5)
+    # Σ_j h_j = 0 for the empirical covariance of distribution rows (h = Σ a*).
+    flat = rows.reshape(-1, nk).astype(np.float64)
+    flat /= flat.sum(1, keepdims=True)  # exact distributions in float64
+    a_star = flat.mean(0)
+    h = np.cov(flat, rowvar=False, bias=True) @ a_star
+    assert abs(h.sum()) < 1e-14 * np.abs(h).sum() * 1e3 and np.abs(h).max() > 1e-4
+
+
+def test_theorem_42_hub_amplification():
+    # Rows i.i.d. from a 3-pattern mixture: block 0 is the frequently, sharply attended one (a hub,
+    # h_0 > 0); blocks 1/2 are attended by rarer queries (peripheral, h < 0); block 3 is background.
+    patterns = np.array([[0.85, 0.05, 0.05, 0.05],
+                         [0.05, 0.85, 0.05, 0.05],
+                         [0.05, 0.05, 0.85, 0.05]], np.float64)
+    probs = np.array([0.6, 0.2, 0.2])
+    a_star = probs @ patterns
+    sigma = (patterns * probs[:, None]).T @ patterns - np.outer(a_star, a_star)
+    h = sigma @ a_star  # hub scores h_j = Σ_j^T a*  (Def. A.6)
+    assert h[0] > 0.04 and (h[1:3] < -0.02).all() and abs(h.sum()) < 1e-12
+    rng = np.random.default_rng(3)
+    T, H = 400000, 3
+    rows = patterns[rng.choice(3, size=(T, H), p=probs)].astype(np.float32)
+    C = _np(walk(mx.array(rows)))
+    c_tilde = (C / C.sum(-1, keepdims=True)).mean(0)
+    plain = rows.mean(1).mean(0)  # the unwalked window average (lam = 0 / plain average)
+    margin = 0.0025  # the predicted shift (D_H / B_H) h_j is 0.005-0.012 here; sampling SE ~ 6e-4
+    assert c_tilde[0] > a_star[0] + margin, (c_tilde, a_star)
+    assert (c_tilde[1:3] < a_star[1:3] - margin).all(), (c_tilde, a_star)
+    assert (np.abs(plain - a_star) < margin).all(), (plain, a_star)  # the plain average shows no hub shift
+    assert abs(c_tilde[3] - a_star[3]) < 1e-4  # h_3 = 0: no shift
+
+
+# -- Lemma A.1 / A.2: reservoir selection ------------------------------------------------------------
+W_TEST = np.array([0.02, 0.05, 0.08, 0.10, 0.12, 0.15, 0.18, 0.22, 0.26, 0.30], np.float32)
+
+
+def _select_many(w, k, n, T, seed):
+    wb = mx.broadcast_to(mx.array(w), (T, len(w)))  # seeds vectorized as the batch dimension
+    forced = mx.zeros((len(w),), mx.bool_)
+    return select_blocks(wb, forced, k, n, mx.random.key(seed))
+
+
+def test_reservoir_inclusion_positive_and_monotone():
+    k, T = 4, 6000
+    for n in (1, 5):
+        freq = _inclusion(_select_many(W_TEST, k, n, T, seed=n), len(W_TEST)).mean(0)
+        assert (freq > 0).all(), freq
+        assert (np.diff(freq) > -0.02).all(), freq  # monotone in w up to sampling noise
+        assert abs(freq.sum() - k) < 1e-9
+
+
+def test_reservoir_converges_to_top_k_by_w_as_n_grows():
+    k, T = 4, 2000
+    top = set(np.argsort(-W_TEST)[:k])
+
+    def agreement(n):
+        blocks = _np(_select_many(W_TEST, k, n, T, seed=7))
+        return np.mean([set(r) == top for r in blocks.tolist()])
+
+    ag = [agreement(n) for n in (1, 8, 64, 512)]
+    assert all(b >= a - 0.03 for a, b in zip(ag, ag[1:])), ag
+    assert ag[-1] > ag[0] + 0.3, ag
+    assert agreement(None) == 1.0
+
+
+def test_log_domain_priority_does_not_underflow():
+    w = (1e-3 * np.arange(1, 9)).astype(np.float32)  # w ~ 1/N_k for N_k ~ 1000 blocks
+    for n, zero_frac in ((1, 0.5), (5, 0.1)):
+        u = reservoir_uniforms(mx.random.key(n), n, (4000, 8))
+        naive = (_np(u) ** (1.0 / w)).mean(0)  # plain Eq. 6 in fp32
+        assert (naive == 0).mean() > zero_frac  # underflow: those blocks tie at 0, ranking is arbitrary
+        logp = _np(log_reservoir_priority(mx.array(w), u))
+        assert np.isfinite(logp).all()
+        ok = (naive > 1e-30).all(axis=1)  # rows where the naive form is still representable
+        np.testing.assert_array_equal(np.argsort(logp[ok], 1), np.argsort(np.log(naive[ok]), 1))
+    kept = _inclusion(select_blocks(mx.broadcast_to(mx.array(w), (4000, 8)), mx.zeros((8,), mx.bool_), 3, 5,
+                                    mx.random.key(1)), 8).mean(0)
+    assert (kept > 0).all() and (np.diff(kept) > -0.02).all() and kept[-1] > kept[0] + 0.2, kept
+
+
+def test_lemma_41_marginal_block_survives_under_reservoir_not_top_k():
+    # 3 strong blocks, 4 competitors at 0.2, and the target (index 3) oscillating around the cutoff.
+    k, T, E = 4, 4000, 4
+    base = np.array([0.3, 0.3, 0.3, 0.0, 0.2, 0.2, 0.2, 0.2], np.float32)
+    forced = mx.zeros((8,), mx.bool_)
+    alive_topk = np.ones(T, bool)
+    alive_res = np.ones(T, bool)
+    per_step = []
+    for e in range(E):
+        w = base.copy()
+        w[3] = 0.21 if e % 2 == 0 else 0.19  # above the cutoff on even steps, just below on odd ones
+        wb = mx.broadcast_to(mx.array(w), (T, 8))
+        alive_topk &= _inclusion(select_blocks(wb, forced, k, None), 8)[:, 3] > 0
+        inc = _inclusion(select_blocks(wb, forced, k, 5, mx.random.key(100 + e)), 8)[:, 3] > 0
+        per_step.append(inc.mean())
+        alive_res &= inc
+        if e == 0:
+            assert alive_topk.all()  # above the cutoff: top-K keeps it
+    assert not alive_topk.any()  # gone after its first low step, forever
+    assert alive_res.mean() > 0.01, alive_res.mean()
+    assert abs(alive_res.mean() - np.prod(per_step)) < 0.02  # survival = product over steps
+
+
+# -- the cache ---------------------------------------------------------------------------------------
+def _drive(cache, chunks, B=1, Hkv=2, Hq=4, D=8, dtype=mx.float32, seed=0, check=None):
+    mx.random.seed(seed)
+    for S in chunks:
+        k = mx.random.normal((B, Hkv, S, D)).astype(dtype)
+        v = mx.random.normal((B, Hkv, S, D)).astype(dtype)
+        q = mx.random.normal((B, Hq, S, D)).astype(dtype)
+        cache.update_and_fetch(k, v)
+        cache.observe_queries(q)
+        mx.eval(cache.state)
+        if check is not None:
+            check(cache)
+    return cache
+
+
+def _config(**kw):
+    return KVCacheConfig(method="nexus", **kw)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(b=st.sampled_from([4, 8]), n_sink=st.sampled_from([0, 2, 5]), recent=st.integers(1, 9),
+       extra=st.integers(0, 20), B=st.integers(1, 2), dtype=st.sampled_from([mx.float32, mx.float16]),
+       per_head=st.booleans(), n=st.sampled_from([None, 3]),
+       chunks=st.lists(st.integers(2, 40), min_size=3, max_size=14), seed=st.integers(0, 3))
+def test_budget_invariants(b, n_sink, recent, extra, B, dtype, per_head, n, chunks, seed):
+    budget = min_budget(b, n_sink, recent) + extra
+    cfg = _config(budget=budget, n_sink=n_sink, recent=recent, seed=seed, nexus_block_size=b,
+                  nexus_window=4, nexus_walk_depth=2, nexus_per_head=per_head, nexus_n_samples=n)
+    cache = NexusKVCache(cfg)
+    seen = [0]
+
+    def check(c):
+        seen[0] += 1
+        total = sum(chunks[:seen[0]])
+        assert c.offset == total
+        assert c.size() <= budget + b
+        pos = _np(c.kept_positions())
+        assert pos.shape[:2] == (B, 2)
+        for row in pos.reshape(-1, pos.shape[-1]):
+            assert (np.diff(row) > 0).all()  # unique, ascending
+            kept = set(row.tolist())
+            assert set(range(min(n_sink, total))) <= kept  # sinks
+            assert set(range(max(total - recent, 0), total)) <= kept  # recent window
+        if not per_head:
+            assert (pos == pos[:, :1]).all()  # one layer-shared selection
+
+    chunks = chunks + [1] * 10  # prefill chunks, then decode steps: the same rule
+    _drive(cache, chunks, B=B, dtype=dtype, seed=seed, check=check)
+
+
+def test_rows_return_to_budget_after_eviction():
+    cfg = _config(budget=128)
+    cache = _drive(NexusKVCache(cfg), [300])
+    assert cache.evictions == 1 and cache.size() <= 128 and cache.size() > 128 - 32
+    for _ in range(40):
+        _drive(cache, [1])
+        assert cache.size() <= 128 + 32
+
+
+def test_eviction_moves_keys_values_and_positions_together():
+    from veloxquant_mlx.ops import gather_rows
+
+    buf = mx.random.normal((2, 3, 50, 4))
+    idx = mx.sort(mx.random.randint(0, 40, (2, 3, 7)), axis=-1).astype(mx.int32)
+    expected = np.take_along_axis(_np(buf), _np(idx)[..., None], axis=2)
+    np.testing.assert_array_equal(_np(gather_rows(buf, idx)), expected)
+    np.testing.assert_array_equal(_np(gather_rows(buf[:, :, :40], idx)), expected)
+    for per_head in (False, True):
+        cache = NexusKVCache(_config(budget=64, n_sink=3, recent=5, nexus_block_size=8, nexus_window=4,
+                                     nexus_per_head=per_head))
+        for start, S in ((0, 90), (90, 30), (120, 1), (121, 1), (122, 1)):
+            pos = mx.broadcast_to(mx.arange(start, start + S, dtype=mx.float32)[None, None, :, None], (2, 2, S, 8))
+            cache.update_and_fetch(pos, -pos)  # every key/value row carries its own position
+            cache.observe_queries(mx.random.normal((2, 4, S, 8)))
+        assert cache.evictions >= 2
+        kept = _np(cache.kept_positions()).astype(np.float32)
+        np.testing.assert_array_equal(_np(cache.stored("keys"))[..., 0], kept)
+        np.testing.assert_array_equal(_np(cache.stored("values"))[..., 0], -kept)
+
+
+def test_option_validation():
+    with pytest.raises(ValueError, match="selectable block"):
+        _config(budget=100)  # default b=32, n_sink=4, recent=W=16 needs >= 111
+    assert _config(budget=min_budget(32, 4, 16)).budget == 111
+    with pytest.raises(ValueError, match="walk_depth"):
+        _config(budget=512, nexus_walk_depth=20)
+    with pytest.raises(ValueError, match="n_samples"):
+        _config(budget=512, nexus_n_samples=0)
+    with pytest.raises(ValueError, match="lam"):
+        _config(budget=512, nexus_lam=-0.1)
+    o = _config(budget=512, nexus_n_samples=None).options
+    assert o.n_samples is None and (o.block_size, o.window, o.walk_depth, o.lam, o.eps_tie) == (32, 16, 3, 0.5, 1e-6)
+    assert NexusKVCache(_config(budget=512)).recent == 16
+
+
+def _kept(seed, **kw):
+    cfg = _config(budget=160, seed=seed, nexus_block_size=8, **kw)
+    return _np(_drive(NexusKVCache(cfg), [400, 1, 1, 1]).kept_positions())
+
+
+def test_determinism_per_seed():
+    a, b = _kept(0), _kept(0)
+    np.testing.assert_array_equal(a, b)
+    others = [_kept(s) for s in (1, 2, 3)]
+    assert any(not np.array_equal(a, o) for o in others)
+    # n = inf: deterministic top-K by w, no dependence on the seed.
+    np.testing.assert_array_equal(_kept(0, nexus_n_samples=None), _kept(5, nexus_n_samples=None))
+
+
+def test_no_host_sync_in_hot_path():
+    for kw in ({}, {"nexus_n_samples": None, "nexus_per_head": True}):
+        cache = NexusKVCache(_config(budget=128, **kw))
+        mx.random.seed(0)
+        data = [(mx.random.normal((1, 2, S, 16)), mx.random.normal((1, 4, S, 16))) for S in (200, 30, 40, 1, 1)]
+        mx.eval(data)
+        with forbid_host_sync():
+            for k, q in data:
+                cache.update_and_fetch(k, k)
+                cache.observe_queries(q)
+        mx.eval(cache.state)
+        assert cache.evictions >= 2
+
+
+# -- through mlx-lm ------------------------------------------------------------------------------------
+def test_exact_with_kvcache_when_budget_covers_sequence():
+    model = make_tiny_model("llama")
+    prompt = random_prompt(70, seed=1)
+    ref_t, ref_lp = greedy(model, prompt, max_tokens=10, prefill_step_size=32)
+    caches = KVCacheBuilder.for_model(model, _config(budget=512))
+    t, lp = greedy(model, prompt, max_tokens=10, prompt_cache=caches, prefill_step_size=32)
+    assert t == ref_t and np.abs(lp - ref_lp).max() <= 1e-5
+    assert all(c.evictions == 0 and c.queries_observed > 0 for c in caches)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_stream_generate_chunked_prefill_evicts_with_tap(per_head):
+    model = make_tiny_model("qwen3")
+    prompt = random_prompt(300, seed=2)
+    caches = KVCacheBuilder.for_model(model, _config(budget=128, nexus_per_head=per_head))
+    t, lp = greedy(model, prompt, max_tokens=40, prompt_cache=caches, prefill_step_size=64)
+    assert len(t) == 40 and np.isfinite(lp).all()
+    for c in caches:
+        assert c.tap_active and not c.queries_from_keys
+        assert c.evictions > 0 and c.queries_observed > 0
+        assert c.size() <= 128 + 32 and c.offset >= 300
+        pos = _np(c.kept_positions())
+        assert set(range(4)) <= set(pos[0, 0].tolist())
