@@ -1,0 +1,111 @@
+"""NestedKV-adapted: multi-scale, key-only, one-shot prefill eviction (spec: docs/sources/nestedkv_method.txt).
+
+Inspired by Chen et al., "NestedKV" (arXiv:2605.26678, unpublished preprint): an adaptation, not a
+faithful port. When the prompt ends (first single-token call after multi-token input) every head's
+keys are scored against three anchors (stable / episodic / current), the three min-max normalized
+anomalies are blended per head (log-prior (0.4, 0.4, 0.2) + beta * top/bottom-10% gap, softmax) and
+routed per token toward the strongest scale by a surprise gate (sigmoid(kappa * (u - tau)) on the
+min-max normalized, mean-centred cross-scale std). Heads then compete for the layer's H * budget
+slots: each keeps a floor of floor(safeguard_alpha * budget) rows, the rest go to the best
+(head, row) pairs of the layer. Heads therefore keep different numbers of rows; storage is padded
+to a static bound and the query tap's per-layer mask hides the padding.
+
+Choices where the spec is silent (see docs/methods/nestedkv.md):
+- "strongest scale" is per token: the largest of the three normalized anomalies at that token.
+- sinks (positions < n_sink) are kept (+inf) and excluded from the min-max / gap / surprise statistics.
+- without the query tap (``tap_active`` False) padding could not be masked: uniform per-head budget.
+- decode tokens are appended, never rescored: the cache is NOT bounded during decode. A new prompt
+  turn is compressed again at its end, over the kept rows plus the new ones (ragged storage is first
+  compacted per head; episodic blocks / windows then run over that compacted order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import mlx.core as mx
+
+from ..config import option
+from ..ops import gather_rows, keep_top_rows
+from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
+                            rows_from_mask)
+from ..registry import register
+from .base import PAD_POSITION, EvictionCache
+
+
+@dataclasses.dataclass
+class NestedKVOptions:
+    window: int = option(64, low=1, doc="W: trailing window of the current-memory anchor")
+    beta: float = option(3.0, low=0.0, doc="head-adaptive blend temperature")
+    tau: float = option(0.60, doc="surprise gate threshold (min-max normalized, mean-centred std)")
+    kappa: float = option(10.0, low=0.0, doc="surprise gate sharpness")
+    safeguard_alpha: float = option(0.20, low=0.0, high=1.0, doc="per-head guaranteed floor (fraction of budget)")
+    prior: tuple = option((0.4, 0.4, 0.2), kind=tuple, doc="blend log-prior (stable, episodic, current)")
+    gap_frac: float = option(0.10, low=0.0, low_open=True, high=0.5, doc="top/bottom fraction of the gap")
+    cross_head: bool = option(True, doc="cross-head budget competition (needs the query tap)")
+    max_head_factor: float = option(None, kind=float, low=1.0, allow_none=True,
+                                    doc="optional cap on one head's rows, in budgets (None: spec bound)")
+
+    def check(self):
+        if len(self.prior) != 3 or any((not isinstance(p, (int, float))) or p <= 0 for p in self.prior):
+            raise ValueError(f"NestedKVOptions.prior must be 3 positive numbers, got {self.prior!r}")
+        self.prior = tuple(float(p) for p in self.prior)
+
+
+@register("nestedkv")
+class NestedKVKVCache(EvictionCache):
+    """NestedKV-adapted: stable/episodic/current key anomalies, gated blend, cross-head budgets (prefill only)."""
+
+    Options = NestedKVOptions
+    needs_queries = False
+    prefill_only = True
+
+    @classmethod
+    def default_recent(cls, budget, options):
+        return 0  # the "current" scale replaces a forced recent window
+
+    def floor_rows(self) -> int:
+        return min(int(math.floor(self.options.safeguard_alpha * self.budget)), self.budget)
+
+    def head_cap(self) -> int | None:
+        f = self.options.max_head_factor
+        return None if f is None else max(int(f * self.budget), self.budget)
+
+    @property
+    def cross_head_active(self) -> bool:
+        return bool(self.options.cross_head and self.tap_active)
+
+    def row_scores(self, keys, positions):
+        """(B, H, N) final scores of the given rows (compacted: valid rows first)."""
+        valid = positions != PAD_POSITION
+        forced = valid & (positions < self.n_sink)
+        if self.recent:
+            forced = forced | (valid & (positions >= self.offset - self.recent))
+        o = self.options
+        N = keys.shape[2]
+        return nestedkv_scores(keys, valid, forced, window=o.window, block=episodic_block_size(N),
+                               prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
+
+    def select_rows(self):
+        keys, pos = self.stored("keys"), self.stored("positions")
+        order = None
+        if self.is_ragged:  # compact: each head's real rows first, in position order
+            N = pos.shape[-1]
+            r = mx.arange(N, dtype=mx.int32)
+            order = mx.argsort(mx.where(pos != PAD_POSITION, r, N + r), axis=-1).astype(mx.int32)
+            keys, pos = gather_rows(keys, order), gather_rows(pos, order)
+        s = self.row_scores(keys, pos)
+        if self.cross_head_active and s.shape[1] > 1:
+            H, N = s.shape[1], s.shape[2]
+            k_max = max_head_rows(N, H, self.budget, self.floor_rows(), self.head_cap())
+            idx, real = rows_from_mask(cross_head_keep(s, self.budget, self.floor_rows(), self.head_cap()), k_max)
+            real = real & (gather_rows(pos, idx) != PAD_POSITION)
+        else:
+            idx = keep_top_rows(s, self.budget, 0, 0)
+            real = gather_rows(pos, idx) != PAD_POSITION
+        if order is not None:
+            idx = gather_rows(order, idx)
+        if not self.is_ragged and not (self.cross_head_active and s.shape[1] > 1):
+            return idx  # uniform per-head budget: no padding
+        return idx, real

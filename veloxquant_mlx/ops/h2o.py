@@ -1,0 +1,55 @@
+"""H2O's accumulated attention mass: how much softmax attention each stored key receives from a
+chunk of queries, summed over the query heads of its GQA group, causal by absolute position.
+
+Pure MLX; the only Python loop is over a few query sub-blocks of a long prefill chunk, so no
+(heads x chunk x keys) probability tensor larger than (heads x ``query_block`` x keys) exists.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .attention import group_queries
+
+
+@mx.compile
+def _block_mass(q, k, q_pos, k_pos, scale):
+    # q (B, Hkv, G, s, D); k (B, Hkv, n, D); q_pos (s,); k_pos (B, Hkv, n) -> (B, Hkv, n) float32
+    logits = (q.astype(mx.float32) * scale) @ mx.expand_dims(k.astype(mx.float32), 2).swapaxes(-1, -2)
+    visible = mx.expand_dims(k_pos, (2, 3)) <= q_pos[:, None]
+    logits = mx.where(visible, logits, -mx.inf)
+    p = mx.softmax(logits, axis=-1, precise=True)
+    return p.sum(axis=(2, 3))
+
+
+def attention_mass(queries: mx.array, keys: mx.array, k_pos: mx.array, q_start: int, scale: float,
+                   query_block: int = 256) -> mx.array:
+    """Sum over queries and grouped query heads of softmax(q kᵀ·scale), per stored key.
+
+    queries (B, Hq, S, D) at absolute positions ``q_start .. q_start+S-1``; keys (B, Hkv, N, D) whose
+    last S rows are those same S positions (the rows just appended); k_pos (B, Hkv, N) absolute key
+    positions (padding must carry a large position). Returns float32 (B, Hkv, N).
+
+    Query sub-block j only needs key rows ``[0, N - S + end_j)`` (everything later is in its causal
+    future), so the keys are sliced statically per sub-block: about half the work of a full square.
+    """
+    B, Hq, S, D = queries.shape
+    N = keys.shape[2]
+    q = group_queries(queries, keys.shape[1])
+    scale = mx.array(scale, mx.float32)
+    q_pos_all = mx.arange(q_start, q_start + S, dtype=mx.int32)
+    k_pos = k_pos.astype(mx.int32)
+    step = max(int(query_block), 1)
+    parts = []
+    for start in range(0, S, step):
+        end = min(start + step, S)
+        n_vis = N - S + end
+        m = _block_mass(q[:, :, :, start:end], keys[:, :, :n_vis], q_pos_all[start:end], k_pos[:, :, :n_vis],
+                        scale)
+        if n_vis < N:
+            m = mx.concatenate([m, mx.zeros(m.shape[:2] + (N - n_vis,), mx.float32)], axis=-1)
+        parts.append(m)
+    total = parts[0]
+    for m in parts[1:]:
+        total = total + m
+    return total

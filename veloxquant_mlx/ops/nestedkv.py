@@ -1,0 +1,190 @@
+"""NestedKV-adapted scoring and cross-head budget competition (pure MLX, vectorized).
+
+All functions take keys (B, H, N, D) and a ``valid`` mask (B, H, N) whose True rows form a prefix
+of every (b, h) row list (the cache compacts ragged storage before calling), and work over batch,
+heads, blocks and tokens at once; sizes are Python ints from shapes.
+
+Scales (spec steps 1-2): anomaly a_x(i) = 1 - cos(k_i, mu_x(i)) against
+  stable    mu_s      mean of all valid keys of the head,
+  episodic  mu_e(i)   mean of the fixed block [j*b, (j+1)*b) holding i, b = clip(N // 32, 128, 256),
+  current   mu_c(i)   mean of the trailing window i-W+1 .. i (W = 64).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+
+_EPS = 1e-6
+
+
+def episodic_block_size(n: int) -> int:
+    """clip(floor(N / 32), 128, 256) (spec step 1)."""
+    return int(min(max(n // 32, 128), 256))
+
+
+def _cos(dot, kn, mn):
+    return dot / mx.maximum(kn * mn, _EPS)
+
+
+def _valid_mean(keys, valid):
+    vf = valid.astype(mx.float32)[..., None]
+    n = mx.maximum(vf.sum(axis=2, keepdims=True), 1.0)
+    return (keys * vf).sum(axis=2, keepdims=True) / n  # (B, H, 1, D)
+
+
+def stable_anomaly(keys: mx.array, valid: mx.array | None = None) -> mx.array:
+    """1 - cos(k_i, global mean of the head's valid keys). (B, H, N) float32."""
+    k = keys.astype(mx.float32)
+    valid = mx.ones(k.shape[:3], mx.bool_) if valid is None else valid
+    mu = _valid_mean(k, valid)  # (B, H, 1, D)
+    kn = mx.sqrt(mx.square(k).sum(-1))
+    dot = (k @ mu.swapaxes(-1, -2))[..., 0]
+    return 1.0 - _cos(dot, kn, mx.sqrt(mx.square(mu).sum(-1)))
+
+
+def episodic_anomaly(keys: mx.array, block: int, valid: mx.array | None = None) -> mx.array:
+    """1 - cos(k_i, mean of the fixed ``block``-row block containing i). (B, H, N) float32."""
+    k = keys.astype(mx.float32)
+    B, H, N, D = k.shape
+    valid = mx.ones((B, H, N), mx.bool_) if valid is None else valid
+    mu_s = _valid_mean(k, valid)
+    nb = -(-N // block)
+    pad = nb * block - N
+    vf = valid.astype(mx.float32)
+    kc = (k - mu_s) * vf[..., None]  # centred first: better-conditioned sums
+    if pad:
+        kc = mx.concatenate([kc, mx.zeros((B, H, pad, D), mx.float32)], axis=2)
+        vf = mx.concatenate([vf, mx.zeros((B, H, pad), mx.float32)], axis=2)
+        k = mx.concatenate([k, mx.zeros((B, H, pad, D), mx.float32)], axis=2)
+    cnt = mx.maximum(vf.reshape(B, H, nb, block).sum(-1), 1.0)[..., None]  # (B, H, nb, 1)
+    mu_e = mu_s + kc.reshape(B, H, nb, block, D).sum(3) / cnt  # (B, H, nb, D)
+    kb = k.reshape(B, H, nb, block, D)
+    dot = (kb @ mu_e[..., None])[..., 0]  # (B, H, nb, block)
+    kn = mx.sqrt(mx.square(kb).sum(-1))
+    mn = mx.sqrt(mx.square(mu_e).sum(-1))[..., None]
+    return (1.0 - _cos(dot, kn, mn)).reshape(B, H, nb * block)[:, :, :N]
+
+
+def current_anomaly(keys: mx.array, window: int, valid: mx.array | None = None) -> mx.array:
+    """1 - cos(k_i, mean of the trailing ``window`` rows ending at i, i included). (B, H, N)."""
+    k = keys.astype(mx.float32)
+    B, H, N, D = k.shape
+    valid = mx.ones((B, H, N), mx.bool_) if valid is None else valid
+    mu_s = _valid_mean(k, valid)
+    vf = valid.astype(mx.float32)
+    kc = (k - mu_s) * vf[..., None]
+    cs = mx.cumsum(kc, axis=2)
+    cv = mx.cumsum(vf, axis=2)
+    W = int(window)
+    if W < N:
+        zk = mx.zeros((B, H, W, D), mx.float32)
+        zv = mx.zeros((B, H, W), mx.float32)
+        cs = cs - mx.concatenate([zk, cs[:, :, :N - W]], axis=2)
+        cv = cv - mx.concatenate([zv, cv[:, :, :N - W]], axis=2)
+    mu_c = mu_s + cs / mx.maximum(cv, 1.0)[..., None]
+    return 1.0 - _cos((k * mu_c).sum(-1), mx.sqrt(mx.square(k).sum(-1)), mx.sqrt(mx.square(mu_c).sum(-1)))
+
+
+def _masked_minmax(x, stat):
+    """Min-max normalize along the last axis over the ``stat`` rows (0 where the range is ~0)."""
+    lo = mx.where(stat, x, mx.inf).min(axis=-1, keepdims=True)
+    hi = mx.where(stat, x, -mx.inf).max(axis=-1, keepdims=True)
+    rng = hi - lo
+    ok = rng > _EPS
+    return mx.where(ok, (x - lo) / mx.where(ok, rng, 1.0), 0.0)
+
+
+def discriminative_gap(norm: mx.array, stat: mx.array, frac: float = 0.10) -> mx.array:
+    """Mean of the top ``frac`` minus mean of the bottom ``frac`` of each head's stat rows.
+
+    norm (..., N) in [0, 1]; stat (..., N) bool. Count per head = max(1, ceil(frac * n_stat))."""
+    stat = mx.broadcast_to(stat, norm.shape)
+    n = stat.sum(axis=-1, keepdims=True).astype(mx.int32)
+    kf = mx.maximum(mx.ceil(n.astype(mx.float32) * frac).astype(mx.int32), 1)
+    srt = mx.sort(mx.where(stat, norm, 2.0), axis=-1)  # stat values first, ascending
+    srt = mx.where(srt > 1.5, 0.0, srt)
+    cs = mx.concatenate([mx.zeros(srt.shape[:-1] + (1,), mx.float32), mx.cumsum(srt, axis=-1)], axis=-1)
+    nn = mx.maximum(n, 1)
+    kf = mx.minimum(kf, nn)
+    bottom = mx.take_along_axis(cs, kf, axis=-1) / kf
+    top = (mx.take_along_axis(cs, nn, axis=-1) - mx.take_along_axis(cs, nn - kf, axis=-1)) / kf
+    return (top - bottom)[..., 0]
+
+
+def nestedkv_scores(keys: mx.array, valid: mx.array, forced: mx.array, *, window: int, block: int,
+                    prior=(0.4, 0.4, 0.2), beta: float = 3.0, tau: float = 0.60, kappa: float = 10.0,
+                    gap_frac: float = 0.10) -> mx.array:
+    """Final NestedKV score per row (B, H, N): +inf for forced valid rows, -inf for invalid rows.
+
+    Compiled once per (shape, constants): MLX fuses the elementwise passes over (B, H, N, D)."""
+    fn = _compiled_scores(int(window), int(block), tuple(float(p) for p in prior), float(beta), float(tau),
+                          float(kappa), float(gap_frac))
+    return fn(keys, valid, forced)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_scores(window, block, prior, beta, tau, kappa, gap_frac):
+    return mx.compile(functools.partial(_scores, window=window, block=block, prior=prior, beta=beta, tau=tau,
+                                        kappa=kappa, gap_frac=gap_frac))
+
+
+def _scores(keys, valid, forced, *, window, block, prior, beta, tau, kappa, gap_frac):
+    stat = valid & ~forced
+    a = mx.stack([stable_anomaly(keys, valid), episodic_anomaly(keys, block, valid),
+                  current_anomaly(keys, window, valid)])  # (3, B, H, N)
+    a = _masked_minmax(a, stat)
+    gap = discriminative_gap(a, stat, gap_frac)  # (3, B, H)
+    logp = mx.log(mx.array(prior, mx.float32)).reshape(3, 1, 1)
+    w = mx.softmax(logp + beta * gap, axis=0)[..., None]  # (3, B, H, 1)
+    blend = (w * a).sum(axis=0)
+    strongest = a.max(axis=0)
+    surprise = _masked_minmax(mx.sqrt(mx.var(a, axis=0)), stat)  # cross-scale std, min-max normalized
+    nst = mx.maximum(stat.sum(-1, keepdims=True), 1)
+    surprise = surprise - mx.where(stat, surprise, 0.0).sum(-1, keepdims=True) / nst  # mean-centred
+    g = mx.sigmoid(kappa * (surprise - tau))
+    s = (1.0 - g) * blend + g * strongest
+    return mx.where(valid, mx.where(forced, mx.inf, s), -mx.inf)
+
+
+def _mark_top(scores, k):
+    """Bool mask of the top ``k`` entries along the last axis (k static, 1 <= k <= size)."""
+    top = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+    return mx.put_along_axis(mx.zeros(scores.shape, mx.bool_), top, mx.array(True), axis=-1)
+
+
+def max_head_rows(n: int, n_heads: int, budget: int, floor: int, cap: int | None = None) -> int:
+    """Static bound on the rows one head can keep: min(N, H*B - (H-1)*floor[, cap])."""
+    f = min(floor, n)
+    k = min(n, n_heads * budget - (n_heads - 1) * f)
+    return min(k, cap) if cap is not None else k
+
+
+def cross_head_keep(scores: mx.array, budget: int, floor: int, cap: int | None = None) -> mx.array:
+    """Spec step 5, per batch row: every head keeps its top ``floor`` rows; the remaining
+    H*budget - H*floor slots go to the best remaining (head, row) pairs of the whole layer
+    (optionally only among each head's top ``cap`` rows). -inf rows are never kept. (B, H, N) bool."""
+    B, H, N = scores.shape
+    f = min(floor, N)
+    guaranteed = _mark_top(scores, f) if f > 0 else mx.zeros(scores.shape, mx.bool_)
+    cand = mx.where(guaranteed, -mx.inf, scores)
+    if cap is not None and cap < N:
+        cand = mx.where(_mark_top(scores, cap), cand, -mx.inf)
+    P = min(H * (budget - f), H * N)
+    keep = guaranteed
+    if P > 0:
+        flat = cand.reshape(B, H * N)
+        pool = _mark_top(flat, P) & (flat > -mx.inf)
+        keep = keep | pool.reshape(B, H, N)
+    return keep & (scores > -mx.inf)
+
+
+def rows_from_mask(keep: mx.array, k_max: int):
+    """(idx (B, H, k_max) int32 with each head's kept rows first, ascending; real (B, H, k_max))."""
+    N = keep.shape[-1]
+    r = mx.arange(N, dtype=mx.int32)
+    idx = mx.argsort(mx.where(keep, r, N + r), axis=-1)[..., :k_max].astype(mx.int32)
+    real = mx.arange(k_max) < keep.sum(axis=-1, keepdims=True)
+    return idx, real
