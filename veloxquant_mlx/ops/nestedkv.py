@@ -131,10 +131,58 @@ def _compiled_scores(window, block, prior, beta, tau, kappa, gap_frac):
                                         kappa=kappa, gap_frac=gap_frac))
 
 
+def _rows(P, idx):
+    """Rows ``idx`` (B, H, M) of the prefix-sum table P (B, H, N, D); index -1 reads the empty sum (0)."""
+    got = mx.take_along_axis(P, mx.maximum(idx, 0)[..., None], axis=2)
+    return mx.where((idx >= 0)[..., None], got, 0.0)
+
+
+def fused_anomalies(keys: mx.array, valid: mx.array, window: int, block: int) -> mx.array:
+    """The three anomalies (3, B, H, N) from one prefix sum of the centred keys (valid rows must be a prefix).
+
+    Equal to ``stack([stable_anomaly, episodic_anomaly, current_anomaly])`` on valid rows (to fp32
+    rounding); invalid rows get finite values that callers mask. With kc = k - mu_s and
+    P = cumsum(kc), every anchor is mu_s plus a difference of two rows of P: block sums
+    P[min(e, n)-1] - P[s-1], window sums P[i] - P[i-W] (a valid row's window is all valid because valid
+    rows are a prefix). |k| is computed once, mu_s and k . mu_s are matrix-vector products, the episodic
+    anchors are (B, H, n_blocks, D) and gathered per row once; the current anchor is never stored."""
+    k = keys.astype(mx.float32)
+    B, H, N, D = k.shape
+    W = int(window)
+    n = valid.astype(mx.int32).sum(-1, keepdims=True)  # (B, H, 1) valid rows per head
+    vf = valid.astype(mx.float32)
+    mu_s = (vf[:, :, None, :] @ k) / mx.maximum(n, 1).astype(mx.float32)[..., None]  # (B, H, 1, D)
+    P = mx.cumsum(k - mu_s, axis=2)  # centred first: better-conditioned differences
+    nb = -(-N // block)
+    start = mx.arange(nb, dtype=mx.int32) * block
+    end = mx.minimum(start + block, n)  # (B, H, nb)
+    cnt = end - start
+    blk_sum = _rows(P, end - 1) - _rows(P, mx.broadcast_to(start - 1, end.shape))
+    mu_e = mu_s + mx.where((cnt > 0)[..., None], blk_sum / mx.maximum(cnt, 1).astype(mx.float32)[..., None], 0.0)
+    blk = mx.arange(N, dtype=mx.int32) // block
+    mn_e = mx.sqrt(mx.square(mu_e).sum(-1))[:, :, blk]  # (B, H, N)
+    dot_e = (k * mu_e[:, :, blk]).sum(-1)
+    kn = mx.sqrt(mx.square(k).sum(-1))  # (B, H, N), once for all three scales
+    dot_s = (k @ mu_s.swapaxes(-1, -2))[..., 0]
+    mn_s = mx.sqrt(mx.square(mu_s).sum(-1))
+    cnt_c = mx.minimum(mx.arange(1, N + 1, dtype=mx.float32), float(W))[:, None]
+    if W < N:  # window sums without a shifted copy: rows < W and rows >= W apart
+        mu_h = mu_s + P[:, :, :W] / cnt_c[:W]
+        mu_t = mu_s + (P[:, :, W:] - P[:, :, :N - W]) / float(W)
+        dot_c = mx.concatenate([(k[:, :, :W] * mu_h).sum(-1), (k[:, :, W:] * mu_t).sum(-1)], axis=2)
+        mn_c = mx.concatenate([mx.square(mu_h).sum(-1), mx.square(mu_t).sum(-1)], axis=2)
+    else:
+        mu_c = mu_s + P / cnt_c
+        dot_c, mn_c = (k * mu_c).sum(-1), mx.square(mu_c).sum(-1)
+    a_s = 1.0 - _cos(dot_s, kn, mn_s)
+    a_e = 1.0 - _cos(dot_e, kn, mn_e)
+    a_c = 1.0 - _cos(dot_c, kn, mx.sqrt(mn_c))
+    return mx.stack([a_s, a_e, a_c])
+
+
 def _scores(keys, valid, forced, *, window, block, prior, beta, tau, kappa, gap_frac):
     stat = valid & ~forced
-    a = mx.stack([stable_anomaly(keys, valid), episodic_anomaly(keys, block, valid),
-                  current_anomaly(keys, window, valid)])  # (3, B, H, N)
+    a = fused_anomalies(keys, valid, window, block)  # (3, B, H, N)
     a = _masked_minmax(a, stat)
     gap = discriminative_gap(a, stat, gap_frac)  # (3, B, H)
     logp = mx.log(mx.array(prior, mx.float32)).reshape(3, 1, 1)
