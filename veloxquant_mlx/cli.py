@@ -188,11 +188,30 @@ def cmd_methods(args):
     return 0
 
 
+def parse_method_spec(spec: str, budget: int) -> KVCacheConfig:
+    """``name`` or ``name:option=value,option=value`` (e.g. ``nexus:n_samples=none``) -> config."""
+    name, _, rest = spec.partition(":")
+    cls = get_method(name)
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise CLIError(f"bad method spec {spec!r}: expected {name}:option=value with option in "
+                           f"{sorted(fields)}")
+        meta = fields[key].metadata
+        try:
+            options[key] = _parse_value(meta.get("kind", str), meta.get("allow_none", False))(value)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise CLIError(f"bad value in method spec {spec!r}: {e}") from None
+    return KVCacheConfig(method=name, budget=budget, options=options)
+
+
 def cmd_demo(args):
     from .evaluation.passkey import extract_digits, make_passkey_prompt
 
-    for method in args.methods:
-        get_method(method)
+    for spec in args.methods:
+        parse_method_spec(spec, 10**6)  # reject bad specs before loading the model
     if not 0.0 < args.density <= 1.0:
         raise CLIError(f"--density must be in (0, 1], got {args.density}")
     model, tokenizer = _load(args.model)
@@ -203,15 +222,16 @@ def cmd_demo(args):
           f"(depth {args.depth}); eviction methods keep {budget} tokens/head ({args.density:.0%} density).")
     rows = []
     for method in [FULL] + args.methods:
-        config = None if method == FULL else KVCacheConfig(method=method, budget=budget)
+        config = None if method == FULL else parse_method_spec(method, budget)
         out = run_generation(model, tokenizer, tokens, config, max_tokens=8,
                              prefill_step_size=args.prefill_step_size)
         answer = extract_digits(out["text"])
         rows.append((method, answer, answer == key, out))
-    print(f"\n{'cache':10s} {'answer':>8s} {'ok':>3s} {'KV kept':>10s} {'ratio':>6s} "
+    width = max(len(m) for m in [FULL] + args.methods)
+    print(f"\n{'cache':{width}s} {'answer':>8s} {'ok':>3s} {'KV kept':>10s} {'ratio':>6s} "
           f"{'prefill tok/s':>13s} {'decode tok/s':>12s}")
     for method, answer, ok, out in rows:
-        print(f"{method:10s} {answer or '-':>8s} {'yes' if ok else 'no':>3s} {_fmt_bytes(out['kept_bytes']):>10s} "
+        print(f"{method:{width}s} {answer or '-':>8s} {'yes' if ok else 'no':>3s} {_fmt_bytes(out['kept_bytes']):>10s} "
               f"{out['ratio']:>5.1f}x {out['prompt_tps']:>13.1f} {out['generation_tps']:>12.1f}")
     _blas_footer()
     return 0
@@ -243,8 +263,9 @@ def build_parser():
     d.add_argument("--context", type=int, default=1000, help="prompt length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="where the key sits (0 = start, 1 = end)")
     d.add_argument("--density", type=float, default=0.2)
-    d.add_argument("--methods", nargs="+", default=["nexus"], help="eviction methods to compare")
-    d.add_argument("--prefill-step-size", type=int, default=256)
+    d.add_argument("--methods", nargs="+", default=["nexus", "nexus:n_samples=none,per_head=true", "nestedkv", "h2o"],
+                   help="methods to compare: name or name:option=value,... (e.g. nexus:n_samples=none)")
+    d.add_argument("--prefill-step-size", type=int, default=2048)
     d.set_defaults(func=cmd_demo)
 
     try:
