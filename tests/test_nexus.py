@@ -317,3 +317,44 @@ def test_stream_generate_chunked_prefill_evicts_with_tap(per_head):
         assert c.size() <= 128 + 32 and c.offset >= 300
         pos = _np(c.kept_positions())
         assert set(range(4)) <= set(pos[0, 0].tolist())
+
+
+def _numpy_block_weights(q, k, q_pos, k_pos, scale, b, groups_to_average, walk_depth=3, lam=0.5, eps=1e-6):
+    """Reference: per-query-head S_hat (Eq. 1) averaged over ``groups_to_average``, then Eq. 2-5."""
+    B, Hq, W, D = q.shape
+    H, N = k.shape[1], k.shape[2]
+    G = Hq // H
+    qg = q.reshape(B, H, G, W, D)
+    logits = np.einsum("bhgwd,bhnd->bhgwn", qg, k) * scale
+    visible = k_pos[:, :, None, None, :] <= q_pos[None, None, None, :, None]
+    logits = np.where(visible, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    nk = -(-N // b)
+    p = np.pad(p, [(0, 0)] * 4 + [(0, nk * b - N)])
+    m = p.reshape(B, H, G, W, nk, b).sum(-1)
+    s_hat = m / m.sum(-1, keepdims=True)
+    s_hat = s_hat.mean(axis=2) if groups_to_average == "group" else s_hat.mean(axis=(1, 2))[:, None]
+    a = s_hat.mean(-2)
+    C = np.zeros_like(a)
+    for i in range(W - walk_depth, W):
+        a_q = s_hat[..., i, :]
+        C = C + (1 + (a_q * C).sum(-1, keepdims=True)) * a_q
+    s = a + lam * C / np.abs(C).sum(-1, keepdims=True)
+    return s + eps * np.arange(nk) / (nk - 1)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_head_averaged_attention_matches_reference(per_head):
+    cfg = _config(budget=4096, nexus_block_size=8, nexus_window=6, nexus_per_head=per_head)
+    cache = _drive(NexusKVCache(cfg), [50, 13], B=2, Hkv=2, Hq=6, D=8)
+    q, q_pos = cache.window_queries()
+    expected = _numpy_block_weights(_np(q), _np(cache.stored("keys")), _np(q_pos), _np(cache.stored("positions")),
+                                    cache.scale, 8, "group" if per_head else "all")
+    got = _np(cache.block_weights())
+    assert got.shape == expected.shape == ((2, 2, 8) if per_head else (2, 1, 8))
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6)
+    # The literal reading (average the vectors first) gives a different weight vector.
+    vec = NexusKVCache(cfg.replace(options={"head_average": "vectors"}))
+    vec = _drive(vec, [50, 13], B=2, Hkv=2, Hq=6, D=8)
+    assert np.abs(_np(vec.block_weights()) - got).max() > 1e-3

@@ -41,8 +41,12 @@ class NexusOptions:
     eps_tie: float = option(1e-6, low=0.0, doc="ε_tie: recency tie-break magnitude (Eq. 5)")
     n_samples: int = option(5, low=1, allow_none=True,
                             doc="n: reservoir averaging count (Eq. 6); None = n→∞ = deterministic top-K by w")
-    per_head: bool = option(False, doc="False: one layer-shared selection from head-averaged Q/K; "
-                                       "True: per-KV-head selection with GQA-group-averaged queries")
+    per_head: bool = option(False, doc="False: one layer-shared selection (all KV heads keep the same "
+                                       "blocks); True: one selection per KV head (its GQA group averaged)")
+    head_average: str = option("attention", choices=("attention", "vectors"),
+                               doc="how heads are averaged (App. A.1 'head-averaged'): 'attention' averages "
+                                   "the per-head block distributions S_hat; 'vectors' averages the query and "
+                                   "key vectors before one softmax (literal reading; measurably worse)")
 
     def check(self):
         if self.walk_depth > self.window:
@@ -82,31 +86,35 @@ class NexusKVCache(EvictionCache):
         self.query_window = self.options.window
 
     # -- scoring ------------------------------------------------------------------------------
-    def _scoring_inputs(self):
-        """(q (B, G, W, D), k (B, G, N, D), q_pos, k_pos (B, G, N), scale); G = 1 or H_kv."""
+    def block_weights(self) -> mx.array:
+        """w (B, G, N_k) for the current stored rows (Eq. 1-5); G = 1 (layer-shared) or H_kv."""
+        o = self.options
         keys, pos = self.stored("keys"), self.stored("positions")
         B, H, N, D = keys.shape
         q, q_pos = self.window_queries()
         scale = self.scale if self.scale is not None else D ** -0.5
         if q is None:  # no queries seen yet (no tap, evicting before the first observe): keys stand in
             W = min(self.query_window, N)
-            q, q_pos = keys[:, :, -W:], pos[:, :1, -W:]
-        if self.options.per_head:
-            G = q.shape[1] // H
-            q = q.reshape(B, H, G, *q.shape[2:]).mean(axis=2) if G > 1 else q  # GQA-group average
-            return q, keys, q_pos, pos, scale
-        # Layer-shared: head-averaged Q and K (App. A.1); positions agree across heads (uniform storage).
-        # Average over the whole contiguous buffer, then slice: MLX reduces a strided row-slice view
-        # ~50x slower (measured), and the unused capacity is < one storage step.
-        buf = self.keys if self.keys.dtype == mx.float32 else self.keys.astype(mx.float32)
-        k_mean = buf.mean(axis=1, keepdims=True)[:, :, :N]
-        return q.mean(axis=1, keepdims=True), k_mean, q_pos, pos[:, :1], scale
-
-    def block_weights(self) -> mx.array:
-        """w (B, G, N_k) for the current stored rows (Eq. 1-5)."""
-        q, k, q_pos, k_pos, scale = self._scoring_inputs()
-        o = self.options
-        s_hat = block_distribution(q, k, q_pos, k_pos, scale, o.block_size)
+            q, q_pos = keys[:, :, -W:], pos[0, 0, -W:]
+        G = q.shape[1] // H
+        if o.head_average == "attention":
+            # S_hat per query head against its own KV head, then averaged over the heads that share a
+            # selection: all of them (layer-shared) or the GQA group (per KV head).
+            q = q.reshape(B, H, G, *q.shape[2:])
+            s_hat = block_distribution(q, mx.expand_dims(keys, 2), q_pos, mx.expand_dims(pos, 2), scale,
+                                       o.block_size)  # (B, H, G, W, N_k)
+            s_hat = s_hat.mean(axis=2) if o.per_head else s_hat.mean(axis=(1, 2))[:, None]
+        elif o.per_head:
+            q = q.reshape(B, H, G, *q.shape[2:]).mean(axis=2) if G > 1 else q  # GQA-group-averaged query
+            s_hat = block_distribution(q, keys, q_pos, pos, scale, o.block_size)
+        else:
+            # Head-averaged Q and K vectors (App. A.1, literal); positions agree across heads (uniform
+            # storage). Average over the whole contiguous buffer, then slice: MLX reduces a strided
+            # row-slice view ~50x slower (measured), and the unused capacity is < one storage step.
+            buf = self.keys if self.keys.dtype == mx.float32 else self.keys.astype(mx.float32)
+            k_mean = buf.mean(axis=1, keepdims=True)[:, :, :N]
+            s_hat = block_distribution(q.mean(axis=1, keepdims=True), k_mean, q_pos, pos[:, :1], scale,
+                                       o.block_size)
         return nexus_weights(s_hat, o.walk_depth, o.lam, o.eps_tie)
 
     def select_rows(self):
