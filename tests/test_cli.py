@@ -34,14 +34,13 @@ def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
 
 @needs_model
 def test_demo_passkey_at_20_percent(capsys):
-    rc, out, _ = _run(capsys, "demo", "--context", "1000", "--methods", "nexus", "nestedkv", "streaming")
+    rc, out, _ = _run(capsys, "demo", "--context", "1000", "--methods", "nexus", "nestedkv")
     assert rc == 0
     table = {line.split()[0]: line.split() for line in out.splitlines()[3:] if line.strip()}
     assert table["full"][2] == "yes", out  # the full cache finds the key
-    retrieved = [m for m in ("nexus", "nestedkv", "streaming") if table[m][2] == "yes"]
+    retrieved = [m for m in ("nexus", "nestedkv") if table[m][2] == "yes"]
     print("retrieved at 20% density:", retrieved)
     assert retrieved, out  # at least one eviction method keeps the needle
-    assert table["streaming"][2] == "no"  # sinks + window cannot see the middle of the prompt
     assert float(table["nexus"][5].rstrip("x")) > 4.0  # ~5x smaller KV cache
 
 
