@@ -254,7 +254,7 @@ def np_ada(scores, budget, n_sink, recent, alpha):
     raw = count * (1 - alpha) + alpha * sel
     base = np.floor(raw + 1e-4)
     short = int(H * sel - base.sum())
-    base[np.argsort(-(raw - base), kind="stable")[:short]] += 1
+    base[np.argsort(-np.round((raw - base) * 1e4), kind="stable")[:short]] += 1  # ties: lower head first
     b = base.astype(int)
     keep = []
     for h in range(H):

@@ -35,7 +35,10 @@ def ada_head_budgets(counts: mx.array, sel_budget: int, alpha: float) -> mx.arra
     raw = counts.astype(mx.float32) * (1.0 - alpha) + alpha * sel_budget
     base = mx.floor(raw + 1e-4)
     short = H * sel_budget - base.sum(axis=-1, keepdims=True)  # in [0, H): largest remainders get +1
-    bump = _rank_desc(raw - base, axis=-1) < short
+    # Remainders equal in exact arithmetic can differ by an ulp in fp32: quantize them, then break
+    # ties by head index (lower first) so the result is the same on every backend.
+    rem = mx.round((raw - base) * 1e4) * (H + 1) - mx.arange(H, dtype=mx.float32)
+    bump = _rank_desc(rem, axis=-1) < short
     return (base + bump.astype(mx.float32)).astype(mx.int32)
 
 
