@@ -1,0 +1,171 @@
+"""End-to-end checks of the real-model evaluation harness on ``--quick`` (tiny random llama, byte
+tokenizer): cells are written, a re-run skips finished cells, errors become cells, the report is
+generated, and an eviction cache whose budget covers the whole sequence equals the full cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from veloxquant_mlx.cli import main  # noqa: E402
+from veloxquant_mlx.evaluation import results as R  # noqa: E402
+from veloxquant_mlx.evaluation.perplexity import streaming_nll  # noqa: E402
+from veloxquant_mlx.evaluation.retrieval import make_keys, make_prompt, prose_paragraphs  # noqa: E402
+from veloxquant_mlx.evaluation.speed import greedy_generate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return R.tiny_model()
+
+
+def _run(*argv):
+    assert main(list(argv)) == 0
+
+
+def test_method_specs_follow_registry():
+    from veloxquant_mlx.registry import methods
+
+    names = [s.name for s in R.method_specs()]
+    assert names[0] == R.FULL
+    assert set(methods()) <= set(names)
+    if "nexus" in methods():
+        specs = {s.name: s for s in R.method_specs()}
+        assert specs["nexus-topk"].opts == {"n_samples": None}
+        assert specs["nexus-nowalk"].opts == {"lam": 0.0}
+
+
+def test_prose_has_no_digits_and_needle_is_found(tiny):
+    _, tok = tiny
+    paras = prose_paragraphs()
+    assert len(paras) > 50 and not any(ch.isdigit() for p in paras[:200] for ch in p)
+    key = make_keys(1)[0]
+    toks, pos = make_prompt(tok, "text", 700, 0.5, key)
+    text = tok.decode(toks)
+    assert f"The magic number is {key}" in text and text.rstrip().endswith("The magic number is")
+    assert abs(len(toks) - 700) < 80 and 0 < pos < len(toks)
+    assert sum(ch.isdigit() for ch in text) == 2 * len(key)  # the needle is the only number
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_full_cache_equals_eviction_with_budget_covering_prompt(tiny):
+    model, tok = tiny
+    toks, _ = make_prompt(tok, "grass", 640, 0.5, "12345")
+    full = R.make_caches(model, R.method_specs([R.FULL])[0], 0)
+    ref = greedy_generate(model, toks, full, 6, 256)
+    for name in ("nexus", "h2o", "snapkv", "streaming"):
+        spec = R.method_specs([name])[0]
+        for step in (len(toks) + 1, 256):
+            caches = R.make_caches(model, spec, budget=len(toks) + 64)
+            out = greedy_generate(model, toks, caches, 6, step)
+            assert out["tokens"] == ref["tokens"], (name, step)
+    # Streaming NLL too.
+    seq = toks[:400]
+    nll_full = streaming_nll(model, seq, R.make_caches(model, R.method_specs([R.FULL])[0], 0), 64)
+    nll_ev = streaming_nll(model, seq, R.make_caches(model, R.method_specs(["h2o"])[0], budget=len(seq) + 64), 64)
+    assert max(abs(a - b) for a, b in zip(nll_full, nll_ev)) < 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_shared_prefill_equals_separate_runs(tiny):
+    from veloxquant_mlx.evaluation.retrieval import shared_prefill_generate
+
+    model, tok = tiny
+    toks, _ = make_prompt(tok, "text", 700, 0.3, "54321")
+    specs = [s for s in R.method_specs() if s.method is not None]
+    budget = 160
+    named = {}
+    for s in specs:
+        try:
+            named[s.name] = R.make_caches(model, s, budget)
+        except ValueError:
+            pass
+    assert "nexus" in named
+    out = shared_prefill_generate(model, toks, named, 6)
+    ref = greedy_generate(model, toks, R.make_caches(model, R.method_specs([R.FULL])[0], 0), 6, len(toks) + 1)
+    assert out["__full__"]["tokens"] == ref["tokens"]
+    for s in specs:
+        if s.name not in named:
+            continue
+        alone = greedy_generate(model, toks, R.make_caches(model, s, budget), 6, len(toks) + 1)
+        assert out[s.name]["tokens"] == alone["tokens"], s.name
+        assert out[s.name]["kv_bytes_end"] == alone["kv_bytes_end"], s.name
+
+
+def test_run_cells_records_errors_and_resumes(tmp_path):
+    store = R.ResultStore(tmp_path / "x.json", "x")
+    cells = [(f"c{i}", {"i": i}) for i in range(4)]
+
+    def run_one(p):
+        if p["i"] == 2:
+            raise ValueError("boom")
+        return {"v": p["i"] * 10}
+
+    res = R.run_cells(store, cells, run_one, progress=False)
+    assert res["ran"] == 4 and res["errors"] == 1
+    data = store.load()
+    assert data["cells"]["c2"]["error"] == "ValueError: boom" and data["cells"]["c3"]["v"] == 30
+    res = R.run_cells(store, cells, run_one, progress=False)
+    assert res["ran"] == 0
+    # A claim left by a dead process does not block the cell.
+    store.put("c0", {})
+    data = store.load()
+    del data["cells"]["c0"]
+    data["claims"] = {"c0": {"pid": 2**22 + 12345, "host": __import__("platform").node(), "t": "x"}}
+    (tmp_path / "x.json").write_text(json.dumps(data))
+    assert R.run_cells(store, cells, run_one, progress=False)["ran"] == 1
+
+
+def test_cli_quick_end_to_end(tmp_path):
+    out, md = str(tmp_path / "eval"), str(tmp_path / "results.md")
+    common = ["--quick", "--out-dir", out, "--results-md", md, "--no-progress"]
+    pk = ["eval", "passkey", *common, "--methods", "full", "nexus", "snapkv", "streaming",
+          "--contexts", "640", "--densities", "0.2", "--depths", "0.5", "--n-keys", "1",
+          "--haystacks", "grass", "text", "--regimes", "prefill", "decode"]
+    _run(*pk)
+    data = json.loads((tmp_path / "eval" / "passkey.json").read_text())
+    cells = data["cells"]
+    # per haystack: full (1) + nexus (2 regimes) + snapkv (prefill-only: 1) + streaming (2)
+    assert len(cells) == 12
+    assert not any(c["method"] == "snapkv" and c["regime"] == "decode" for c in cells.values())
+    assert all("correct" in c and c["prompt_tokens"] > 600 for c in cells.values())
+    assert data["meta"]["quick"] is True and "openblas_preloaded" in data["meta"]["machine"]
+    # Resume: nothing is re-run; a deleted cell is re-run alone.
+    _run(*pk)
+    data = json.loads((tmp_path / "eval" / "passkey.json").read_text())
+    assert data["runs"][-1]["ran"] == 0
+    victim = next(iter(data["cells"]))
+    del data["cells"][victim]
+    (tmp_path / "eval" / "passkey.json").write_text(json.dumps(data))
+    _run(*pk)
+    data = json.loads((tmp_path / "eval" / "passkey.json").read_text())
+    assert data["runs"][-1]["ran"] == 1 and victim in data["cells"]
+
+    _run("eval", "perplexity", *common, "--methods", "full", "nexus", "streaming", "--densities", "0.2",
+         "--n-tokens", "640")
+    ppl = json.loads((tmp_path / "eval" / "perplexity.json").read_text())["cells"]
+    assert len(ppl) == 3 and all(c.get("ppl", 0) > 1 for c in ppl.values())
+
+    _run("eval", "speed", *common, "--methods", "kvcache", "rotating", "nexus", "--repeats", "3",
+         "--decode-tokens", "8")
+    sp = json.loads((tmp_path / "eval" / "speed.json").read_text())["cells"]
+    assert len(sp) == 1
+    per = next(iter(sp.values()))["per_cache"]
+    assert set(per) == {"kvcache", "rotating", "nexus"}
+    for r in per.values():
+        assert len(r["segments"]) == 3 and r["decode_tps"] > 0 and r["prefill_tps"] > 0
+    assert per["nexus"]["kv_bytes_end"] < 0.5 * per["kvcache"]["kv_bytes_end"]
+    assert per["nexus"]["kv_bytes_end"] <= per["nexus"]["kv_bytes_after_prefill"] * 1.2  # bounded in decode
+    assert per["kvcache"]["kv_bytes_end"] > per["kvcache"]["kv_bytes_after_prefill"]  # grows
+
+    _run("eval", "report", "--out-dir", out, "--results-md", md)
+    text = (tmp_path / "results.md").read_text()
+    for needle in ("Passkey accuracy", "Streaming perplexity", "Decode throughput", "KV memory", "Reading"):
+        assert needle in text
+    for fig in ("passkey_accuracy_vs_density.png", "passkey_accuracy_by_depth.png", "perplexity_vs_density.png",
+                "speed_memory_vs_context.png"):
+        assert (tmp_path / "eval" / fig).exists()

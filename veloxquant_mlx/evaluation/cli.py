@@ -1,0 +1,108 @@
+"""``python -m veloxquant_mlx eval {passkey,perplexity,speed,report}``: the real-model evaluation.
+
+Every run is resumable: finished cells live in ``<out-dir>/<experiment>.json`` keyed by a cell id,
+and a re-run skips them. ``--quick`` swaps the bundled model for a tiny random llama and a byte
+tokenizer (seconds; a harness check, numbers meaningless). Use the top-level ``--fast-blas`` (or
+``LD_PRELOAD=.../libopenblas.so.0 OPENBLAS_NUM_THREADS=1``) for realistic CPU timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD
+
+
+def _shard(text):
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard wants I/N, got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard needs 0 <= I < N, got {text!r}")
+    return (i, n)
+
+
+def _common(p):
+    p.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), a .gguf or mlx-lm path")
+    p.add_argument("--quick", action="store_true", help="tiny random model + byte tokenizer (harness check)")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help=f"JSON / figure folder (default {DEFAULT_OUT_DIR})")
+    p.add_argument("--shard", type=_shard, default=(0, 1), help="I/N: run every N-th cell starting at I "
+                   "(several workers can share one JSON file)")
+    p.add_argument("--time-budget", type=float, default=None, help="stop starting new cells after this many seconds")
+    p.add_argument("--max-cells", type=int, default=None, help="run at most this many unfinished cells")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk; for speed "
+                        "also kvcache, rotating); default: full + every registry method + the Nexus ablations")
+
+
+def _cmd(module_name):
+    def handler(args):
+        import importlib
+
+        from .results import write_report
+
+        mod = importlib.import_module(f"veloxquant_mlx.evaluation.{module_name}")
+        rc = mod.run(args)
+        if not getattr(args, "no_report", False):
+            write_report(args.out_dir, args.results_md)
+        return rc
+
+    return handler
+
+
+def _report(args):
+    from .results import write_report
+
+    path = write_report(args.out_dir, args.results_md)
+    print(f"wrote {path}")
+    return 0
+
+
+def add_parser(subparsers):
+    ev = subparsers.add_parser("eval", help="real-model evaluation: passkey, perplexity, speed, report",
+                               description=__doc__.splitlines()[0])
+    sub = ev.add_subparsers(dest="eval_command", required=True)
+
+    pk = sub.add_parser("passkey", help="passkey / needle retrieval under every method")
+    _common(pk)
+    pk.add_argument("--contexts", type=int, nargs="+", default=None, help="prompt lengths (tokens)")
+    pk.add_argument("--densities", type=float, nargs="+", default=None)
+    pk.add_argument("--haystacks", nargs="+", choices=["grass", "text"], default=None)
+    pk.add_argument("--regimes", nargs="+", choices=["prefill", "decode"], default=None)
+    pk.add_argument("--depths", type=float, nargs="+", default=None)
+    pk.add_argument("--n-keys", type=int, default=3)
+    pk.add_argument("--seeds", type=int, nargs="+", default=None, help="Nexus reservoir seeds (custom grid)")
+    pk.add_argument("--chunk", type=int, default=256, help="prefill chunk of the prefill + decode regime")
+    pk.add_argument("--max-new-tokens", type=int, default=8)
+    pk.add_argument("--prefill-first", action="store_true",
+                    help="run every prefill-only-regime cell (cheap: shared passes) before the decode regime")
+    pk.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
+                    help="prefill-only regime: run every method's prefill separately instead of one shared "
+                         "single-chunk pass per prompt (same result, ~methods x slower)")
+
+    pp = sub.add_parser("perplexity", help="streaming perplexity at fixed densities")
+    _common(pp)
+    pp.add_argument("--n-tokens", type=int, default=None, help="tokens scored (default 2048; quick 384)")
+    pp.add_argument("--chunk", type=int, default=None, help="stream chunk (default 128; quick 64)")
+    pp.add_argument("--densities", type=float, nargs="+", default=None)
+
+    sp = sub.add_parser("speed", help="prefill / decode tok/s, peak memory and KV bytes")
+    _common(sp)
+    sp.add_argument("--contexts", type=int, nargs="+", default=None, help="prompt lengths (default 1024 2048 4096)")
+    sp.add_argument("--density", type=float, default=0.2)
+    sp.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens (default 64; quick 16)")
+    sp.add_argument("--repeats", type=int, default=3)
+    sp.add_argument("--prefill-step", type=int, default=256)
+
+    for p, mod in ((pk, "retrieval"), (pp, "perplexity"), (sp, "speed")):
+        p.add_argument("--results-md", default=DEFAULT_RESULTS_MD, help="report regenerated after the run")
+        p.add_argument("--no-report", action="store_true", help="do not regenerate the report after the run")
+        p.set_defaults(func=_cmd(mod))
+
+    rp = sub.add_parser("report", help="regenerate figures and docs/results.md from the JSON files")
+    rp.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
+    rp.add_argument("--results-md", default=DEFAULT_RESULTS_MD)
+    rp.set_defaults(func=_report)
+    return ev

@@ -1,0 +1,100 @@
+"""Streaming perplexity: real text fed chunk by chunk through each eviction cache.
+
+Every chunk of ``chunk`` tokens is fed as ``chunk - 1`` tokens in one call followed by its last
+token as a single-token call. Decode-evicting methods evict whenever they exceed budget + slack;
+prefill-only methods compress at every single-token call (i.e. once per chunk), so every method is
+bounded throughout the stream. The NLL of each token is taken from the logits computed with the
+cache as it was at that moment. Budget = density x sequence length.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
+                      now, quiet_cache_warnings, run_cells)
+
+
+def text_tokens(tokenizer, n_tokens: int) -> list:
+    from .retrieval import prose_text
+
+    # Digits allowed here (normal prose statistics); a different shuffle from the haystacks.
+    ids = tokenizer.encode(prose_text(seed=11, min_chars=12 * n_tokens + 1000, allow_digits=True))
+    if len(ids) < n_tokens + 1:
+        raise ValueError(f"corpus too short: {len(ids)} tokens < {n_tokens + 1}")
+    return ids[:n_tokens + 1]
+
+
+def streaming_nll(model, tokens, caches, chunk: int) -> list:
+    """Per-token NLL (nats) of tokens[1:], feeding tokens[:-1] through ``caches`` chunk by chunk."""
+    import mlx.core as mx
+
+    x = mx.array(tokens)
+    n = len(tokens) - 1
+    nll = []
+    for i in range(0, n, chunk):
+        j = min(i + chunk, n)
+        parts = [(i, j - 1), (j - 1, j)] if j - i > 1 else [(i, j)]
+        for a, b in parts:
+            logits = model(x[None, a:b], cache=caches)[0].astype(mx.float32)
+            lse = mx.logsumexp(logits, axis=-1)
+            tgt = mx.take_along_axis(logits, x[a + 1:b + 1][:, None], axis=-1)[:, 0]
+            v = lse - tgt
+            mx.eval(v)
+            nll.extend(v.tolist())
+    return nll
+
+
+def run(args) -> int:
+    quiet_cache_warnings()
+    quick = args.quick
+    model, tokenizer, desc = load_eval_model(args.model, quick)
+    n_tokens = args.n_tokens or (640 if quick else 2048)
+    chunk = args.chunk or (64 if quick else 128)
+    specs = {s.name: s for s in method_specs(args.methods)}
+    if args.densities:
+        dens_all, dens_few = args.densities, []
+    else:
+        dens_all, dens_few = [0.2], [0.1, 0.5]
+    few = [m for m in ("nexus", "h2o", "snapkv", "streaming", "morphkv") if m in specs]
+    cid = functools.partial(cell_id, exp="ppl", n_tokens=n_tokens, chunk=chunk)
+    cells = [(cid(method=FULL, density=None), {"method": FULL, "density": None, "seed": 0})]
+    for d in dens_all:
+        for m in specs:
+            if m != FULL:
+                cells.append((cid(method=m, density=d), {"method": m, "density": d, "seed": 0}))
+    for d in dens_few:
+        for m in (list(specs) if quick else few):
+            if m != FULL:
+                cells.append((cid(method=m, density=d), {"method": m, "density": d, "seed": 0}))
+    toks = text_tokens(tokenizer, n_tokens)
+    grid = {"n_tokens": n_tokens, "chunk": chunk, "densities_all_methods": dens_all,
+            "densities_few_methods": dens_few, "few_methods": few,
+            "text": "stdlib pydoc_data.topics prose (code blocks removed)", "n_cells": len(cells)}
+    store = ResultStore(f"{args.out_dir}/perplexity.json", "perplexity")
+    store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
+
+    def run_one(p):
+        spec = specs[p["method"]] if p["method"] in specs else method_specs([p["method"]])[0]
+        budget = n_tokens if spec.method is None else max(int(round(p["density"] * n_tokens)), 1)
+        caches = make_caches(model, spec, budget, seed=p["seed"])
+        t = time.perf_counter()
+        nll = streaming_nll(model, toks, caches, chunk)
+        half = len(nll) // 2
+        mean = sum(nll) / len(nll)
+        late = sum(nll[half:]) / len(nll[half:])
+        return {"budget": budget, "n_tokens": n_tokens, "chunk": chunk, "nll": mean, "ppl": math.exp(mean), "nll_second_half": late,
+                "ppl_second_half": math.exp(late), "tokens_scored": len(nll),
+                "nll_by_chunk": [round(sum(nll[i:i + chunk]) / len(nll[i:i + chunk]), 4)
+                                 for i in range(0, len(nll), chunk)],
+                "seconds": round(time.perf_counter() - t, 2)}
+
+    t0 = time.perf_counter()
+    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
+                    max_cells=args.max_cells, desc="perplexity", progress=not args.no_progress)
+    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res,
+                           "wall_s": round(time.perf_counter() - t0, 1)})
+    print(f"perplexity: {res}")
+    return 0

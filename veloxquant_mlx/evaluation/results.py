@@ -1,0 +1,979 @@
+"""Shared plumbing of the real-model evaluation: method specs, model loading, the resumable JSON
+cell store, and the report (tables, figures, ``docs/results.md``) generated from the JSON files.
+
+Every experiment (passkey, perplexity, speed) is a list of *cells*; a cell has a string id built
+from its grid coordinates. Finished cells are written to ``<out_dir>/<experiment>.json`` one at a
+time (file lock + atomic replace), so a run can be killed at any moment and resumed, and several
+worker processes (``--shard i/n``) can fill the same file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+FULL = "full"
+# Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
+ABLATIONS = {
+    "nexus-topk": ("nexus", {"n_samples": None}),
+    "nexus-nowalk": ("nexus", {"lam": 0.0}),
+}
+DEFAULT_OUT_DIR = "figures/eval"
+DEFAULT_RESULTS_MD = "docs/results.md"
+
+
+# --------------------------------------------------------------------------------------------
+# Methods
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """One column of the comparison: a label, the registry method (None = full cache), options."""
+
+    name: str
+    method: str | None
+    options: tuple = ()  # sorted (key, value) pairs, hashable
+
+    @property
+    def opts(self) -> dict:
+        return dict(self.options)
+
+    @property
+    def prefill_only(self) -> bool:
+        """True when the method compresses only once at the end of the prompt (or is the full cache):
+        then the prefill + decode regime is identical to the prefill-only one."""
+        if self.method is None:
+            return True
+        from ..registry import get_method
+
+        return bool(getattr(get_method(self.method), "prefill_only", False))
+
+
+def method_specs(names=None, ablations: bool = True) -> list:
+    """Full cache + every registry method (read at run time) + the Nexus ablations.
+
+    ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed)."""
+    from ..registry import methods
+
+    specs = {FULL: MethodSpec(FULL, None)}
+    for m in methods():
+        specs[m] = MethodSpec(m, m)
+    if ablations and "nexus" in specs:
+        for label, (m, opts) in ABLATIONS.items():
+            specs[label] = MethodSpec(label, m, tuple(sorted(opts.items())))
+    if names is None:
+        return list(specs.values())
+    out = []
+    for n in names:
+        if n not in specs:
+            raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)}")
+        out.append(specs[n])
+    return out
+
+
+def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0):
+    """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if spec.method is None:
+        return make_prompt_cache(model)
+    from ..builder import KVCacheBuilder
+    from ..config import KVCacheConfig
+
+    config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts)
+    return KVCacheBuilder.for_model(model, config)
+
+
+def quiet_cache_warnings():
+    """Chunked feeding after a single-token step is intended here; silence that advisory."""
+    warnings.filterwarnings("ignore", message=".*receives a new prompt.*")
+
+
+# --------------------------------------------------------------------------------------------
+# Models: the bundled SmolLM2 or (``--quick``) a tiny random llama + a byte tokenizer
+# --------------------------------------------------------------------------------------------
+class ByteTokenizer:
+    """Tiny tokenizer for --quick: one token per UTF-8 byte."""
+
+    vocab_size = 256
+    eos_token_id = None
+
+    def encode(self, text: str, **_):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, **_):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def tiny_model(seed: int = 0):
+    """A 2-layer random mlx-lm llama (vocab 256) for harness tests; runs in milliseconds."""
+    import mlx.core as mx
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    mx.random.seed(seed)
+    args = ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+                     tie_word_embeddings=True)
+    model = Model(args)
+    mx.eval(model.parameters())
+    return model, ByteTokenizer()
+
+
+def load_eval_model(spec: str = "bundled", quick: bool = False):
+    """(model, tokenizer, description)."""
+    if quick:
+        m, t = tiny_model()
+        return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
+    from ..models import load_model
+
+    m, t = load_model(None if spec in (None, "bundled") else spec)
+    desc = "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, dequantized to fp32)" if spec in (None, "bundled") \
+        else str(spec)
+    return m, t, desc
+
+
+def machine_info() -> dict:
+    import mlx.core as mx
+
+    from ..blas import openblas_preloaded
+
+    info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),
+            "device": str(mx.default_device()), "openblas_preloaded": openblas_preloaded(),
+            "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
+    try:
+        import mlx_lm
+
+        info["mlx_lm"] = getattr(mlx_lm, "__version__", "?")
+    except Exception:  # pragma: no cover
+        pass
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, AttributeError):
+        info["loadavg_at_start"] = list(os.getloadavg())
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# Resumable cell store
+# --------------------------------------------------------------------------------------------
+def cell_id(**coords) -> str:
+    return "|".join(f"{k}={coords[k]}" for k in coords)
+
+
+class ResultStore:
+    """``{experiment, meta, grid, cells: {id: record}}`` in one JSON file, safe for several writers."""
+
+    def __init__(self, path, experiment: str):
+        self.path = Path(path)
+        self.experiment = experiment
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        lock = self.path.with_suffix(self.path.suffix + ".lock")
+        with open(lock, "a+") as fh:
+            try:
+                import fcntl
+
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            except ImportError:  # pragma: no cover - non-POSIX
+                pass
+            yield
+
+    def load(self) -> dict:
+        if self.path.exists():
+            try:
+                return json.loads(self.path.read_text())
+            except json.JSONDecodeError:
+                warnings.warn(f"{self.path} is corrupt; starting it afresh (old file kept as .bad)")
+                os.replace(self.path, self.path.with_suffix(".json.bad"))
+        return {"experiment": self.experiment, "meta": {}, "grid": {}, "cells": {}}
+
+    def _write(self, data):
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=False, default=_json_default))
+        os.replace(tmp, self.path)
+
+    def done(self) -> set:
+        return set(self.load()["cells"])
+
+    def put(self, cid: str, record: dict):
+        with self._locked():
+            data = self.load()
+            data["cells"][cid] = record
+            data.get("claims", {}).pop(cid, None)
+            self._write(data)
+
+    def claim(self, cid: str) -> bool:
+        """Mark ``cid`` as being run by this process; False if finished or claimed by a live process
+        (so several workers can walk the same priority list without duplicating cells)."""
+        with self._locked():
+            data = self.load()
+            if cid in data["cells"]:
+                return False
+            c = data.setdefault("claims", {}).get(cid)
+            if c and c.get("pid") != os.getpid() and c.get("host") == platform.node() and _alive(c.get("pid")):
+                return False
+            data["claims"][cid] = {"pid": os.getpid(), "host": platform.node(), "t": now()}
+            self._write(data)
+            return True
+
+    def update_meta(self, meta: dict | None = None, grid: dict | None = None, run: dict | None = None):
+        with self._locked():
+            data = self.load()
+            if meta:
+                data["meta"].update(meta)
+            if grid is not None:
+                data["grid"] = grid
+            if run is not None:
+                data.setdefault("runs", []).append(run)
+            self._write(data)
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_budget: float | None = None,
+              max_cells: int | None = None, desc: str = "", progress: bool = True) -> dict:
+    """Run every unfinished cell of this shard (in list order = priority order), storing each.
+
+    ``cells`` is a list of (cell_id, params) pairs; ``run_one(params)`` returns the record; an
+    exception becomes ``{"error": ...}`` for that cell. Stops starting new cells after
+    ``time_budget`` seconds. Returns counts.
+    """
+    from tqdm import tqdm
+
+    i, n = shard
+    mine = [(cid, p) for k, (cid, p) in enumerate(cells) if k % n == i]
+    done = store.done()
+    todo = [(cid, p) for cid, p in mine if cid not in done]
+    if max_cells is not None:
+        todo = todo[:max_cells]
+    t0 = time.perf_counter()
+    ran = errors = 0
+    stopped = False
+    bar = tqdm(todo, desc=desc or store.experiment, disable=not progress, dynamic_ncols=True)
+    for cid, params in bar:
+        if time_budget is not None and time.perf_counter() - t0 > time_budget:
+            stopped = True
+            break
+        if not store.claim(cid):  # finished or being run by another worker meanwhile
+            continue
+        c0 = time.perf_counter()
+        try:
+            rec = run_one(params)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # a method that raises is an error for its cell, not a crash
+            rec = {"error": f"{type(e).__name__}: {e}"}
+            errors += 1
+        rec = {**params, **rec, "cell_s": round(time.perf_counter() - c0, 3), "finished": now()}
+        store.put(cid, rec)
+        ran += 1
+        bar.set_postfix_str(cid[-60:])
+    bar.close()
+    return {"planned": len(mine), "skipped_done": len(mine) - len(todo) if max_cells is None else
+            sum(1 for cid, _ in mine if cid in done), "ran": ran, "errors": errors,
+            "stopped_by_time_budget": stopped, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+# --------------------------------------------------------------------------------------------
+# Report: tables, figures, docs/results.md
+# --------------------------------------------------------------------------------------------
+def _load_json(out_dir, name):
+    p = Path(out_dir) / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _pct(x):
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ok_cells(data):
+    return [c for c in (data or {}).get("cells", {}).values() if "error" not in c]
+
+
+def _err_cells(data):
+    return [c for c in (data or {}).get("cells", {}).values() if "error" in c]
+
+
+def _order(names, spec_order=None):
+    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv",
+            "nestedkv", "streaming", "random"]
+    return sorted(set(names), key=lambda n: (pref.index(n) if n in pref else len(pref), n))
+
+
+_PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
+            "streaming", "random", "kvcache", "rotating"]
+
+
+def _color(name):
+    import matplotlib.pyplot as plt
+
+    i = _PALETTE.index(name) if name in _PALETTE else len(_PALETTE) + hash(name) % 7
+    return "k" if name == FULL else plt.cm.tab20(i % 20)
+
+
+def _ctx_label(n):
+    return f"{n // 1024}K" if n % 1024 == 0 else (f"{n / 1000:g}K" if n % 1000 == 0 else str(n))
+
+
+def passkey_summary(data) -> dict:
+    """acc[(regime, density, method, haystack, context)] = (correct, n) over depths x keys, seed 0
+    (decode-regime rows of prefill-only methods are taken from the prefill-only regime)."""
+    cells = _ok_cells(data)
+    acc = {}
+    for c in cells:
+        if c.get("seed", 0) != 0:
+            continue
+        key = (c["regime"], c["density"], c["method"], c["haystack"], c["context"])
+        a = acc.setdefault(key, [0, 0])
+        a[0] += int(bool(c["correct"]))
+        a[1] += 1
+    return acc
+
+
+def _passkey_index(data):
+    """res[(regime, density, method, haystack, context)][(depth, key)] = True/False/"error" (seed 0).
+    Decode-regime entries of prefill-only methods point at their prefill-regime cells; the full cache
+    appears under every density (it has none) and both regimes."""
+    all_cells = list((data or {}).get("cells", {}).values())
+    prefill_only = {c["method"]: c.get("prefill_only_method", c["method"] == FULL) for c in all_cells
+                    if "prefill_only_method" in c or c["method"] == FULL}
+    densities = sorted({c["density"] for c in all_cells if c["method"] != FULL and c.get("density") is not None})
+    res = {}
+    for c in all_cells:
+        if c.get("seed", 0) != 0:
+            continue
+        val = "error" if "error" in c else bool(c["correct"])
+        dens_list = densities if c["method"] == FULL else [c["density"]]
+        regimes = ["prefill", "decode"] if prefill_only.get(c["method"]) else [c["regime"]]
+        for d in dens_list:
+            for r in regimes:
+                res.setdefault((r, d, c["method"], c["haystack"], c["context"]), {})[(c["depth"], c["key"])] = val
+    return res, densities, prefill_only
+
+
+def passkey_table(data, density, regime, column):
+    """{method: (correct, n, n_errors)} on the prompts that every method of this table finished, and
+    that prompt count. The table = every method with a cell at (density, column) in either regime."""
+    res, _, _ = _passkey_index(data)
+    hay, ctx = column
+    methods = {k[2] for k in res if k[0] == regime and k[1] == density and k[3:] == column}
+    if FULL not in methods:
+        return {}, 0
+    need = [k for k in res if k[0] == regime and k[1] == density and k[3:] == column]
+    common = set.intersection(*(set(res[k]) for k in need)) if need else set()
+    out = {}
+    for m in methods:
+        k = (regime, density, m, hay, ctx)
+        if k not in res:
+            continue
+        vals = [res[k][p] for p in common]
+        out[m] = (sum(v is True for v in vals), len(vals), sum(v == "error" for v in vals))
+    return out, len(common)
+
+
+def _passkey_tables(data, lines, figs_dir, figures):
+    cells = _ok_cells(data)
+    if not cells:
+        lines.append("_No passkey cells finished yet._\n")
+        return {}
+    res, densities, prefill_only = _passkey_index(data)
+    acc = passkey_summary(data)
+    grid_cols = sorted({(c["haystack"], c["context"]) for c in data["cells"].values()},
+                       key=lambda t: (t[0] != "grass", t[1]))
+    methods_all = _order({c["method"] for c in data["cells"].values()})
+    headline = {}
+    tables = {(d, r, col): passkey_table(data, d, r, col) for d in densities for r in ("prefill", "decode")
+              for col in grid_cols}
+
+    def row_for(regime, density, m):
+        vals, tot_c, tot_n = [], 0, 0
+        for col in grid_cols:
+            t, n_common = tables[(density, regime, col)]
+            if m in t and t[m][1]:
+                cnum, n, ne = t[m]
+                if ne == n:
+                    vals.append("error")
+                    continue
+                vals.append(f"{100 * cnum / n:.0f} ({cnum}/{n}{', ' + str(ne) + ' err' if ne else ''})")
+                tot_c += cnum
+                tot_n += n
+            else:
+                vals.append("–")
+        copied = regime == "decode" and bool(prefill_only.get(m))
+        return vals, (tot_c / tot_n if tot_n else None), tot_n, copied
+
+    for density in densities:
+        lines.append(f"\n#### Passkey accuracy (%) at density {density:.0%} (Table 1–2 shape)\n")
+        cols = [f"{h} {_ctx_label(n)}" for h, n in grid_cols]
+        for regime, title in (("prefill", "Prefill-only eviction (whole prompt = one prefill chunk; "
+                                            "compression at the end of the prompt)"),
+                              ("decode", "Prefill + decode eviction (prefill chunks of "
+                                         f"{_regime_chunk(cells, data)} tokens; eviction runs throughout)")):
+            rows = []
+            for m in methods_all:
+                vals, avg, n, copied = row_for(regime, density, m)
+                if all(v == "–" for v in vals):
+                    continue
+                label = m + (" †" if copied else "")
+                dens = "100%" if m == FULL else f"{density:.0%}"
+                rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_pct(avg)} |")
+                headline[(regime, density, m)] = avg
+                headline[("n", regime, density)] = max(n, headline.get(("n", regime, density), 0))
+            if not rows:
+                continue
+            # Columns every row of this table finished: the fair basis for the generated reading.
+            members = [m for m in methods_all if any(v != "–" for v in row_for(regime, density, m)[0])]
+            complete = [col for col in grid_cols
+                        if all(m in tables[(density, regime, col)][0] and
+                               tables[(density, regime, col)][0][m][1] for m in members)]
+            if complete:
+                avgs = {}
+                for m in members:
+                    cs = [tables[(density, regime, col)][0][m] for col in complete]
+                    n_ok = sum(c[1] - c[2] for c in cs)
+                    avgs[m] = sum(c[0] for c in cs) / n_ok if n_ok else None
+                n_pr = sum(tables[(density, regime, col)][1] for col in complete)
+                headline[("common", regime, density)] = (
+                    [f"{h} {_ctx_label(n)}" for h, n in complete], avgs, n_pr)
+            lines.append(f"*{title}.*\n")
+            lines.append("| Method | Density | " + " | ".join(cols) + " | Avg. |")
+            lines.append("|---|---|" + "---|" * (len(cols) + 1))
+            lines += rows
+            lines.append("")
+        lines.append("Cells: accuracy % (correct/prompts). Within one table every number in a column is over "
+                     "the same prompts (the depth × key prompts that every method of that table finished; the "
+                     "two regimes' tables may cover different prompt counts). "
+                     "† prefill-only method (or the full cache): it compresses once at the end of the "
+                     "prompt whatever the chunking, so its prefill + decode row is its prefill-only "
+                     "result (not re-run).\n")
+
+    # Accuracy vs density per regime (figure), accuracy by depth (figure).
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        full_acc = _mean([acc[k][0] / acc[k][1] for k in acc if k[2] == FULL])
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, regime in zip(axes, ("prefill", "decode")):
+            for m in methods_all:
+                if m == FULL:
+                    continue
+                xs, ys = [], []
+                for d in densities:
+                    _, avg, n, _ = row_for(regime, d, m)
+                    if n:
+                        xs.append(d)
+                        ys.append(100 * avg)
+                if xs:
+                    ax.plot(xs, ys, marker="o", label=m, color=_color(m), linestyle="-" if m.startswith("nexus") else "--")
+            if full_acc is not None:
+                ax.axhline(100 * full_acc, color="k", lw=1, label="full cache")
+            ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'} eviction")
+            ax.set_xlabel("density (budget / prompt)")
+            ax.set_xscale("log")
+            ax.set_xticks(densities)
+            ax.set_xticklabels([f"{d:.0%}" for d in densities])
+        axes[0].set_ylabel("passkey accuracy (%)")
+        from matplotlib.ticker import NullFormatter
+
+        for ax in axes:
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        p = Path(figs_dir) / "passkey_accuracy_vs_density.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        figures.append(p)
+
+        d20 = 0.2 if 0.2 in densities else densities[0]
+        depths = sorted({c["depth"] for c in cells})
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, regime in zip(axes, ("prefill", "decode")):
+            ms = [m for m in methods_all]
+            width = 0.8 / max(len(ms), 1)
+            for j, m in enumerate(ms):
+                ys = []
+                for dep in depths:
+                    src = "prefill" if (m == FULL or (regime == "decode" and prefill_only.get(m))) else regime
+                    sel = [c for c in cells if c["method"] == m and c["depth"] == dep and c.get("seed", 0) == 0
+                           and c["regime"] == src and (m == FULL or c["density"] == d20)]
+                    ys.append(100 * sum(bool(c["correct"]) for c in sel) / len(sel) if sel else float("nan"))
+                ax.bar([i + j * width for i in range(len(depths))], ys, width, label=m, color=_color(m))
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(depths))])
+            ax.set_xticklabels([f"depth {d:g}" for d in depths])
+            ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}, density {d20:.0%}")
+        axes[0].set_ylabel("passkey accuracy (%)")
+        axes[1].legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        p = Path(figs_dir) / "passkey_accuracy_by_depth.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        figures.append(p)
+    except Exception as e:  # pragma: no cover - figures are best effort
+        lines.append(f"_(passkey figures failed: {e})_\n")
+
+    # Nexus reservoir seeds.
+    seeds = sorted({c.get("seed", 0) for c in cells if c["method"] == "nexus"})
+    if len(seeds) > 1:
+        lines.append("\n#### Nexus reservoir seed variance (same prompts, cache seed varied)\n")
+        lines.append("| Regime | Density | Prompts | " + " | ".join(f"seed {s}" for s in seeds) +
+                     " | mean ± sd |")
+        lines.append("|---|---|---|" + "---|" * (len(seeds) + 1))
+        groups = {}
+        for c in cells:
+            if c["method"] == "nexus":
+                groups.setdefault((c["regime"], c["density"]), {}).setdefault(c.get("seed", 0), {})[
+                    (c["haystack"], c["context"], c["depth"], c["key"])] = bool(c["correct"])
+        for (regime, dens), by_seed in sorted(groups.items()):
+            if len(by_seed) < 2:
+                continue
+            common = set.intersection(*(set(v) for v in by_seed.values()))
+            if not common:
+                continue
+            accs = {s: sum(by_seed[s][p] for p in common) / len(common) for s in by_seed}
+            vals = [accs[s] for s in sorted(accs)]
+            sd = statistics.pstdev(vals) if len(vals) > 1 else 0.0
+            lines.append(f"| {regime} | {dens:.0%} | {len(common)} | " +
+                         " | ".join(_pct(accs.get(s)) for s in seeds) +
+                         f" | {_pct(statistics.mean(vals))} ± {_pct(sd)} |")
+            headline[("nexus_seeds", regime, dens)] = (statistics.mean(vals), sd, len(common))
+        lines.append("")
+    return headline
+
+
+def _regime_chunk(cells, data=None):
+    g = (data or {}).get("grid", {})
+    if g.get("prefill_step_decode_regime"):
+        return str(g["prefill_step_decode_regime"])
+    ch = sorted({c.get("prefill_step") for c in cells if c["regime"] == "decode" and c.get("prefill_step")})
+    return "/".join(str(c) for c in ch) or "?"
+
+
+def _perplexity_tables(data, lines, figs_dir, figures):
+    g0 = data.get("grid", {})
+    cells = [c for c in _ok_cells(data) if c.get("n_tokens", g0.get("n_tokens")) == g0.get("n_tokens")
+             and c.get("chunk", g0.get("chunk")) == g0.get("chunk")]
+    if not cells:
+        lines.append("_No perplexity cells finished yet._\n")
+        return {}
+    full = [c for c in cells if c["method"] == FULL]
+    full_ppl = full[0]["ppl"] if full else None
+    full_late = full[0].get("ppl_second_half") if full else None
+    densities = sorted({c["density"] for c in cells if c["method"] != FULL})
+    methods_all = [m for m in _order({c["method"] for c in cells}) if m != FULL]
+    g = data.get("grid", {})
+    lines.append(f"\nStreaming perplexity on {g.get('n_tokens', '?')} tokens of {g.get('text', 'prose')}, fed in "
+                 f"chunks of {g.get('chunk', '?')} (each chunk = {g.get('chunk', 0) - 1 if g.get('chunk') else '?'}"
+                 " tokens as one call + its last token as a single-token call, so prefill-only methods "
+                 "compress at every chunk boundary). Budget = density × sequence length. NLL of every "
+                 "token given the evicted cache; 'late' = second half of the sequence.\n")
+    lines.append("| Method | " + " | ".join(f"PPL @ {d:.0%}" for d in densities) +
+                 " | " + " | ".join(f"late PPL @ {d:.0%}" for d in densities) + " |")
+    lines.append("|---|" + "---|" * (2 * len(densities)))
+    if full_ppl is not None:
+        lines.append(f"| full (100%) | " + " | ".join(f"{full_ppl:.2f}" for _ in densities) + " | " +
+                     " | ".join(f"{full_late:.2f}" for _ in densities) + " |")
+    table = {}
+    for m in methods_all:
+        row, late = [], []
+        for d in densities:
+            sel = [c for c in cells if c["method"] == m and c["density"] == d and c.get("seed", 0) == 0]
+            if sel:
+                table[(m, d)] = sel[0]["ppl"]
+                rel = f" ({sel[0]['ppl'] / full_ppl:.2f}×)" if full_ppl else ""
+                row.append(f"{sel[0]['ppl']:.2f}{rel}")
+                late.append(f"{sel[0].get('ppl_second_half', float('nan')):.2f}")
+            else:
+                err = [c for c in _err_cells(data) if c["method"] == m and c.get("density") == d]
+                row.append("error" if err else "–")
+                late.append("error" if err else "–")
+        lines.append(f"| {m} | " + " | ".join(row) + " | " + " | ".join(late) + " |")
+    lines.append("")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in methods_all:
+            xs = [d for d in densities if (m, d) in table]
+            if xs:
+                ax.plot(xs, [table[(m, d)] for d in xs], marker="o", label=m, color=_color(m),
+                        linestyle="-" if m.startswith("nexus") else "--")
+        if full_ppl:
+            ax.axhline(full_ppl, color="k", lw=1, label="full cache")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(densities)
+        ax.set_xticklabels([f"{d:.0%}" for d in densities])
+        from matplotlib.ticker import NullFormatter
+
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("density (budget / sequence)")
+        ax.set_ylabel("perplexity")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = Path(figs_dir) / "perplexity_vs_density.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        figures.append(p)
+    except Exception as e:  # pragma: no cover
+        lines.append(f"_(perplexity figure failed: {e})_\n")
+    return {"full": full_ppl, "table": table}
+
+
+def speed_summary(data, group: str = "core") -> dict:
+    """med[(cache, context)] for one group of paired caches (errors kept as {"error": ...})."""
+    out = {}
+    for c in _ok_cells(data):
+        if c.get("group") != group:
+            continue
+        for name, r in c.get("per_cache", {}).items():
+            if "decode_tps" in r or "error" in r:
+                out[(name, c["context"])] = {**r, "n": len(r.get("segments", []))}
+    return out
+
+
+def _speed_block(med, lines, ctxs, caches, with_peak=True):
+    mib = 1024 * 1024
+    lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} decode tok/s" for n in ctxs) + " | " +
+                 " | ".join(f"{_ctx_label(n)} ×KVCache" for n in ctxs) + " | prefill tok/s " +
+                 " / ".join(_ctx_label(n) for n in ctxs) + " |")
+    lines.append("|---|" + "---|" * (2 * len(ctxs) + 1))
+    for c in caches:
+        tps, rel, pre = [], [], []
+        for n in ctxs:
+            m = med.get((c, n))
+            base = med.get(("kvcache", n))
+            if m and "decode_tps" in m:
+                tps.append(f"{m['decode_tps']:.1f}")
+                rel.append(f"{m['decode_tps'] / base['decode_tps']:.2f}×" if base and "decode_tps" in base else "–")
+                pre.append(f"{m['prefill_tps']:.0f}")
+            else:
+                tps.append("error" if m else "–")
+                rel.append("–")
+                pre.append("–")
+        lines.append(f"| {c} | " + " | ".join(tps) + " | " + " | ".join(rel) + " | " + " / ".join(pre) + " |")
+    lines.append("")
+    lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} KV MiB (prefill → end)" for n in ctxs) + " | " +
+                 " | ".join(f"{_ctx_label(n)} KV ×KVCache" for n in ctxs) + " | " +
+                 " | ".join(f"{_ctx_label(n)} prefill peak Δ MiB" for n in ctxs) + " |")
+    lines.append("|---|" + "---|" * (3 * len(ctxs)))
+    for c in caches:
+        kv, rel, peak = [], [], []
+        for n in ctxs:
+            m = med.get((c, n))
+            base = med.get(("kvcache", n))
+            if m and "kv_bytes_end" in m:
+                kv.append(f"{m['kv_bytes_after_prefill'] / mib:.2f} → {m['kv_bytes_end'] / mib:.2f}")
+                rel.append(f"{m['kv_bytes_end'] / base['kv_bytes_end']:.3f}×" if base and base.get("kv_bytes_end")
+                           else "–")
+                peak.append(f"{m['peak_memory_bytes'] / mib:.0f}")
+            else:
+                kv.append("–")
+                rel.append("–")
+                peak.append("–")
+        lines.append(f"| {c} | " + " | ".join(kv) + " | " + " | ".join(rel) + " | " + " | ".join(peak) + " |")
+    lines.append("")
+
+
+def _speed_tables(data, lines, figs_dir, figures):
+    cells = _ok_cells(data)
+    if not cells:
+        lines.append("_No speed cells finished yet._\n")
+        return {}
+    med = speed_summary(data, "core")
+    ctxs = sorted({k[1] for k in med})
+    g = data.get("grid", {})
+    caches = ["kvcache", "rotating"] + [c for c in _order({k[0] for k in med}) if c not in ("kvcache", "rotating")]
+    caches = [c for c in caches if any((c, n) in med for n in ctxs)]
+    seg = g.get("decode_tokens_per_segment", "?")
+    lines.append(f"\nPrompt of N tokens (prefill chunks of {g.get('prefill_step', '?')}), then decoding. Design: "
+                 f"{g.get('design', '')}; here {g.get('repeats', '?')} rounds × {seg} tokens = "
+                 f"{g.get('repeats', 0) * seg if isinstance(seg, int) else '?'} decoded tokens per cache. "
+                 f"Eviction budget = {g.get('density', 0.2):.0%} of the prompt; `rotating` = mlx-lm "
+                 "RotatingKVCache(max_size=budget, keep=4). KV = bytes the caches hold (all 30 layers; "
+                 "prefill → end of decode). Prefill peak Δ = `mx.get_peak_memory()` during that cache's prefill "
+                 "minus the active memory before it (weights and the other live caches excluded; "
+                 "`mx.reset_peak_memory()` before each).\n")
+    lines.append("**Decode throughput (Table 4 shape) and KV memory (Table 5 shape): KVCache, RotatingKVCache, "
+                 "Nexus**\n")
+    _speed_block(med, lines, ctxs, caches)
+    oth = speed_summary(data, "others")
+    if oth:
+        octx = sorted({k[1] for k in oth})
+        lines.append(f"**Every method at {', '.join(_ctx_label(n) for n in octx)} (paired with its own KVCache run)**\n")
+        _speed_block(oth, lines, octx, ["kvcache"] + [c for c in _order({k[0] for k in oth}) if c != "kvcache"])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        mib = 1024 * 1024
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        for c in caches:
+            xs = [n for n in ctxs if "decode_tps" in med.get((c, n), {})]
+            axes[0].plot(xs, [med[(c, n)]["decode_tps"] for n in xs], marker="o", label=c, color=_color(c))
+            axes[1].plot(xs, [med[(c, n)]["prefill_tps"] for n in xs], marker="o", label=c, color=_color(c))
+            axes[2].plot(xs, [med[(c, n)]["kv_bytes_end"] / mib for n in xs], marker="o", label=c, color=_color(c))
+        for ax, t in zip(axes, ("decode tok/s", "prefill tok/s", "KV MiB at end of decode")):
+            ax.set_xlabel("prompt tokens")
+            ax.set_title(t)
+            ax.set_xscale("log", base=2)
+        axes[2].legend(fontsize=7)
+        fig.tight_layout()
+        p = Path(figs_dir) / "speed_memory_vs_context.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        figures.append(p)
+    except Exception as e:  # pragma: no cover
+        lines.append(f"_(speed figure failed: {e})_\n")
+    return med
+
+
+def _meta_block(name, data, lines):
+    if not data:
+        return
+    meta, grid = data.get("meta", {}), data.get("grid", {})
+    cells = data.get("cells", {})
+    errs = _err_cells(data)
+    tot = sum(c.get("cell_s", 0) for c in cells.values())
+    lines.append(f"<details><summary>{name}: grid, machine, runs ({len(cells)} cells done"
+                 f"{', ' + str(len(errs)) + ' errors' if errs else ''}; {tot / 60:.1f} CPU-cell-minutes)</summary>\n")
+    lines.append("```json")
+    lines.append(json.dumps({"grid": grid, "meta": meta, "runs": data.get("runs", [])}, indent=1,
+                            default=str)[:6000])
+    lines.append("```")
+    if errs:
+        lines.append("\nErrors:\n")
+        seen = {}
+        for c in errs:
+            seen.setdefault((c.get("method") or c.get("cache"), c["error"][:200]), 0)
+            seen[(c.get("method") or c.get("cache"), c["error"][:200])] += 1
+        for (m, e), k in seen.items():
+            lines.append(f"- `{m}` ({k} cells): `{e}`")
+    lines.append("\n</details>\n")
+
+
+def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
+    """Computed, not hand-written: facts and target checks that follow from the numbers."""
+    lines.append("\n## Reading (generated from the numbers above)\n")
+    facts = []
+    for regime in ("prefill", "decode"):
+        common = pk.get(("common", regime, 0.2))
+        if not common:
+            continue
+        cols, avgs, n_pr = common
+        full = avgs.get(FULL)
+        rows = {m: v for m, v in avgs.items() if m != FULL and v is not None}
+        if full is None or not rows:
+            continue
+        if regime == "decode" and not any(c["regime"] == "decode" and c.get("density") == 0.2
+                                          for c in _ok_cells(pk_data)):
+            continue  # only copied prefill-only rows so far
+        best = max(rows.values())
+        winners = [m for m, v in rows.items() if v == best]
+        nx = rows.get("nexus")
+        rname = "prefill-only" if regime == "prefill" else "prefill + decode"
+        facts.append(f"**Passkey, {rname}, 20% density** (columns every method finished: {', '.join(cols)}; "
+                     f"{n_pr} prompts): full cache {_pct(full)}%; best eviction {', '.join(winners)} at "
+                     f"{_pct(best)}% = {best / full:.0%} of full (target ≥ 95%: "
+                     f"{'met' if best / full >= 0.95 else 'not met'})." if full else
+                     f"**Passkey {rname}:** full cache scored 0%.")
+        if nx is not None:
+            others = {m: v for m, v in rows.items() if not m.startswith("nexus")}
+            ahead = [m for m, v in others.items() if nx > v]
+            tie = [m for m, v in others.items() if nx == v]
+            behind = [m for m, v in others.items() if nx < v]
+            facts.append(f"Nexus {_pct(nx)}% ({100 * (nx - full):+.1f} points vs full): ahead of "
+                         f"{', '.join(ahead) or 'none'}; tied with {', '.join(tie) or 'none'}; behind "
+                         f"{', '.join(behind) or 'none'}. Ablations on the same prompts: top-K "
+                         f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%.")
+    for k, v in pk.items():
+        if k[0] == "nexus_seeds":
+            facts.append(f"Nexus reservoir seeds ({k[1]}, {k[2]:.0%}, {v[2]} prompts): {_pct(v[0])} ± {_pct(v[1])}% "
+                         "(sd over seeds) -- differences between methods smaller than this are noise.")
+    n_prompts = {}
+    for c in _ok_cells(pk_data):
+        if c["method"] == FULL:
+            n_prompts[(c["haystack"], c["context"])] = n_prompts.get((c["haystack"], c["context"]), 0) + 1
+    if n_prompts:
+        facts.append("Sample sizes are small (" + ", ".join(f"{h} {_ctx_label(n)}: {k} prompts" for (h, n), k in
+                                                            sorted(n_prompts.items())) +
+                     "): one prompt = " + ", ".join(f"{100 / k:.0f} points" for k in sorted(set(n_prompts.values())))
+                     + " of accuracy.")
+    if ppl and ppl.get("full"):
+        t = ppl["table"]
+        at20 = {m: v for (m, d), v in t.items() if d == 0.2}
+        if at20:
+            best = min(at20, key=at20.get)
+            facts.append(f"**Perplexity at 20%:** full {ppl['full']:.2f}; best {best} {at20[best]:.2f} "
+                         f"({at20[best] / ppl['full']:.2f}× full)" +
+                         (f"; nexus {at20['nexus']:.2f} ({at20['nexus'] / ppl['full']:.2f}×)" if "nexus" in at20 else "")
+                         + ".")
+    if sp:
+        ctxs = sorted({k[1] for k in sp})
+        top = ctxs[-1]
+        base = sp.get(("kvcache", top))
+        nx = sp.get(("nexus", top))
+        rot = sp.get(("rotating", top))
+        if rot and "decode_tps" not in rot:
+            rot = None
+        if base and nx and "decode_tps" in base and "decode_tps" in nx:
+            r = nx["decode_tps"] / base["decode_tps"]
+            kvr = nx["kv_bytes_end"] / base["kv_bytes_end"]
+            per_row = base["kv_bytes_after_prefill"] / top  # bytes of one token over all layers/heads
+            rows = [nx["kv_bytes_after_prefill"] / per_row] + [sg["kv_bytes"] / per_row for sg in nx.get("segments", [])]
+            budget = round(sp_density * top)
+            flat = max(rows) <= budget + 64
+            grow_kv = (base["kv_bytes_end"] - base["kv_bytes_after_prefill"]) / 2**20
+            facts.append(f"**Speed at {_ctx_label(top)}:** nexus decodes at {r:.2f}× KVCache "
+                         f"(target ≥ 1.3×: {'met' if r >= 1.3 else 'not met'}; paper 1.22–1.30× on GPU)"
+                         + (f", RotatingKVCache {rot['decode_tps'] / base['decode_tps']:.2f}×" if rot else "") +
+                         f". KV bytes at the end {kvr:.3f}× KVCache (target ≤ 0.25×: {'met' if kvr <= 0.25 else 'not met'};"
+                         f" {1 / kvr:.1f}× smaller, paper 5–10×). Nexus KV rows per head after prefill and after "
+                         f"each decode round: {', '.join(f'{x:.0f}' for x in rows)} (budget {budget}; eviction "
+                         f"runs every 32 rows) -- {'bounded, flat in decode length' if flat else 'NOT bounded'}; "
+                         f"KVCache grew {grow_kv:.1f} MiB over the same decode.")
+            if base.get("peak_memory_bytes") and nx.get("peak_memory_bytes"):
+                facts.append(f"Prefill peak memory over baseline: nexus {nx['peak_memory_bytes'] / 2**20:.0f} MiB vs "
+                             f"KVCache {base['peak_memory_bytes'] / 2**20:.0f} MiB at {_ctx_label(top)} "
+                             f"({nx['peak_memory_bytes'] / base['peak_memory_bytes']:.2f}×): prefill activations "
+                             "and scoring buffers, not the cache, set the transient peak.")
+    for f in facts:
+        lines.append(f"- {f}")
+    lines.append("")
+
+
+def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note: str = "") -> Path:
+    """Regenerate the figures under ``out_dir`` and the markdown report from the JSON files there."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md_path = Path(md_path)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    pk_data, ppl_data, sp_data = (_load_json(out_dir, n) for n in ("passkey", "perplexity", "speed"))
+    figures: list = []
+    lines = ["# Real-model evaluation results", "",
+             "_Generated by `python -m veloxquant_mlx eval report` from the JSON files in "
+             f"`{out_dir}/`; do not edit by hand (re-run the command)._", ""]
+    any_meta = next((d["meta"] for d in (pk_data, ppl_data, sp_data) if d and d.get("meta")), {})
+    if any_meta:
+        mi = any_meta.get("machine", {})
+        lines.append(f"Model: {any_meta.get('model', '?')}. Machine: {mi.get('cpu', '?')}, "
+                     f"{mi.get('cpu_count', '?')} logical CPUs (shared with other jobs), MLX {mi.get('mlx', '?')} "
+                     f"({mi.get('device', '?')}), mlx-lm {mi.get('mlx_lm', '?')}, OpenBLAS preloaded: "
+                     f"{mi.get('openblas_preloaded')} (OPENBLAS_NUM_THREADS={mi.get('openblas_num_threads')}).")
+        lines.append("")
+    if title_note:
+        lines += [title_note, ""]
+    lines += [
+        "How to read this (fixed text of the generator):",
+        "",
+        "- Scale: a 135M model on a 2-core CPU shared with other jobs, so the grid is small "
+        "(1K-token prompts, 3 depths × 3 keys per haystack) and every accuracy is over a handful of "
+        "prompts: one prompt moves a cell by 11–33 points. The paper's LongBench/RULER numbers are on "
+        "8B models at 4K–64K; only the *shape* of its tables is reproduced here.",
+        "- Budget = density × prompt tokens, per KV head per layer, for every method (PyramidKV "
+        "redistributes it across layers); n_sink = 4 and each method's default recent window. Nexus "
+        "needs budget ≥ 111 rows (32-token blocks), so Nexus at 10% of a 1K prompt is recorded as an error.",
+        "- Prefill-only regime: the prompt is one prefill chunk; to save CPU every method's cache is fed "
+        "by ONE shared forward pass (`FanOutCache`: identical computation for a single chunk into empty "
+        "caches, checked in tests/test_evaluation.py), then each decodes on its own. Prefill + decode "
+        "regime: 256-token chunks, a separate run per method.",
+        "- Full cache = mlx-lm `KVCache`; its result is regime-independent (run once).",
+        "- Nexus keeps whole 32-token blocks: at 20% of a 1K prompt (205 rows) that is 6 blocks, of which "
+        "only ~3 are free after the sink block and the recent window, so one weighted reservoir draw "
+        "(n_samples = 5) can miss the needle's block where top-K on the same scores does not. Small "
+        "prompts are the worst case for block-level sampling; the paper's regime (4K–64K, budgets of "
+        "hundreds of blocks) is not reached here.",
+        "- Timings are from a shared, noisy machine: compare ratios measured side by side (the speed "
+        "design pairs and interleaves caches), not absolute tok/s.",
+        "",
+    ]
+    lines.append("## 1. Passkey / needle retrieval\n")
+    if pk_data:
+        g = pk_data.get("grid", {})
+        lines.append(f"Greedy decoding of {g.get('max_new_tokens', '?')} new tokens; the answer is the first "
+                     "digit run of the output and must equal the key. Haystacks: `grass` = the repeated "
+                     "grass/sky/sun filler with the \"pass key\" needle; `text` = prose from the Python docs "
+                     "(stdlib `pydoc_data.topics`, paragraphs without digits) with the needle \"The magic number "
+                     "is N\". Depth = needle position as a fraction of the filler. Budget = density × prompt "
+                     "tokens per KV head per layer.\n")
+    if pk_data and pk_data.get("grid", {}).get("stage_counts"):
+        lines.append("Grid actually run (stages in priority order; a stage cut by the time budget keeps "
+                     "prompt-major order, so all its methods share the finished prompts):\n")
+        lines.append("| Stage | cells planned | done | errors |")
+        lines.append("|---|---|---|---|")
+        allc = list(pk_data["cells"].values())
+        for st, n in pk_data["grid"]["stage_counts"].items():
+            done = [c for c in allc if c.get("stage") == st]
+            lines.append(f"| {st} | {n} | {len(done)} | {sum('error' in c for c in done)} |")
+        lines.append("")
+    chk = out_dir / "shared_prefill_check.json"
+    if chk.exists():
+        cmp_ = json.loads(chk.read_text()).get("compare", {})
+        same = sum(bool(v.get("same")) for v in cmp_.values())
+        lines.append(f"Shared-prefill check on the real model (`{chk.name}`: one grass 1K prompt, the methods "
+                     f"first run separately, re-run through one shared pass): identical outputs for {same}/{len(cmp_)} "
+                     f"caches ({', '.join(cmp_)}).\n")
+    pk = _passkey_tables(pk_data, lines, out_dir, figures) if pk_data else {}
+    if pk_data:
+        _meta_block("passkey", pk_data, lines)
+    lines.append("## 2. Streaming perplexity\n")
+    ppl = _perplexity_tables(ppl_data, lines, out_dir, figures) if ppl_data else {}
+    if ppl_data:
+        _meta_block("perplexity", ppl_data, lines)
+    lines.append("## 3. Speed and memory\n")
+    sp = _speed_tables(sp_data, lines, out_dir, figures) if sp_data else {}
+    if sp_data:
+        _meta_block("speed", sp_data, lines)
+    _reading(pk, ppl, sp, pk_data, lines, (sp_data or {}).get("grid", {}).get("density", 0.2))
+    if figures:
+        lines.append("## Figures\n")
+        for f in figures:
+            rel = os.path.relpath(f, md_path.parent)
+            lines.append(f"![{Path(f).stem}]({rel})\n")
+    md_path.write_text("\n".join(lines) + "\n")
+    return md_path

@@ -1,0 +1,345 @@
+"""Passkey / needle retrieval on a real model under every eviction method.
+
+Two haystacks: ``grass`` (the classic repeated filler with the "pass key" needle, from
+:mod:`.passkey`) and ``text`` (real prose from the stdlib's ``pydoc_data.topics``, only paragraphs
+without digits, with the needle "The magic number is N" so it cannot collide with Python words).
+Two regimes: ``prefill`` (the whole prompt is one prefill chunk, so eviction happens once at the
+end of the prompt) and ``decode`` (small prefill chunks, so decode-time eviction runs throughout the
+prompt). For prefill-only methods (and the full cache) both regimes are the same computation; the
+``decode`` cells are not re-run for them and the report marks the copied rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+import time
+
+from .passkey import extract_digits, make_passkey_prompt
+from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
+                      now, quiet_cache_warnings, run_cells)
+
+MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
+MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
+
+
+@functools.lru_cache(maxsize=4)
+def prose_paragraphs(allow_digits: bool = False) -> tuple:
+    """Prose paragraphs from ``pydoc_data.topics`` (code blocks and, by default, digits removed)."""
+    from pydoc_data.topics import topics
+
+    paras = []
+    for name in sorted(topics):
+        for block in re.split(r"\n\s*\n", topics[name]):
+            lines = block.strip("\n").splitlines()
+            if not lines or any(l.startswith((" ", "\t", ">>>")) for l in lines):
+                continue  # indented = code / grammar / tables
+            p = " ".join(l.strip() for l in lines)
+            if len(p) < 80 or p.count(".") < 1 or "*" in p or "::" in p:
+                continue
+            if not allow_digits and re.search(r"\d", p):
+                continue
+            letters = sum(ch.isalpha() or ch == " " for ch in p) / len(p)
+            if letters < 0.85:
+                continue
+            paras.append(p)
+    return tuple(paras)
+
+
+def prose_text(seed: int = 0, min_chars: int = 200_000, allow_digits: bool = False) -> str:
+    """Deterministically shuffled prose paragraphs joined into one text."""
+    paras = list(prose_paragraphs(allow_digits))
+    random.Random(seed).shuffle(paras)
+    out, n = [], 0
+    for p in paras:
+        out.append(p)
+        n += len(p) + 1
+        if n >= min_chars:
+            break
+    return " ".join(out)
+
+
+def make_prompt(tokenizer, haystack: str, n_tokens: int, depth: float, key: str, filler_seed: int = 0):
+    """(tokens, needle_position) for one passkey cell."""
+    if haystack == "grass":
+        return make_passkey_prompt(tokenizer, n_tokens, depth, key)
+    if haystack == "text":
+        # ~5 characters per token is plenty of filler; make_passkey_prompt cuts it to size.
+        filler = prose_text(seed=filler_seed, min_chars=max(8 * n_tokens, 2000))
+        return make_passkey_prompt(tokenizer, n_tokens, depth, key, filler=filler + " ",
+                                   needle=MAGIC_NEEDLE.format(key=key), question=MAGIC_QUESTION)
+    raise ValueError(f"unknown haystack {haystack!r} (grass, text)")
+
+
+class FanOutCache:
+    """One layer's cache that feeds every prefill step to several caches at once.
+
+    Attention uses the primary (full ``KVCache``) rows; every sub-cache receives the same keys,
+    values and (through the query tap) queries and evicts on its own. For a prompt fed as ONE chunk
+    into empty caches this is exactly the computation each sub-cache would see alone (its fetch is
+    just the new rows), so the prefill-only regime needs one forward pass per prompt instead of one
+    per method. A sub-cache that raises is dropped and its error recorded."""
+
+    def __init__(self, primary, subs: dict):
+        self.primary = primary
+        self.subs = dict(subs)
+        self.errors: dict = {}
+
+    @property
+    def offset(self):
+        return self.primary.offset
+
+    def make_mask(self, *a, **k):
+        return self.primary.make_mask(*a, **k)
+
+    def _each(self, fn_name, *args):
+        for name, c in list(self.subs.items()):
+            fn = getattr(c, fn_name, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception as e:
+                self.errors[name] = f"{type(e).__name__}: {e}"
+                del self.subs[name]
+
+    def update_and_fetch(self, keys, values):
+        self._each("update_and_fetch", keys, values)
+        return self.primary.update_and_fetch(keys, values)
+
+    def observe_queries(self, queries, scale=None):
+        self._each("observe_queries", queries, scale)
+
+    def attention_mask(self, mask, queries):
+        return mask
+
+    @property
+    def state(self):
+        return [self.primary.state] + [c.state for c in self.subs.values()]
+
+
+def _arrays(tree):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
+
+
+def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=()) -> dict:
+    """Prefill ``tokens`` once as a single chunk through a full KVCache plus every cache list of
+    ``named_caches`` ({name: per-layer caches}), then decode greedily per cache list.
+
+    Returns {name: {"tokens", "decode_s"} or {"error"}} plus "__full__" (the full cache) and
+    "__prefill_s__"."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    full = make_prompt_cache(model)
+    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}) for i in range(len(full))]
+    t0 = time.perf_counter()
+    logits = model(mx.array(tokens)[None], cache=fans)
+    y0 = mx.argmax(logits[0, -1], axis=-1)
+    mx.eval(y0, _arrays([f.state for f in fans]))
+    prefill_s = time.perf_counter() - t0
+    errors = {}
+    for f in fans:
+        for n, e in f.errors.items():
+            errors.setdefault(n, e)
+    out = {"__prefill_s__": prefill_s}
+    for name, caches in [("__full__", full)] + list(named_caches.items()):
+        if name in errors:
+            out[name] = {"error": errors[name]}
+            continue
+        try:
+            y = y0
+            toks = [int(y.item())]
+            t = time.perf_counter()
+            for _ in range(max_new_tokens - 1):
+                if toks[-1] in eos_ids:
+                    break
+                lg = model(y.reshape(1, 1), cache=caches)
+                y = mx.argmax(lg[0, -1], axis=-1)
+                mx.eval(y)
+                toks.append(int(y.item()))
+            from .speed import kv_bytes
+
+            out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t,
+                         "kv_bytes_end": kv_bytes(caches)["kept_bytes"]}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def make_keys(n: int, seed: int = 1234) -> list:
+    rng = random.Random(seed)
+    return [str(rng.randint(10_000, 99_999)) for _ in range(n)]
+
+
+def _stage_cells(stage: dict, specs: dict, keys: list) -> list:
+    """Prompt-major order (every method on prompt 1, then prompt 2, ...): a stage cut short by the
+    time budget still compares all its methods on the same prompts."""
+    cells = []
+    for ctx in stage["contexts"]:
+        for hay in stage["haystacks"]:
+            for density in stage["densities"]:
+                for depth in stage["depths"]:
+                    for key in keys[:stage.get("n_keys", len(keys))]:
+                        for regime in stage["regimes"]:
+                            for m in stage["methods"]:
+                                spec = specs[m]
+                                if m == FULL and regime != "prefill":
+                                    continue  # full cache: regime-independent, run once
+                                if regime == "decode" and spec.prefill_only:
+                                    continue  # identical to the prefill regime (report copies it)
+                                for seed in (stage.get("seeds", [0]) if spec.method == "nexus" else [0]):
+                                    d = None if m == FULL else density
+                                    p = {"haystack": hay, "context": ctx, "depth": depth, "key": key,
+                                         "density": d, "regime": regime, "method": m, "seed": seed}
+                                    cells.append((cell_id(exp="passkey", **p), p))
+    return cells
+
+
+def default_plan(specs: dict, quick: bool) -> list:
+    """Stages in priority order; the runner walks them in this order and stops on the time budget."""
+    allm = list(specs)
+    few = [m for m in ("nexus", "h2o", "snapkv", "streaming") if m in specs]
+    dec = [m for m in allm if not specs[m].prefill_only]
+    depths = [0.1, 0.5, 0.9]
+    if quick:
+        return [{"name": "quick", "contexts": [640], "haystacks": ["grass", "text"], "densities": [0.2, 0.5],
+                 "regimes": ["prefill", "decode"], "methods": allm, "depths": [0.5], "n_keys": 1}]
+    base = {"contexts": [1024], "depths": depths, "n_keys": 3}
+    text_few = [m for m in (FULL, "nexus", "h2o", "snapkv", "streaming") if m in specs]
+    return [
+        {**base, "name": "A: grass 1K, 20%, prefill-only, all methods", "haystacks": ["grass"], "densities": [0.2],
+         "regimes": ["prefill"], "methods": allm},
+        {**base, "name": "B: grass 1K, 20%, prefill+decode, decode-evicting methods", "haystacks": ["grass"],
+         "densities": [0.2], "regimes": ["decode"], "methods": dec},
+        {**base, "name": "C: nexus reservoir seeds 1-2, grass 1K, 20%, both regimes", "haystacks": ["grass"],
+         "densities": [0.2], "regimes": ["prefill", "decode"], "methods": ["nexus"], "seeds": [1, 2]},
+        {**base, "name": "D: text 1K, 20%, prefill-only, full + few methods", "haystacks": ["text"],
+         "densities": [0.2], "regimes": ["prefill"], "methods": text_few},
+        {**base, "name": "E: grass 1K, 10% and 50%, both regimes, few methods", "haystacks": ["grass"],
+         "densities": [0.1, 0.5], "regimes": ["prefill", "decode"], "methods": few},
+        {**base, "name": "F: text 1K, 20%, both regimes, all methods", "haystacks": ["text"], "densities": [0.2],
+         "regimes": ["prefill", "decode"], "methods": allm},
+        {**base, "name": "G: grass 2K, 20%, both regimes, all methods", "contexts": [2048], "haystacks": ["grass"],
+         "densities": [0.2], "regimes": ["prefill", "decode"], "methods": allm},
+    ]
+
+
+def run(args) -> int:
+    quiet_cache_warnings()
+    quick = args.quick
+    model, tokenizer, desc = load_eval_model(args.model, quick)
+    specs = {s.name: s for s in method_specs(args.methods)}
+    if FULL not in specs:
+        specs = {FULL: method_specs([FULL])[0], **specs}
+    keys = make_keys(max(args.n_keys, 1))
+    custom = any(v is not None for v in (args.contexts, args.densities, args.haystacks, args.regimes, args.depths))
+    if custom or args.methods:
+        plan = [{"name": "custom", "contexts": args.contexts or ([640] if quick else [1024]),
+                 "haystacks": args.haystacks or ["grass"], "densities": args.densities or [0.2],
+                 "regimes": args.regimes or ["prefill", "decode"], "methods": list(specs),
+                 "depths": args.depths or [0.1, 0.5, 0.9], "n_keys": args.n_keys, "seeds": args.seeds or [0]}]
+    else:
+        plan = default_plan(specs, quick)
+    cells, seen = [], set()
+    for stage in plan:
+        for cid, p in _stage_cells(stage, specs, keys):
+            if cid not in seen:
+                seen.add(cid)
+                p["stage"] = stage["name"]
+                cells.append((cid, p))
+    if getattr(args, "prefill_first", False):
+        cells.sort(key=lambda t: t[1]["regime"] != "prefill")  # stable: priority kept within each regime
+    max_new = args.max_new_tokens
+    grid = {"plan": plan, "keys": keys, "max_new_tokens": max_new, "prefill_step_decode_regime": args.chunk,
+            "n_cells": len(cells),
+            "stage_counts": {st["name"]: sum(1 for _, p in cells if p["stage"] == st["name"]) for st in plan},
+            "needles": {"grass": "The pass key is N. Remember it. N is the pass key.",
+                                               "text": MAGIC_NEEDLE.format(key="N").strip()}}
+    store = ResultStore(f"{args.out_dir}/passkey.json", "passkey")
+    store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
+    prompts = {}
+    eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
+    from .speed import greedy_generate
+
+    def _record(p, toks, pos, budget, step, spec, tokens_out, prefill_s, decode_s, kv_end, shared):
+        text = tokenizer.decode(tokens_out)
+        answer = extract_digits(text)
+        return {**p, "prompt_tokens": len(toks), "needle_pos": pos, "budget": budget, "prefill_step": step,
+                "prefill_only_method": spec.prefill_only, "output": text, "answer": answer,
+                "correct": answer == p["key"], "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3),
+                "kv_bytes_end": kv_end, "shared_prefill": shared}
+
+    def run_group(p, toks, pos):
+        """Prefill-only regime: every unfinished prefill cell of this prompt in one shared pass."""
+        prompt = (p["haystack"], p["context"], p["depth"], p["key"])
+        done = store.done()
+        group = [(cid, q) for cid, q in cells if q["regime"] == "prefill" and cid not in done
+                 and (q["haystack"], q["context"], q["depth"], q["key"]) == prompt]
+        group = [(cid, q) for cid, q in group if store.claim(cid)]  # skip cells another worker holds
+        named, budgets, errs = {}, {}, {}
+        for cid, q in group:
+            spec = specs[q["method"]]
+            if spec.method is None:
+                continue
+            budgets[cid] = max(int(round(q["density"] * len(toks))), 1)
+            try:
+                named[cid] = make_caches(model, spec, budgets[cid], seed=q["seed"])
+            except Exception as e:
+                errs[cid] = f"{type(e).__name__}: {e}"
+        out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos)
+        pre = out["__prefill_s__"]
+        recs = {}
+        for cid, q in group:
+            spec = specs[q["method"]]
+            r = out["__full__"] if spec.method is None else out.get(cid, {"error": errs.get(cid, "not run")})
+            if cid in errs:
+                r = {"error": errs[cid]}
+            if "error" in r:
+                recs[cid] = {**q, "error": r["error"], "prefill_only_method": spec.prefill_only}
+            else:
+                recs[cid] = _record(q, toks, pos, budgets.get(cid, len(toks)), len(toks) + 1, spec, r["tokens"],
+                                    pre, r["decode_s"], r["kv_bytes_end"], True)
+            recs[cid]["group_size"] = len(group)
+        return recs
+
+    pending = {}
+
+    def run_one(p):
+        k = (p["haystack"], p["context"], p["depth"], p["key"])
+        if k not in prompts:
+            prompts[k] = make_prompt(tokenizer, *k)
+        toks, pos = prompts[k]
+        spec = specs[p["method"]]
+        my = cell_id(exp="passkey", **{f: p[f] for f in ("haystack", "context", "depth", "key", "density",
+                                                          "regime", "method", "seed")})
+        if p["regime"] == "prefill" and args.shared_prefill:
+            if my not in pending:
+                t = time.perf_counter()
+                recs = run_group(p, toks, pos)
+                share = (time.perf_counter() - t) / max(len(recs), 1)
+                for cid, r in recs.items():
+                    r["cell_s"] = round(share, 3)
+                    r["finished"] = now()
+                    if cid != my:
+                        store.put(cid, r)  # siblings are stored right away (resumable)
+                pending[my] = recs[my]
+            return dict(pending.pop(my))
+        budget = len(toks) if spec.method is None else max(int(round(p["density"] * len(toks))), 1)
+        caches = make_caches(model, spec, budget, seed=p["seed"])
+        step = len(toks) + 1 if p["regime"] == "prefill" else args.chunk
+        r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)
+        return _record(p, toks, pos, budget, step, spec, r["tokens"], r["prefill_s"], r["decode_s"],
+                       r["kv_bytes_end"], False)
+
+    t0 = time.perf_counter()
+    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
+                    max_cells=args.max_cells, desc="passkey", progress=not args.no_progress)
+    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res,
+                           "wall_s": round(time.perf_counter() - t0, 1)})
+    print(f"passkey: {res}")
+    return 0

@@ -1,0 +1,219 @@
+"""Speed & memory: prefill / decode tokens per second, peak memory and KV bytes for mlx-lm's
+``KVCache``, ``RotatingKVCache(max_size=budget, keep=4)`` and every eviction method at one density.
+
+Runs are paired and interleaved: round r runs every cache once (in a rotated order) for each
+context, so slow drifts of a shared CPU hit all caches alike; the report takes medians over rounds.
+Also home of :func:`greedy_generate`, the prefill + greedy decode loop used by every experiment.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
+                      now, quiet_cache_warnings, run_cells)
+
+
+def _eval_state(caches):
+    import mlx.core as mx
+
+    states = []
+    for c in caches:
+        try:
+            states.append(c.state)
+        except Exception:  # pragma: no cover - a cache without a state
+            pass
+    if states:
+        mx.eval(states)
+
+
+def kv_bytes(caches) -> dict:
+    from ..cli import kv_report
+
+    return kv_report(caches)
+
+
+def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: int, eos_ids=()) -> dict:
+    """Feed ``tokens`` in chunks of ``prefill_step`` (one chunk if ``prefill_step >= len``), then
+    decode greedily. Prefill time ends when the first new token is computed; decode time covers the
+    remaining ``max_new_tokens - 1`` single-token steps (no early stop, so timings are comparable
+    unless ``eos_ids`` is given)."""
+    import mlx.core as mx
+
+    x = mx.array(tokens)
+    n = len(tokens)
+    step = max(1, min(prefill_step, n))
+    t0 = time.perf_counter()
+    logits = None
+    for i in range(0, n, step):
+        logits = model(x[None, i:i + step], cache=caches)
+        if i + step < n:
+            _eval_state(caches)
+    y = mx.argmax(logits[0, -1], axis=-1)
+    mx.eval(y)
+    t1 = time.perf_counter()
+    kv_prefill = kv_bytes(caches)
+    out = [int(y.item())]
+    for _ in range(max_new_tokens - 1):
+        if out[-1] in eos_ids:
+            break
+        logits = model(y.reshape(1, 1), cache=caches)
+        y = mx.argmax(logits[0, -1], axis=-1)
+        mx.eval(y)
+        out.append(int(y.item()))
+    t2 = time.perf_counter()
+    kv_end = kv_bytes(caches)
+    nd = len(out) - 1
+    return {"tokens": out, "prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_tps": n / (t1 - t0),
+            "decode_tps": nd / (t2 - t1) if nd else None, "decode_tokens": nd,
+            "kv_bytes_after_prefill": kv_prefill["kept_bytes"], "kv_bytes_end": kv_end["kept_bytes"],
+            "kv_full_bytes_end": kv_end["full_bytes"]}
+
+
+def _prompt(tokenizer, n_tokens: int) -> list:
+    from .retrieval import prose_text
+
+    text = prose_text(seed=7)
+    ids = tokenizer.encode(text)
+    while len(ids) < n_tokens:
+        ids = ids + ids
+    return ids[:n_tokens]
+
+
+def _make(model, name, specs, budget):
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    if name == "kvcache":
+        return make_prompt_cache(model)
+    if name == "rotating":
+        return [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers]
+    if name not in specs:
+        raise ValueError(f"unknown cache {name!r}")
+    return make_caches(model, specs[name], budget)
+
+
+def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, prefill_step, rotate=0) -> dict:
+    """Paired, interleaved measurement of several caches on one prompt.
+
+    Each cache is prefilled once (its prefill tok/s and prefill peak memory over the baseline), and
+    all caches are kept alive; then ``repeats`` rounds each decode ``decode_tokens`` more tokens on
+    every cache in a rotated order, so the decode tok/s of the caches are measured side by side and
+    the KV bytes are seen growing (or not) with the decode length."""
+    import mlx.core as mx
+
+    order = names[rotate % len(names):] + names[:rotate % len(names)]
+    live, out = {}, {}
+    n = len(tokens)
+    x = mx.array(tokens)
+    for name in order:
+        rec = out[name] = {}
+        try:
+            mx.clear_cache()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            caches = _make(model, name, specs, budget)
+            step = max(1, min(prefill_step, n))
+            t0 = time.perf_counter()
+            for i in range(0, n, step):
+                logits = model(x[None, i:i + step], cache=caches)
+                if i + step < n:
+                    _eval_state(caches)
+            y = mx.argmax(logits[0, -1], axis=-1)
+            mx.eval(y)
+            dt = time.perf_counter() - t0
+            kv = kv_bytes(caches)
+            rec.update(prefill_s=dt, prefill_tps=n / dt, peak_memory_bytes=mx.get_peak_memory() - base,
+                       kv_bytes_after_prefill=kv["kept_bytes"], segments=[])
+            live[name] = [caches, y]
+        except Exception as e:  # a method that raises is an error for its cache, not a crash
+            rec["error"] = f"{type(e).__name__}: {e}"
+    for r in range(repeats):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if name not in live:
+                continue
+            caches, y = live[name]
+            try:
+                t0 = time.perf_counter()
+                for _ in range(decode_tokens):
+                    logits = model(y.reshape(1, 1), cache=caches)
+                    y = mx.argmax(logits[0, -1], axis=-1)
+                    mx.eval(y)
+                dt = time.perf_counter() - t0
+                live[name][1] = y
+                kv = kv_bytes(caches)
+                out[name]["segments"].append({"decode_tps": decode_tokens / dt, "kv_bytes": kv["kept_bytes"],
+                                              "kv_full_bytes": kv["full_bytes"]})
+            except Exception as e:
+                out[name]["error"] = f"{type(e).__name__}: {e}"
+                live.pop(name)
+    for name, rec in out.items():
+        segs = rec.get("segments") or []
+        if segs:
+            rec["decode_tps"] = statistics.median(s["decode_tps"] for s in segs)
+            rec["kv_bytes_end"] = segs[-1]["kv_bytes"]
+            rec["kv_full_bytes_end"] = segs[-1]["kv_full_bytes"]
+            rec["decode_tokens_total"] = decode_tokens * len(segs)
+    live.clear()
+    return out
+
+
+def _prompt(tokenizer, n_tokens: int) -> list:
+    from .retrieval import prose_text
+
+    text = prose_text(seed=7)
+    ids = tokenizer.encode(text)
+    while len(ids) < n_tokens:
+        ids = ids + ids
+    return ids[:n_tokens]
+
+
+CORE = ["kvcache", "rotating", "nexus"]
+
+
+def run(args) -> int:
+    quiet_cache_warnings()
+    quick = args.quick
+    model, tokenizer, desc = load_eval_model(args.model, quick)
+    store = ResultStore(f"{args.out_dir}/speed.json", "speed")
+    density = args.density
+    decode_tokens = args.decode_tokens if args.decode_tokens is not None else (8 if quick else 32)
+    repeats = args.repeats
+    prefill_step = args.prefill_step
+    specs = {s.name: s for s in method_specs()}
+    contexts = args.contexts or ([640] if quick else [1024, 2048, 4096])
+    core = args.methods or CORE
+    groups = [("core", n, core) for n in contexts]
+    if not args.methods and not args.contexts:
+        others = [m for m in specs if m not in (FULL, "nexus")]
+        groups.append(("others", contexts[0], ["kvcache"] + others))
+    cells = []
+    for k, (g, n, names) in enumerate(groups):
+        p = {"group": g, "context": n, "caches": names, "rotate": k}
+        cells.append((cell_id(exp="speed", group=g, context=n, caches=",".join(names), density=density,
+                              decode=decode_tokens, repeats=repeats, step=prefill_step), p))
+    grid = {"groups": [{"group": g, "context": n, "caches": names} for g, n, names in groups],
+            "density": density, "decode_tokens_per_segment": decode_tokens, "repeats": repeats,
+            "prefill_step": prefill_step, "prompt_text": "pydoc_data.topics prose",
+            "design": "per context: every cache prefilled once, all kept alive, then `repeats` interleaved "
+                      "rounds of `decode_tokens` decode steps per cache (rotated order); decode tok/s = "
+                      "median over rounds, prefill tok/s = one sample", "n_cells": len(cells)}
+    store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
+    prompts = {}
+
+    def run_one(p):
+        n = p["context"]
+        if n not in prompts:
+            prompts[n] = _prompt(tokenizer, n)
+        budget = max(int(round(density * n)), 1)
+        res = measure_group(model, prompts[n], p["caches"], specs, budget, decode_tokens, repeats, prefill_step,
+                            rotate=p["rotate"])
+        return {"budget": budget, "per_cache": res}
+
+    t0 = time.perf_counter()
+    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
+                    max_cells=args.max_cells, desc="speed", progress=not args.no_progress)
+    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res,
+                           "wall_s": round(time.perf_counter() - t0, 1)})
+    print(f"speed: {res}")
+    return 0
