@@ -358,3 +358,200 @@ def test_head_averaged_attention_matches_reference(per_head):
     vec = NexusKVCache(cfg.replace(options={"head_average": "vectors"}))
     vec = _drive(vec, [50, 13], B=2, Hkv=2, Hq=6, D=8)
     assert np.abs(_np(vec.block_weights()) - got).max() > 1e-3
+
+
+# -- Ada-Nexus (App. C): Ada-KV head-adaptive budgets on the Nexus score -----------------------------
+def _np_ada_blocks(score, n_lead, n_trail, K, alpha):
+    """Reference Ada-KV at block granularity (all blocks real): per head, the kept selectable blocks
+    (bool (B, H, N_k)), the winner counts and the budgets K_h."""
+    B, H, nk = score.shape
+    j = np.arange(nk)
+    cand = np.broadcast_to(~((j < n_lead) | (j >= nk - n_trail)), score.shape)
+    s = np.where(cand, score, -np.inf).reshape(B, H * nk)
+    win = np.zeros_like(s, bool)
+    np.put_along_axis(win, np.argsort(-s, axis=-1, kind="stable")[:, :H * K], True, axis=-1)
+    count = (win.reshape(B, H, nk) & cand).sum(-1)
+    raw = count * (1 - alpha) + alpha * K
+    k_h = np.floor(raw + 1e-6).astype(int)
+    for bb in range(B):  # largest remainder, ties to the lower head index
+        rem = np.round(raw[bb] - k_h[bb], 4)
+        for h in sorted(range(H), key=lambda h: (-rem[h], h))[:H * K - k_h[bb].sum()]:
+            k_h[bb, h] += 1
+    keep = np.zeros(score.shape, bool)
+    for bb in range(B):
+        for h in range(H):
+            top = np.argsort(-np.where(cand[bb, h], score[bb, h], -np.inf), kind="stable")[:k_h[bb, h]]
+            keep[bb, h, top] = True
+    return keep, count, k_h
+
+
+def _ada_cfg(**kw):
+    base = dict(budget=40, n_sink=2, recent=3, nexus_block_size=4, nexus_window=4, nexus_walk_depth=2,
+                allocation="ada")
+    return _config(**{**base, **kw})
+
+
+def _ada_cache(**kw):
+    cache = NexusKVCache(_ada_cfg(**kw))
+    cache.tap_active = True
+    return cache
+
+
+def test_ada_nexus_config_and_fallback_without_tap():
+    cfg = KVCacheConfig(method="nexus", allocation="ada")
+    assert cfg.allocation == "ada" and NexusKVCache.supports_allocation("ada")
+    assert KVCacheConfig.from_dict(cfg.to_dict()) == cfg
+    # No tap: uniform (per-KV-head) budgets with a warning, never ragged storage.
+    from veloxquant_mlx.caches import base
+    base._warned_ada_no_tap.discard("nexus")
+    cache = NexusKVCache(_ada_cfg())
+    with pytest.warns(UserWarning, match="uniform"):
+        _drive(cache, [60, 9, 1], Hkv=3, Hq=6)
+    assert cache.evictions >= 1 and not cache.is_ragged and cache.size() <= 40
+
+
+def test_ada_select_blocks_matches_reference_floor_and_total():
+    from veloxquant_mlx.ops.nexus import ada_block_width, ada_select_blocks
+
+    rng = np.random.default_rng(0)
+    for B, H, nk, n_lead, n_trail, K, alpha in [(2, 3, 20, 1, 2, 6, 0.2), (1, 4, 17, 0, 1, 5, 0.5),
+                                                 (2, 2, 12, 2, 3, 4, 0.0), (1, 3, 25, 1, 1, 7, 1.0)]:
+        # Skewed per-head scales so the allocation is far from uniform.
+        score = rng.normal(size=(B, H, nk)) * rng.uniform(0.2, 3.0, size=(B, H, 1)) + rng.normal(size=(B, H, 1))
+        blocks, real = ada_select_blocks(mx.array(score.astype(np.float32)), mx.ones((B, H, nk), mx.bool_),
+                                         n_lead, n_trail, K, alpha)
+        blocks, real = _np(blocks), _np(real)
+        ref_keep, count, k_h = _np_ada_blocks(score.astype(np.float32), n_lead, n_trail, K, alpha)
+        assert blocks.shape[-1] == ada_block_width(nk, H, n_lead + n_trail, K, alpha)
+        assert k_h.sum(-1).tolist() == [H * K] * B  # total = H K blocks exactly
+        assert (k_h >= np.floor(alpha * K)).all()  # every head keeps at least the floor
+        for bb in range(B):
+            for h in range(H):
+                kept = blocks[bb, h][real[bb, h]]
+                want = sorted(set(range(n_lead)) | set(np.flatnonzero(ref_keep[bb, h]).tolist())
+                              | set(range(nk - n_trail, nk)))
+                assert kept.tolist() == want, (bb, h, count[bb], k_h[bb])
+                # Layout: lead + selected, then whole padding blocks, then the trailing (newest) blocks.
+                assert real[bb, h, blocks.shape[-1] - n_trail:].all()
+                assert blocks[bb, h, -1] == nk - 1
+                assert real[bb, h].sum() == n_lead + n_trail + k_h[bb, h]
+        if alpha < 1.0:
+            assert len(set(k_h.ravel().tolist())) > 1  # the allocation actually moved budget
+
+
+def test_ada_nexus_per_head_block_counts_follow_the_winners():
+    H, b, budget = 3, 4, 40
+    mx.random.seed(3)
+    k = mx.random.normal((1, H, 60, 8)) * mx.array([0.3, 1.0, 3.0])[None, :, None, None]
+    q = mx.random.normal((1, 2 * H, 60, 8)) * 2.0
+    # Twin caches (deterministic top-K): one gives w just before the step, the other evicts.
+    probe, cache = _ada_cache(nexus_n_samples=None), _ada_cache(nexus_n_samples=None)
+    probe.update_and_fetch(k, k)
+    probe.scale = 8 ** -0.5
+    probe.on_queries(q)
+    w = _np(probe.block_weights())
+    assert w.shape == (1, H, 15)  # per KV head although per_head=False: Ada needs per-head weights
+    cache.update_and_fetch(k, k)
+    cache.observe_queries(q)
+    assert cache.evictions == 1 and cache.is_ragged
+    # 60 rows, b=4: sink block 0, recent (3 rows) block 14 forced; K = (40 - 8) // 4 = 8.
+    ref_keep, count, k_h = _np_ada_blocks(w, 1, 1, 8, 0.2)
+    assert len(set(k_h[0].tolist())) > 1
+    pos = _np(cache.kept_positions())[0]
+    for h in range(H):
+        real = pos[h][pos[h] >= 0]
+        blocks = np.unique(real // b)
+        assert (np.bincount(real // b)[blocks] == b).all()  # whole blocks
+        assert blocks.tolist() == sorted({0, 14} | set(np.flatnonzero(ref_keep[0, h]).tolist()))
+        assert len(blocks) - 2 == k_h[0, h] >= np.floor(0.2 * 8)
+    assert _np(cache.kept_per_head()).sum() == H * (8 + 8 * b)  # H (forced rows + K b)
+    from veloxquant_mlx.ops.nexus import ada_block_width
+
+    assert cache.size() == ada_block_width(15, H, 2, 8, 0.2) * b  # static width: forced + K_max blocks
+    assert cache.size() >= 8 + k_h.max() * b
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(n_sink=st.sampled_from([0, 2, 5]), recent=st.integers(1, 6), B=st.integers(1, 2),
+       n=st.sampled_from([None, 3]), alpha=st.sampled_from([0.0, 0.2, 0.6]),
+       chunks=st.lists(st.integers(2, 30), min_size=2, max_size=6), seed=st.integers(0, 3))
+def test_ada_nexus_budget_invariants_under_chunked_updates(n_sink, recent, B, n, alpha, chunks, seed):
+    b, H = 4, 3
+    budget = min_budget(b, n_sink, recent) + 12
+    cache = _ada_cache(budget=budget, n_sink=n_sink, recent=recent, seed=seed, nexus_n_samples=n,
+                       floor_alpha=alpha)
+    state = {"ev": 0, "seen": 0}
+    chunks = [budget + 2 * b] + chunks + [1] * 8
+
+    def check(c):
+        total = sum(chunks[:state["seen"] + 1])
+        state["seen"] += 1
+        assert c.offset == total
+        pos = _np(c.kept_positions())
+        assert pos.shape[:2] == (B, H)
+        N = pos.shape[-1]
+        for row in pos.reshape(-1, N):
+            real = row[row >= 0]
+            assert (np.diff(real) > 0).all()  # unique, ascending
+            assert set(range(min(n_sink, total))) <= set(real.tolist())  # sinks
+            assert set(range(max(total - recent, 0), total)) <= set(real.tolist())  # recent window
+            padded = np.pad(row, (0, -N % b), constant_values=-2).reshape(-1, b)
+            assert ((padded[:-1] >= 0).all(1) | (padded[:-1] < 0).all(1)).all()  # padding = whole blocks
+        if c.evictions > state["ev"]:  # just evicted: exactly H (forced rows + K b) real rows per batch row
+            state["ev"] = c.evictions
+            from veloxquant_mlx.ops.nexus import forced_blocks
+
+            _, _, forced_rows = forced_blocks(c.rows_before_evict, b, n_sink, recent)
+            K = (budget - forced_rows) // b
+            assert (_np(c.kept_per_head()).sum(-1) == H * (forced_rows + K * b)).all()
+            assert (_np(c.kept_per_head()) >= forced_rows + np.floor(alpha * K) * b).all()
+        assert _np(c.kept_per_head()).mean() <= budget + b + max(chunks)
+
+    orig = cache._evict
+
+    def spy():
+        cache.rows_before_evict = cache.size()
+        orig()
+
+    cache._evict = spy
+    _drive(cache, chunks, B=B, Hkv=H, Hq=2 * H, seed=seed, check=check)
+    assert cache.evictions >= 1
+
+
+def test_ada_nexus_ragged_attention_equals_per_head_hand_computed():
+    H, Hq, D, b = 2, 4, 8, 4
+    cache = _ada_cache()
+    rng = np.random.default_rng(5)
+    hist_k, hist_v = np.zeros((1, H, 0, D), np.float32), np.zeros((1, H, 0, D), np.float32)
+    checked = 0
+    for S in (60, 9, 6, 1, 1):
+        k = rng.normal(size=(1, H, S, D)).astype(np.float32) * np.array([0.3, 3.0], np.float32)[None, :, None, None]
+        v = rng.normal(size=(1, H, S, D)).astype(np.float32)
+        q = rng.normal(size=(1, Hq, S, D)).astype(np.float32)
+        hist_k, hist_v = np.concatenate([hist_k, k], 2), np.concatenate([hist_v, v], 2)
+        ragged_before = cache.is_ragged
+        keys, values = cache.update_and_fetch(mx.array(k), mx.array(v))
+        mask = cache.attention_mask(None, mx.array(q))
+        out = _np(mx.fast.scaled_dot_product_attention(mx.array(q), keys, values, scale=D ** -0.5, mask=mask))
+        pos = _np(cache._fetched_positions)[0]
+        cache.observe_queries(mx.array(q))
+        if not ragged_before:
+            continue
+        checked += 1
+        assert isinstance(mask, mx.array) and (pos == 2**31 - 1).any()  # some head really is padded
+        off = cache.offset
+        for hq in range(Hq):
+            h = hq // (Hq // H)
+            real = pos[h][pos[h] < 2**31 - 1]
+            for i in range(S):
+                p = off - S + i
+                vis = real[real <= p]  # this head's real rows the query may see
+                logits = hist_k[0, h, vis] @ q[0, hq, i] * D ** -0.5
+                a = np.exp(logits - logits.max())
+                ref = (a / a.sum()) @ hist_v[0, h, vis]
+                np.testing.assert_allclose(out[0, hq, i], ref, rtol=1e-4, atol=1e-5)
+        # The rows each head attends to are exactly its kept positions (from the history).
+        for h in range(H):
+            sel = pos[h] < 2**31 - 1
+            np.testing.assert_array_equal(_np(keys)[0, h, sel], hist_k[0, h, pos[h][sel]])
+    assert checked >= 3 and cache.evictions >= 2

@@ -16,6 +16,10 @@ window queries are averaged over all query heads and the keys over all KV heads,
 (W x N) attention and one layer-shared block selection that every KV head keeps. With
 ``per_head=True`` each KV head gets its own selection, scored with the mean of its GQA group's
 query heads against its own keys. See docs/methods/nexus.md.
+
+Ada-Nexus (App. C, ``allocation="ada"``): scoring is per KV head (as ``per_head=True``, whatever
+``per_head`` says) and Ada-KV's head-adaptive budgets are applied at block granularity
+(``ops.nexus.ada_select_blocks``): heads keep different numbers of blocks, padded by whole blocks.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import dataclasses
 import mlx.core as mx
 
 from ..config import option
-from ..ops.nexus import block_distribution, block_rows, forced_blocks, n_blocks, nexus_weights, select_blocks
+from ..ops.nexus import (ada_select_blocks, block_distribution, block_priority, block_rows, forced_blocks, n_blocks,
+                         nexus_weights, select_blocks)
 from ..registry import register
-from .base import EvictionCache
+from .base import PAD_POSITION, EvictionCache
 
 
 @dataclasses.dataclass
@@ -65,6 +70,7 @@ class NexusKVCache(EvictionCache):
     """Nexus Sampling: walk-augmented block scores, n-averaged weighted reservoir block selection."""
 
     Options = NexusOptions
+    supports_ada = True  # Ada-Nexus (App. C): block-level Ada-KV allocation in select_rows
 
     @classmethod
     def default_recent(cls, budget, options):
@@ -97,14 +103,15 @@ class NexusKVCache(EvictionCache):
             W = min(self.query_window, N)
             q, q_pos = keys[:, :, -W:], pos[0, 0, -W:]
         G = q.shape[1] // H
+        per_head = o.per_head or self.config.allocation == "ada"  # Ada needs per-KV-head weights
         if o.head_average == "attention":
             # S_hat per query head against its own KV head, then averaged over the heads that share a
             # selection: all of them (layer-shared) or the GQA group (per KV head).
             q = q.reshape(B, H, G, *q.shape[2:])
             s_hat = block_distribution(q, mx.expand_dims(keys, 2), q_pos, mx.expand_dims(pos, 2), scale,
                                        o.block_size)  # (B, H, G, W, N_k)
-            s_hat = s_hat.mean(axis=2) if o.per_head else s_hat.mean(axis=(1, 2))[:, None]
-        elif o.per_head:
+            s_hat = s_hat.mean(axis=2) if per_head else s_hat.mean(axis=(1, 2))[:, None]
+        elif per_head:
             q = q.reshape(B, H, G, *q.shape[2:]).mean(axis=2) if G > 1 else q  # GQA-group-averaged query
             s_hat = block_distribution(q, keys, q_pos, pos, scale, o.block_size)
         else:
@@ -126,6 +133,14 @@ class NexusKVCache(EvictionCache):
         n_keep = n_forced + n_free
         w = self.block_weights()
         key = self.next_key() if o.n_samples is not None else None
+        if self.use_ada():
+            # Ada-Nexus: per-head budgets K_h over whole blocks; padding blocks are never candidates.
+            n_lead = min(n_blocks(self.n_sink, b), n_blocks(N, b))
+            valid = self.stored("positions")[..., ::b] != PAD_POSITION  # a block is all real or all padding
+            blocks, real = ada_select_blocks(block_priority(w, o.n_samples, key), valid, n_lead,
+                                             n_forced - n_lead, n_free, self.config.floor_alpha)
+            idx = block_rows(blocks, b, N)
+            return idx, mx.repeat(real, b, axis=-1)[..., :idx.shape[-1]]
         blocks = select_blocks(w, mask, n_keep, o.n_samples, key)
         idx = block_rows(blocks, b, N)
         return mx.broadcast_to(idx, (B, H, idx.shape[-1]))

@@ -17,6 +17,8 @@ import math
 
 import mlx.core as mx
 
+from .allocation import ada_head_budgets, ada_width
+
 _MASKED = -1e30  # finite "minus infinity": a fully masked row becomes uniform, never NaN
 
 
@@ -148,11 +150,15 @@ def select_blocks(w: mx.array, forced: mx.array, n_keep: int, n_samples: int | N
     ``n_samples is None`` (the n -> ∞ deterministic limit, Lemma A.2). w (..., N_k); forced (N_k,)
     or broadcastable bool. Returns ascending int32 block indices (..., n_keep).
     """
+    return top_blocks(block_priority(w, n_samples, key), forced, n_keep)
+
+
+def block_priority(w: mx.array, n_samples: int | None, key: mx.array | None = None) -> mx.array:
+    """The selection score of every block: log π (Eq. 6, ``n_samples`` draws) or w itself when
+    ``n_samples is None`` (Lemma A.2's deterministic limit). (..., N_k) -> (..., N_k)."""
     if n_samples is None:
-        score = w
-    else:
-        score = log_reservoir_priority(w, reservoir_uniforms(key, int(n_samples), w.shape))
-    return top_blocks(score, forced, n_keep)
+        return w
+    return log_reservoir_priority(w, reservoir_uniforms(key, int(n_samples), w.shape))
 
 
 @mx.compile
@@ -185,3 +191,65 @@ def forced_blocks(n_rows: int, block_size: int, n_sink: int, recent: int):
     # Every forced block is full except the newest one, which holds the remainder.
     forced_rows = (n_forced - 1) * block_size + (n_rows - (nk - 1) * block_size)
     return mask, n_forced, forced_rows
+
+
+_NEG = -3.0e38  # finite "very low" priority: a real candidate with a -inf/NaN score still beats padding
+
+
+def _rank_desc(x: mx.array) -> mx.array:
+    """Rank along the last axis (0 = largest)."""
+    return mx.argsort(mx.argsort(-x, axis=-1), axis=-1)
+
+
+def ada_block_width(n_blocks_total: int, n_heads: int, n_forced: int, n_sel: int, alpha: float) -> int:
+    """Static per-head width in blocks (forced included) after one Ada-Nexus step (ops.allocation.ada_width
+    counted in blocks)."""
+    return ada_width(n_blocks_total, n_heads, n_forced + n_sel, n_forced, alpha)
+
+
+def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: int, n_sel: int, alpha: float):
+    """Ada-KV head-adaptive block allocation on Nexus priorities (Nexus App. C, "Ada-Nexus").
+
+    score (B, H, N_k): per-KV-head block priority (log π or w), comparable across heads (each head's
+    S_hat rows sum to 1); valid (B, H, N_k) bool: False for padding blocks of ragged storage. Forced:
+    the first ``n_lead`` (sink) and last ``n_trail`` (recent window) blocks of every head.
+
+    The selectable blocks of all heads compete layer-wide: the top H·K (K = ``n_sel``) win, head h wins
+    count_h, keeps K_h = round(count_h (1 - α) + α K) (``ops.allocation.ada_head_budgets``: largest
+    remainder, Σ K_h = H·K) of its own best blocks; a head with fewer candidates than K_h hands the
+    leftover to the layer's best remaining candidates within the static width.
+
+    Returns (blocks (B, H, Wb) int32, real (B, H, Wb) bool), Wb = n_lead + K_max + n_trail with K_max the
+    static bound ``ada_block_width``. Per head: the lead blocks, its K_h (+ extra) selected blocks in
+    ascending order, padding blocks (real False), then the trailing blocks, so padding is whole blocks
+    and the last slot is the newest (possibly partial) block N_k - 1: the block grid survives.
+    """
+    B, H, nk = score.shape
+    n_forced = n_lead + n_trail
+    k_max = ada_block_width(nk, H, n_forced, n_sel, alpha) - n_forced
+    j = mx.arange(nk)
+    lead, trail = j < n_lead, j >= nk - n_trail
+    cand = valid & ~(lead | trail)
+    s = score.astype(mx.float32)
+    s = mx.where(mx.isnan(s) | (s == -mx.inf), _NEG, s)
+    s = mx.where(cand, s, -mx.inf)
+    n_total = H * n_sel
+    win = (_rank_desc(s.reshape(B, H * nk)) < n_total).reshape(B, H, nk) & cand  # layer-wide winners
+    target = ada_head_budgets(win.sum(axis=-1), n_sel, alpha)
+    target = mx.minimum(mx.minimum(target, cand.sum(axis=-1).astype(mx.int32)), k_max)
+    head_rank = _rank_desc(s)
+    primary = cand & (head_rank < mx.expand_dims(target, -1))
+    left = n_total - target.sum(axis=-1)  # (B,): slots heads short of candidates could not use
+    pool = cand & ~primary & (head_rank < k_max)
+    extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * nk)).reshape(B, H, nk)
+    keep = primary | (pool & (extra_rank < left[:, None, None]))
+    # Layout: lead + kept blocks ascending, then the rest (padding sources), then the trailing blocks.
+    order_key = mx.where(trail, 2 * nk + j, mx.where(lead | keep, j, nk + j))
+    order = mx.argsort(order_key, axis=-1)
+    wb = n_forced + k_max
+    t = mx.arange(wb)
+    slot = mx.where(t < n_lead + k_max, t, nk - wb + t)
+    blocks = mx.take(order, slot, axis=-1).astype(mx.int32)
+    n_kept = keep.sum(axis=-1, keepdims=True)
+    real = (t < n_lead + n_kept) | (t >= n_lead + k_max)
+    return blocks, real
