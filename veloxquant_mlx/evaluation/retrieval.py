@@ -152,17 +152,10 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
             out[name] = {"error": errors[name]}
             continue
         try:
-            y = y0
-            toks = [int(y.item())]
+            from .speed import greedy_continue, kv_bytes
+
             t = time.perf_counter()
-            for _ in range(max_new_tokens - 1):
-                if toks[-1] in eos_ids:
-                    break
-                lg = model(y.reshape(1, 1), cache=caches)
-                y = mx.argmax(lg[0, -1], axis=-1)
-                mx.eval(y)
-                toks.append(int(y.item()))
-            from .speed import kv_bytes
+            toks = greedy_continue(model, caches, y0, max_new_tokens, eos_ids)
 
             out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t,
                          "kv_bytes_end": kv_bytes(caches)["kept_bytes"]}

@@ -34,6 +34,22 @@ def kv_bytes(caches) -> dict:
     return kv_report(caches)
 
 
+def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=()) -> list:
+    """Token ids: ``y`` (the first new token, an mx scalar) and up to ``max_new_tokens - 1`` more
+    greedy single-token steps through ``caches``, stopping after an id in ``eos_ids``."""
+    import mlx.core as mx
+
+    out = [int(y.item())]
+    for _ in range(max_new_tokens - 1):
+        if out[-1] in eos_ids:
+            break
+        logits = model(y.reshape(1, 1), cache=caches)
+        y = mx.argmax(logits[0, -1], axis=-1)
+        mx.eval(y)
+        out.append(int(y.item()))
+    return out
+
+
 def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: int, eos_ids=()) -> dict:
     """Feed ``tokens`` in chunks of ``prefill_step`` (one chunk if ``prefill_step >= len``), then
     decode greedily. Prefill time ends when the first new token is computed; decode time covers the
@@ -54,14 +70,7 @@ def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: in
     mx.eval(y)
     t1 = time.perf_counter()
     kv_prefill = kv_bytes(caches)
-    out = [int(y.item())]
-    for _ in range(max_new_tokens - 1):
-        if out[-1] in eos_ids:
-            break
-        logits = model(y.reshape(1, 1), cache=caches)
-        y = mx.argmax(logits[0, -1], axis=-1)
-        mx.eval(y)
-        out.append(int(y.item()))
+    out = greedy_continue(model, caches, y, max_new_tokens, eos_ids)
     t2 = time.perf_counter()
     kv_end = kv_bytes(caches)
     nd = len(out) - 1
@@ -156,16 +165,6 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             rec["decode_tokens_total"] = decode_tokens * len(segs)
     live.clear()
     return out
-
-
-def _prompt(tokenizer, n_tokens: int) -> list:
-    from .retrieval import prose_text
-
-    text = prose_text(seed=7)
-    ids = tokenizer.encode(text)
-    while len(ids) < n_tokens:
-        ids = ids + ids
-    return ids[:n_tokens]
 
 
 CORE = ["kvcache", "rotating", "nexus"]
