@@ -384,6 +384,8 @@ class EvictionCache(_BaseCache):
         return self._window_q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
 
     # -- accounting -----------------------------------------------------------------------------
+    # Reporting only, never called from update_and_fetch: with ragged storage the kept counts are
+    # data, so tokens_kept / kept_bytes read them back from the device (a host sync).
     def _row_bytes(self) -> int:
         return self.keys.shape[3] * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
 
