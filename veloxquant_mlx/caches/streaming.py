@@ -23,6 +23,7 @@ class StreamingKVCache(EvictionCache):
 
     Options = StreamingOptions
     needs_queries = False
+    supports_ada = False  # every head has the same (position) scores: Ada would only add padding
 
     @classmethod
     def default_recent(cls, budget, options):
