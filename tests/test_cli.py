@@ -51,6 +51,7 @@ def test_demo_passkey_at_20_percent(capsys):
     (["generate", "--method", "nexus", "--budget", "64", "--density", "0.2"], "not both"),
     (["demo", "--density", "1.5"], "density"),
     (["demo", "--methods", "nexus:bogus=1"], "bad method spec"),
+    (["generate", "--method", "streaming", "--allocation", "ada", "--budget", "64"], "not supported"),
     (["demo", "--methods", "nexus:n_samples=abc"], "bad value"),
 ])
 def test_bad_inputs_exit_nonzero_with_one_line(capsys, argv, msg):

@@ -46,6 +46,7 @@ def _add_method_options(parser):
             kind = meta.get("kind", type(f.default))
             flag = f"--{name}-{f.name.replace('_', '-')}"
             group.add_argument(flag, dest=f"opt__{name}__{f.name}", default=argparse.SUPPRESS,
+                               metavar=f.name.upper(),
                                type=_parse_value(kind, meta.get("allow_none", False)),
                                help=f"{meta.get('doc') or f.name} (default {f.default!r})")
 
@@ -59,6 +60,9 @@ def _add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--n-sink", type=int, default=None, help="leading tokens never evicted")
     parser.add_argument("--recent", type=int, default=None, help="trailing tokens never evicted")
     parser.add_argument("--cache-seed", type=int, default=None, help="seed of the eviction randomness")
+    parser.add_argument("--allocation", choices=("uniform", "ada"), default=None,
+                        help="budget across KV heads: uniform, or Ada-KV head-adaptive (needs a per-head score)")
+    parser.add_argument("--floor-alpha", type=float, default=None, help="Ada-KV guaranteed floor fraction")
     _add_method_options(parser)
 
 
@@ -81,8 +85,10 @@ def _config_from_args(args, prompt_len: int):
             raise CLIError(f"--density must be in (0, 1], got {args.density}")
         budget = max(int(round(args.density * prompt_len)), 1)
     options = {k.split("__")[2]: v for k, v in extra.items()}
+    alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha))
+             if v is not None}
     return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
-                         seed=args.cache_seed, options=options)
+                         seed=args.cache_seed, options=options, **alloc)
 
 
 def _flags(extra):
