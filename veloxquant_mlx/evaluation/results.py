@@ -931,7 +931,8 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
         "- Nexus rows are for its default `head_average=\"attention\"` (per-head block distributions "
         "averaged over heads). A first run with the literal `\"vectors\"` reading (Q/K vectors averaged "
         "before one softmax) scored 22% (2/9) on grass 1K prefill-only at 20%; those cells were dropped "
-        "and the Nexus rows re-run, for the grass 1K stages only (other columns show – for Nexus).",
+        "and the Nexus rows re-run: grass 1K (both regimes), text 1K and grass 2K prefill-only, and "
+        "reservoir seeds 1–2 on grass 1K prefill-only; other Nexus cells show – (not re-run).",
         "- Timings are from a shared, noisy machine: compare ratios measured side by side (the speed "
         "design pairs and interleaves caches), not absolute tok/s.",
         "",
