@@ -34,6 +34,23 @@ def kv_bytes(caches) -> dict:
     return kv_report(caches)
 
 
+def prefill(model, x, caches, prefill_step: int):
+    """Feed the prompt ids ``x`` (1-D mx array) in chunks of ``prefill_step`` (evaluating the cache
+    state between chunks, as mlx_lm.generate does); returns the greedy first new token (evaluated)."""
+    import mlx.core as mx
+
+    n = x.shape[0]
+    step = max(1, min(prefill_step, n))
+    logits = None
+    for i in range(0, n, step):
+        logits = model(x[None, i:i + step], cache=caches)
+        if i + step < n:
+            _eval_state(caches)
+    y = mx.argmax(logits[0, -1], axis=-1)
+    mx.eval(y)
+    return y
+
+
 def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=()) -> list:
     """Token ids: ``y`` (the first new token, an mx scalar) and up to ``max_new_tokens - 1`` more
     greedy single-token steps through ``caches``, stopping after an id in ``eos_ids``."""
@@ -57,17 +74,9 @@ def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: in
     unless ``eos_ids`` is given)."""
     import mlx.core as mx
 
-    x = mx.array(tokens)
     n = len(tokens)
-    step = max(1, min(prefill_step, n))
     t0 = time.perf_counter()
-    logits = None
-    for i in range(0, n, step):
-        logits = model(x[None, i:i + step], cache=caches)
-        if i + step < n:
-            _eval_state(caches)
-    y = mx.argmax(logits[0, -1], axis=-1)
-    mx.eval(y)
+    y = prefill(model, mx.array(tokens), caches, prefill_step)
     t1 = time.perf_counter()
     kv_prefill = kv_bytes(caches)
     out = greedy_continue(model, caches, y, max_new_tokens, eos_ids)
@@ -122,14 +131,8 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             base = mx.get_active_memory()
             mx.reset_peak_memory()
             caches = _make(model, name, specs, budget)
-            step = max(1, min(prefill_step, n))
             t0 = time.perf_counter()
-            for i in range(0, n, step):
-                logits = model(x[None, i:i + step], cache=caches)
-                if i + step < n:
-                    _eval_state(caches)
-            y = mx.argmax(logits[0, -1], axis=-1)
-            mx.eval(y)
+            y = prefill(model, x, caches, prefill_step)
             dt = time.perf_counter() - t0
             kv = kv_bytes(caches)
             rec.update(prefill_s=dt, prefill_tps=n / dt, peak_memory_bytes=mx.get_peak_memory() - base,
