@@ -9,6 +9,7 @@ tokenizer (seconds; a harness check, numbers meaningless). Use the top-level ``-
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD
 
@@ -37,6 +38,16 @@ def _common(p):
                         "also kvcache, rotating); default: full + every registry method + the Nexus ablations")
 
 
+def _md_path(args):
+    """The report path: docs/results.md for the project's own results folder, else next to the JSON
+    (so a --quick or scratch run never overwrites the published report)."""
+    if args.results_md is not None:
+        return args.results_md
+    if str(args.out_dir).rstrip("/") == DEFAULT_OUT_DIR:
+        return DEFAULT_RESULTS_MD
+    return str(Path(args.out_dir) / "results.md")
+
+
 def _cmd(module_name):
     def handler(args):
         import importlib
@@ -46,7 +57,7 @@ def _cmd(module_name):
         mod = importlib.import_module(f"veloxquant_mlx.evaluation.{module_name}")
         rc = mod.run(args)
         if not getattr(args, "no_report", False):
-            write_report(args.out_dir, args.results_md)
+            write_report(args.out_dir, _md_path(args))
         return rc
 
     return handler
@@ -55,7 +66,7 @@ def _cmd(module_name):
 def _report(args):
     from .results import write_report
 
-    path = write_report(args.out_dir, args.results_md)
+    path = write_report(args.out_dir, _md_path(args))
     print(f"wrote {path}")
     return 0
 
@@ -97,12 +108,14 @@ def add_parser(subparsers):
     sp.add_argument("--prefill-step", type=int, default=256)
 
     for p, mod in ((pk, "retrieval"), (pp, "perplexity"), (sp, "speed")):
-        p.add_argument("--results-md", default=DEFAULT_RESULTS_MD, help="report regenerated after the run")
+        p.add_argument("--results-md", default=None,
+                       help=f"report regenerated after the run (default {DEFAULT_RESULTS_MD} for the default "
+                            "--out-dir, else <out-dir>/results.md)")
         p.add_argument("--no-report", action="store_true", help="do not regenerate the report after the run")
         p.set_defaults(func=_cmd(mod))
 
     rp = sub.add_parser("report", help="regenerate figures and docs/results.md from the JSON files")
     rp.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
-    rp.add_argument("--results-md", default=DEFAULT_RESULTS_MD)
+    rp.add_argument("--results-md", default=None)
     rp.set_defaults(func=_report)
     return ev
