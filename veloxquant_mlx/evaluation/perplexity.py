@@ -14,7 +14,7 @@ import math
 import time
 
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
-                      now, quiet_cache_warnings, run_cells)
+                      quiet_cache_warnings, run_experiment)
 
 
 def text_tokens(tokenizer, n_tokens: int) -> list:
@@ -91,10 +91,4 @@ def run(args) -> int:
                                  for i in range(0, len(nll), chunk)],
                 "seconds": round(time.perf_counter() - t, 2)}
 
-    t0 = time.perf_counter()
-    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
-                    max_cells=args.max_cells, desc="perplexity", progress=not args.no_progress)
-    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res,
-                           "wall_s": round(time.perf_counter() - t0, 1)})
-    print(f"perplexity: {res}")
-    return 0
+    return run_experiment(store, cells, run_one, args)

@@ -307,6 +307,16 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
             "stopped_by_time_budget": stopped, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
+    """The end of every ``eval`` sub-command: run the unfinished cells with the CLI's shard / time
+    budget / max-cells / progress settings, record the run in the JSON's meta, print the counts."""
+    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
+                    max_cells=args.max_cells, desc=store.experiment, progress=not args.no_progress)
+    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res})
+    print(f"{store.experiment}: {res}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # Report: tables, figures, docs/results.md
 # --------------------------------------------------------------------------------------------

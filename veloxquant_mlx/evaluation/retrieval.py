@@ -18,7 +18,7 @@ import time
 
 from .passkey import extract_digits, make_passkey_prompt
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
-                      now, quiet_cache_warnings, run_cells)
+                      now, quiet_cache_warnings, run_experiment)
 
 MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
 MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
@@ -329,10 +329,4 @@ def run(args) -> int:
         return _record(p, toks, pos, budget, step, spec, r["tokens"], r["prefill_s"], r["decode_s"],
                        r["kv_bytes_end"], False)
 
-    t0 = time.perf_counter()
-    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
-                    max_cells=args.max_cells, desc="passkey", progress=not args.no_progress)
-    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res,
-                           "wall_s": round(time.perf_counter() - t0, 1)})
-    print(f"passkey: {res}")
-    return 0
+    return run_experiment(store, cells, run_one, args)

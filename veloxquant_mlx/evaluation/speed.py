@@ -12,7 +12,7 @@ import statistics
 import time
 
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
-                      now, quiet_cache_warnings, run_cells)
+                      quiet_cache_warnings, run_experiment)
 
 
 def _eval_state(caches):
@@ -212,10 +212,4 @@ def run(args) -> int:
                             rotate=p["rotate"])
         return {"budget": budget, "per_cache": res}
 
-    t0 = time.perf_counter()
-    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
-                    max_cells=args.max_cells, desc="speed", progress=not args.no_progress)
-    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res,
-                           "wall_s": round(time.perf_counter() - t0, 1)})
-    print(f"speed: {res}")
-    return 0
+    return run_experiment(store, cells, run_one, args)
