@@ -320,6 +320,14 @@ def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
 # --------------------------------------------------------------------------------------------
 # Report: tables, figures, docs/results.md
 # --------------------------------------------------------------------------------------------
+def _save_figure(plt, fig, figs_dir, filename) -> Path:
+    fig.tight_layout()
+    path = Path(figs_dir) / filename
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _load_json(out_dir, name):
     p = Path(out_dir) / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
@@ -529,11 +537,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
         for ax in axes:
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        p = Path(figs_dir) / "passkey_accuracy_vs_density.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        figures.append(p)
+        figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_vs_density.png"))
 
         d20 = 0.2 if 0.2 in densities else densities[0]
         depths = sorted({c["depth"] for c in cells})
@@ -554,11 +558,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
             ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}, density {d20:.0%}")
         axes[0].set_ylabel("passkey accuracy (%)")
         axes[1].legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        p = Path(figs_dir) / "passkey_accuracy_by_depth.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        figures.append(p)
+        figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_by_depth.png"))
     except Exception as e:  # pragma: no cover - figures are best effort
         lines.append(f"_(passkey figures failed: {e})_\n")
 
@@ -663,11 +663,7 @@ def _perplexity_tables(data, lines, figs_dir, figures):
         ax.set_xlabel("density (budget / sequence)")
         ax.set_ylabel("perplexity")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = Path(figs_dir) / "perplexity_vs_density.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        figures.append(p)
+        figures.append(_save_figure(plt, fig, figs_dir, "perplexity_vs_density.png"))
     except Exception as e:  # pragma: no cover
         lines.append(f"_(perplexity figure failed: {e})_\n")
     return {"full": full_ppl, "table": table}
@@ -773,11 +769,7 @@ def _speed_tables(data, lines, figs_dir, figures):
             ax.set_title(t)
             ax.set_xscale("log", base=2)
         axes[2].legend(fontsize=7)
-        fig.tight_layout()
-        p = Path(figs_dir) / "speed_memory_vs_context.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        figures.append(p)
+        figures.append(_save_figure(plt, fig, figs_dir, "speed_memory_vs_context.png"))
     except Exception as e:  # pragma: no cover
         lines.append(f"_(speed figure failed: {e})_\n")
     return med
