@@ -37,6 +37,18 @@ def test_method_specs_follow_registry():
         specs = {s.name: s for s in R.method_specs()}
         assert specs["nexus-topk"].opts == {"n_samples": None}
         assert specs["nexus-nowalk"].opts == {"lam": 0.0}
+    # Ada variants are opt-in labels, only for methods whose scores Ada-KV can allocate with.
+    assert not any(n.endswith("-ada") for n in names)
+    ada = R.method_specs(["snapkv-ada"])[0]
+    assert (ada.method, ada.allocation) == ("snapkv", "ada")
+    with pytest.raises(ValueError, match="unknown method 'streaming-ada'"):
+        R.method_specs(["streaming-ada"])
+
+
+def test_ada_spec_builds_ada_caches(tiny):
+    model, _ = tiny
+    caches = R.make_caches(model, R.method_specs(["snapkv-ada"])[0], budget=64)
+    assert all(c.config.allocation == "ada" for c in caches)
 
 
 def test_prose_has_no_digits_and_needle_is_found(tiny):
@@ -166,6 +178,9 @@ def test_cli_quick_end_to_end(tmp_path):
     text = (tmp_path / "results.md").read_text()
     for needle in ("Passkey accuracy", "Streaming perplexity", "Decode throughput", "KV memory", "Reading"):
         assert needle in text
+    # Coverage is counted from the cells: grass 640 prefill-only at 20% = nexus, snapkv, streaming on 1 prompt.
+    assert "| grass | 640 | prefill-only | 20% | 1 | 3 | 3 | 0 |" in text
+    assert "| text | 640 | prefill + decode | 20% | 1 | 2 | 2 | 0 |" in text
     for fig in ("passkey_accuracy_vs_density.png", "passkey_accuracy_by_depth.png", "perplexity_vs_density.png",
                 "speed_memory_vs_context.png"):
         assert (tmp_path / "eval" / fig).exists()

@@ -34,8 +34,9 @@ def _common(p):
     p.add_argument("--max-cells", type=int, default=None, help="run at most this many unfinished cells")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk; for speed "
-                        "also kvcache, rotating); default: full + every registry method + the Nexus ablations")
+                   help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk, <method>-ada "
+                        "for Ada-KV allocation; for speed also kvcache, rotating); default: full + every "
+                        "registry method + the Nexus ablations")
 
 
 def _md_path(args):

@@ -42,6 +42,7 @@ class MethodSpec:
     name: str
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
+    allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
 
     @property
     def opts(self) -> dict:
@@ -61,8 +62,9 @@ class MethodSpec:
 def method_specs(names=None, ablations: bool = True) -> list:
     """Full cache + every registry method (read at run time) + the Nexus ablations.
 
-    ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed)."""
-    from ..registry import methods
+    ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed; ``"<method>-ada"``
+    is the method with Ada-KV allocation, for methods that support it; opt-in only)."""
+    from ..registry import get_method, methods
 
     specs = {FULL: MethodSpec(FULL, None)}
     for m in methods():
@@ -72,6 +74,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
             specs[label] = MethodSpec(label, m, tuple(sorted(opts.items())))
     if names is None:
         return list(specs.values())
+    for m in methods():
+        if get_method(m).supports_allocation("ada"):
+            specs.setdefault(f"{m}-ada", MethodSpec(f"{m}-ada", m, allocation="ada"))
     out = []
     for n in names:
         if n not in specs:
@@ -89,7 +94,8 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0):
     from ..builder import KVCacheBuilder
     from ..config import KVCacheConfig
 
-    config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts)
+    config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
+                           allocation=spec.allocation)
     return KVCacheBuilder.for_model(model, config)
 
 
@@ -353,7 +359,11 @@ def _err_cells(data):
 def _order(names, spec_order=None):
     pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv",
             "nestedkv", "streaming", "random"]
-    return sorted(set(names), key=lambda n: (pref.index(n) if n in pref else len(pref), n))
+    def rank(n):
+        base = n[:-4] if n.endswith("-ada") else n  # an Ada variant sits right after its method
+        return (pref.index(base) if base in pref else len(pref)) + 0.5 * (base != n)
+
+    return sorted(set(names), key=lambda n: (rank(n), n))
 
 
 _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
@@ -363,7 +373,7 @@ _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyram
 def _color(name):
     import matplotlib.pyplot as plt
 
-    i = _PALETTE.index(name) if name in _PALETTE else len(_PALETTE) + hash(name) % 7
+    i = _PALETTE.index(name) if name in _PALETTE else len(_PALETTE) + sum(map(ord, name)) % 7  # stable across runs
     return "k" if name == FULL else plt.cm.tab20(i % 20)
 
 
@@ -425,6 +435,40 @@ def passkey_table(data, density, regime, column):
         vals = [res[k][p] for p in common]
         out[m] = (sum(v is True for v in vals), len(vals), sum(v == "error" for v in vals))
     return out, len(common)
+
+
+def _prompt_scale(data) -> str:
+    """'1K/2K-token prompts, 3 depths × 3 keys per haystack' from the finished cells."""
+    cells = [c for c in (data or {}).get("cells", {}).values() if c.get("method") == FULL]
+    if not cells:
+        return "no passkey prompts yet"
+    ctxs = "/".join(_ctx_label(n) for n in sorted({c["context"] for c in cells}))
+    depths = len({c["depth"] for c in cells})
+    keys = len({c["key"] for c in cells})
+    return f"{ctxs}-token prompts, {depths} depths × {keys} keys per haystack"
+
+
+def passkey_coverage_table(data) -> str:
+    """Markdown table: per haystack x context x regime x density, the prompts and methods finished."""
+    groups = {}
+    for c in (data or {}).get("cells", {}).values():
+        if c.get("seed", 0) != 0:
+            continue
+        key = (c["haystack"], c["context"], c["regime"], c.get("density"))
+        g = groups.setdefault(key, {"prompts": set(), "methods": set(), "cells": 0, "errors": 0})
+        g["prompts"].add((c["depth"], c["key"]))
+        g["methods"].add(c["method"])
+        g["cells"] += 1
+        g["errors"] += "error" in c
+    rows = ["| Haystack | Context | Regime | Density | Prompts | Methods | Cells | Errors |",
+            "|---|---|---|---|---|---|---|---|"]
+    for (hay, ctx, regime, dens), g in sorted(groups.items(), key=lambda kv: (kv[0][0] != "grass", kv[0][1],
+                                                                              kv[0][2] != "prefill",
+                                                                              kv[0][3] or 0)):
+        rows.append(f"| {hay} | {_ctx_label(ctx)} | {'prefill-only' if regime == 'prefill' else 'prefill + decode'}"
+                    f" | {'100% (full)' if dens is None else f'{dens:.0%}'} | {len(g['prompts'])} | "
+                    f"{len(g['methods'])} | {g['cells']} | {g['errors']} |")
+    return "\n".join(rows) + "\n"
 
 
 def _passkey_tables(data, lines, figs_dir, figures):
@@ -803,8 +847,9 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
     """Computed, not hand-written: facts and target checks that follow from the numbers."""
     lines.append("\n## Reading (generated from the numbers above)\n")
     facts = []
-    for regime in ("prefill", "decode"):
-        common = pk.get(("common", regime, 0.2))
+    dens_all = sorted({k[2] for k in pk if k[0] == "common"}, key=lambda d: (d != 0.2, d))  # 20% first
+    for regime, density in [(r, d) for d in dens_all for r in ("prefill", "decode")]:
+        common = pk.get(("common", regime, density))
         if not common:
             continue
         cols, avgs, n_pr = common
@@ -812,17 +857,20 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         rows = {m: v for m, v in avgs.items() if m != FULL and v is not None}
         if full is None or not rows:
             continue
-        if regime == "decode" and not any(c["regime"] == "decode" and c.get("density") == 0.2
+        if regime == "decode" and not any(c["regime"] == "decode" and c.get("density") == density
                                           for c in _ok_cells(pk_data)):
             continue  # only copied prefill-only rows so far
         best = max(rows.values())
         winners = [m for m, v in rows.items() if v == best]
         nx = rows.get("nexus")
         rname = "prefill-only" if regime == "prefill" else "prefill + decode"
-        facts.append(f"**Passkey, {rname}, 20% density** (columns every method finished: {', '.join(cols)}; "
-                     f"{n_pr} prompts): full cache {_pct(full)}%; best eviction {', '.join(winners)} at "
-                     f"{_pct(best)}% = {best / full:.0%} of full (target ≥ 95%: "
-                     f"{'met' if best / full >= 0.95 else 'not met'})." if full else
+        target = (f" (target ≥ 95%: {'met' if best / full >= 0.95 else 'not met'})" if density == 0.2 and full
+                  else "")
+        facts.append(f"**Passkey, {rname}, {density:.0%} density** (columns every method finished: "
+                     f"{', '.join(cols)}; {n_pr} prompts): full cache {_pct(full)}%; best eviction "
+                     f"{', '.join(winners)} at {_pct(best)}% = {best / full:.0%} of full{target}" +
+                     (f"; could not run at this budget: {', '.join(m for m, v in avgs.items() if v is None)}"
+                      if any(v is None for v in avgs.values()) else "") + "." if full else
                      f"**Passkey {rname}:** full cache scored 0%.")
         if nx is not None:
             others = {m: v for m, v in rows.items() if not m.startswith("nexus")}
@@ -832,7 +880,9 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
             facts.append(f"Nexus {_pct(nx)}% ({100 * (nx - full):+.1f} points vs full): ahead of "
                          f"{', '.join(ahead) or 'none'}; tied with {', '.join(tie) or 'none'}; behind "
                          f"{', '.join(behind) or 'none'}. Ablations on the same prompts: top-K "
-                         f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%.")
+                         f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%" +
+                         (f", Ada-KV allocation {_pct(rows['nexus-ada'])}%" if rows.get("nexus-ada") is not None
+                          else "") + ".")
     for k, v in pk.items():
         if k[0] == "nexus_seeds":
             facts.append(f"Nexus reservoir seeds ({k[1]}, {k[2]:.0%}, {v[2]} prompts): {_pct(v[0])} ± {_pct(v[1])}% "
@@ -913,13 +963,14 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
     lines += [
         "How to read this (fixed text of the generator):",
         "",
-        "- Scale: a 135M model on a 2-core CPU shared with other jobs, so the grid is small "
-        "(1K-token prompts, 3 depths × 3 keys per haystack) and every accuracy is over a handful of "
-        "prompts: one prompt moves a cell by 11–33 points. The paper's LongBench/RULER numbers are on "
-        "8B models at 4K–64K; only the *shape* of its tables is reproduced here.",
+        f"- Scale: a 135M model on a 2-core CPU shared with other jobs, so the grid is small "
+        f"({_prompt_scale(pk_data)}) and every accuracy is over a handful of prompts: one prompt moves a "
+        "cell by 11–33 points. The paper's LongBench/RULER numbers are on 8B models at 4K–64K; only the "
+        "*shape* of its tables is reproduced here.",
         "- Budget = density × prompt tokens, per KV head per layer, for every method (PyramidKV "
         "redistributes it across layers); n_sink = 4 and each method's default recent window. Nexus "
-        "needs budget ≥ 111 rows (32-token blocks), so Nexus at 10% of a 1K prompt is recorded as an error.",
+        "needs budget ≥ 111 rows (32-token blocks), so Nexus at 10% of a 1K prompt is recorded as an error; "
+        "so is PyramidKV there (its deepest layers would keep fewer rows than n_sink + window).",
         "- Prefill-only regime: the prompt is one prefill chunk; to save CPU every method's cache is fed "
         "by ONE shared forward pass (`FanOutCache`: identical computation for a single chunk into empty "
         "caches, checked in tests/test_evaluation.py), then each decodes on its own. Prefill + decode "
@@ -933,8 +984,7 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
         "- Nexus rows are for its default `head_average=\"attention\"` (per-head block distributions "
         "averaged over heads). A first run with the literal `\"vectors\"` reading (Q/K vectors averaged "
         "before one softmax) scored 22% (2/9) on grass 1K prefill-only at 20%; those cells were dropped "
-        "and the Nexus rows re-run: grass 1K (both regimes), text 1K and grass 2K prefill-only, and "
-        "reservoir seeds 1–2 on grass 1K prefill-only; other Nexus cells show – (not re-run).",
+        "and every Nexus cell was run again with the default.",
         "- Timings are from a shared, noisy machine: compare ratios measured side by side (the speed "
         "design pairs and interleaves caches), not absolute tok/s.",
         "",
@@ -948,16 +998,10 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
                      "(stdlib `pydoc_data.topics`, paragraphs without digits) with the needle \"The magic number "
                      "is N\". Depth = needle position as a fraction of the filler. Budget = density × prompt "
                      "tokens per KV head per layer.\n")
-    if pk_data and pk_data.get("grid", {}).get("stage_counts"):
-        lines.append("Grid actually run (stages in priority order; a stage cut by the time budget keeps "
-                     "prompt-major order, so all its methods share the finished prompts):\n")
-        lines.append("| Stage | cells planned | done | errors |")
-        lines.append("|---|---|---|---|")
-        allc = list(pk_data["cells"].values())
-        for st, n in pk_data["grid"]["stage_counts"].items():
-            done = [c for c in allc if c.get("stage") == st]
-            lines.append(f"| {st} | {n} | {len(done)} | {sum('error' in c for c in done)} |")
-        lines.append("")
+    if pk_data and pk_data.get("cells"):
+        lines.append("Grid actually run (counted from the finished cells; a run cut by its time budget stops "
+                     "in prompt-major order, so the methods of one prompt finish together):\n")
+        lines.append(passkey_coverage_table(pk_data))
     chk = out_dir / "shared_prefill_check.json"
     if chk.exists():
         cmp_ = json.loads(chk.read_text()).get("compare", {})
