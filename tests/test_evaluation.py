@@ -184,3 +184,28 @@ def test_cli_quick_end_to_end(tmp_path):
     for fig in ("passkey_accuracy_vs_density.png", "passkey_accuracy_by_depth.png", "perplexity_vs_density.png",
                 "speed_memory_vs_context.png"):
         assert (tmp_path / "eval" / fig).exists()
+
+
+def test_reading_compares_methods_only_where_all_of_them_ran(tmp_path):
+    """A method that errors on one haystack (budget too small) must not be averaged over fewer prompts
+    than the others: the generated reading compares on the columns where every runnable method ran."""
+    cells = {}
+
+    def put(method, hay, ctx, depth, correct=None, error=None):
+        c = {"method": method, "haystack": hay, "context": ctx, "depth": depth, "key": "1", "seed": 0,
+             "regime": "prefill", "density": None if method == R.FULL else 0.1,
+             "prefill_only_method": method == R.FULL}
+        c.update({"error": error} if error else {"correct": correct})
+        cells[R.cell_id(**c)] = c
+
+    for depth in (0.1, 0.5):
+        for ctx in (1024, 2048):
+            put(R.FULL, "grass", ctx, depth, True)
+            put("snapkv", "grass", ctx, depth, ctx == 1024)  # 100% at 1K, 0% at 2K
+        put("nexus", "grass", 1024, depth, error="ValueError: nexus budget too small")
+        put("nexus", "grass", 2048, depth, depth == 0.1)  # 50% at 2K
+    (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
+    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    line = next(x for x in text.splitlines() if "Passkey, prefill-only, 10% density" in x)
+    assert "grass 2K; 2 prompts" in line and "best eviction nexus at 50.0%" in line
+    assert "ahead of snapkv" in text

@@ -523,13 +523,19 @@ def _passkey_tables(data, lines, figs_dir, figures):
                 continue
             # Columns every row of this table finished: the fair basis for the generated reading.
             members = [m for m in methods_all if any(v != "–" for v in row_for(regime, density, m)[0])]
-            complete = [col for col in grid_cols
-                        if all(m in tables[(density, regime, col)][0] and
-                               tables[(density, regime, col)][0][m][1] for m in members)]
+
+            def ran_clean(m, col):  # finished prompts in this column, none of them an error
+                t = tables[(density, regime, col)][0]
+                return m in t and t[m][1] > 0 and t[m][2] == 0
+
+            # A method that errors in every column (budget too small) is reported as such; the others
+            # are compared only on the columns where every one of them ran without errors.
+            runnable = [m for m in members if any(ran_clean(m, col) for col in grid_cols)]
+            complete = [col for col in grid_cols if all(ran_clean(m, col) for m in runnable)]
             if complete:
                 avgs = {}
                 for m in members:
-                    cs = [tables[(density, regime, col)][0][m] for col in complete]
+                    cs = [tables[(density, regime, col)][0].get(m, (0, 0, 0)) for col in complete]
                     n_ok = sum(c[1] - c[2] for c in cs)
                     avgs[m] = sum(c[0] for c in cs) / n_ok if n_ok else None
                 n_pr = sum(tables[(density, regime, col)][1] for col in complete)
@@ -787,8 +793,8 @@ def _speed_tables(data, lines, figs_dir, figures):
                  "prefill → end of decode). Prefill peak Δ = `mx.get_peak_memory()` during that cache's prefill "
                  "minus the active memory before it (weights and the other live caches excluded; "
                  "`mx.reset_peak_memory()` before each).\n")
-    lines.append("**Decode throughput (Table 4 shape) and KV memory (Table 5 shape): KVCache, RotatingKVCache, "
-                 "Nexus**\n")
+    lines.append("**Decode throughput (Table 4 shape) and KV memory (Table 5 shape): "
+                 f"{', '.join(caches)}**\n")
     _speed_block(med, lines, ctxs, caches)
     oth = speed_summary(data, "others")
     if oth:
@@ -866,7 +872,7 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         rname = "prefill-only" if regime == "prefill" else "prefill + decode"
         target = (f" (target ≥ 95%: {'met' if best / full >= 0.95 else 'not met'})" if density == 0.2 and full
                   else "")
-        facts.append(f"**Passkey, {rname}, {density:.0%} density** (columns every method finished: "
+        facts.append(f"**Passkey, {rname}, {density:.0%} density** (columns where every runnable method finished: "
                      f"{', '.join(cols)}; {n_pr} prompts): full cache {_pct(full)}%; best eviction "
                      f"{', '.join(winners)} at {_pct(best)}% = {best / full:.0%} of full{target}" +
                      (f"; could not run at this budget: {', '.join(m for m, v in avgs.items() if v is None)}"
