@@ -485,7 +485,9 @@ def _passkey_tables(data, lines, figs_dir, figures):
     tables = {(d, r, col): passkey_table(data, d, r, col) for d in densities for r in ("prefill", "decode")
               for col in grid_cols}
 
-    def row_for(regime, density, m):
+    def row_for(regime, density, m, avg_cols=None):
+        """Cell strings per column, the accuracy over ``avg_cols`` (default: every column), the number of
+        prompts behind it, and whether the row is copied from the prefill-only regime."""
         vals, tot_c, tot_n = [], 0, 0
         for col in grid_cols:
             t, n_common = tables[(density, regime, col)]
@@ -495,12 +497,26 @@ def _passkey_tables(data, lines, figs_dir, figures):
                     vals.append("error")
                     continue
                 vals.append(f"{100 * cnum / n:.0f} ({cnum}/{n}{', ' + str(ne) + ' err' if ne else ''})")
-                tot_c += cnum
-                tot_n += n
+                if avg_cols is None or col in avg_cols:
+                    tot_c += cnum
+                    tot_n += n - ne
             else:
                 vals.append("–")
         copied = regime == "decode" and bool(prefill_only.get(m))
         return vals, (tot_c / tot_n if tot_n else None), tot_n, copied
+
+    def comparable_columns(regime, density):
+        """(rows of the table, the columns where every runnable row ran without errors). A method that
+        errors in every column (budget too small) is reported as such; the others are compared only
+        on these columns, so no average mixes different prompt sets."""
+        members = [m for m in methods_all if any(v != "–" for v in row_for(regime, density, m)[0])]
+
+        def ran_clean(m, col):
+            t = tables[(density, regime, col)][0]
+            return m in t and t[m][1] > 0 and t[m][2] == 0
+
+        runnable = [m for m in members if any(ran_clean(m, col) for col in grid_cols)]
+        return members, [col for col in grid_cols if all(ran_clean(m, col) for m in runnable)]
 
     for density in densities:
         lines.append(f"\n#### Passkey accuracy (%) at density {density:.0%} (Table 1–2 shape)\n")
@@ -509,40 +525,24 @@ def _passkey_tables(data, lines, figs_dir, figures):
                                             "compression at the end of the prompt)"),
                               ("decode", "Prefill + decode eviction (prefill chunks of "
                                          f"{_regime_chunk(cells, data)} tokens; eviction runs throughout)")):
+            members, complete = comparable_columns(regime, density)
+            if not members:
+                continue
             rows = []
-            for m in methods_all:
-                vals, avg, n, copied = row_for(regime, density, m)
-                if all(v == "–" for v in vals):
-                    continue
+            for m in members:
+                vals, avg, n, copied = row_for(regime, density, m, complete)
                 label = m + (" †" if copied else "")
                 dens = "100%" if m == FULL else f"{density:.0%}"
                 rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_pct(avg)} |")
-                headline[(regime, density, m)] = avg
-                headline[("n", regime, density)] = max(n, headline.get(("n", regime, density), 0))
-            if not rows:
-                continue
-            # Columns every row of this table finished: the fair basis for the generated reading.
-            members = [m for m in methods_all if any(v != "–" for v in row_for(regime, density, m)[0])]
-
-            def ran_clean(m, col):  # finished prompts in this column, none of them an error
-                t = tables[(density, regime, col)][0]
-                return m in t and t[m][1] > 0 and t[m][2] == 0
-
-            # A method that errors in every column (budget too small) is reported as such; the others
-            # are compared only on the columns where every one of them ran without errors.
-            runnable = [m for m in members if any(ran_clean(m, col) for col in grid_cols)]
-            complete = [col for col in grid_cols if all(ran_clean(m, col) for m in runnable)]
             if complete:
-                avgs = {}
-                for m in members:
-                    cs = [tables[(density, regime, col)][0].get(m, (0, 0, 0)) for col in complete]
-                    n_ok = sum(c[1] - c[2] for c in cs)
-                    avgs[m] = sum(c[0] for c in cs) / n_ok if n_ok else None
+                avgs = {m: row_for(regime, density, m, complete)[1] for m in members}
                 n_pr = sum(tables[(density, regime, col)][1] for col in complete)
                 headline[("common", regime, density)] = (
                     [f"{h} {_ctx_label(n)}" for h, n in complete], avgs, n_pr)
+            avg_head = ("Avg. (" + ", ".join(f"{h} {_ctx_label(n)}" for h, n in complete) + ")"
+                        if complete and len(complete) < len(grid_cols) else "Avg.")
             lines.append(f"*{title}.*\n")
-            lines.append("| Method | Density | " + " | ".join(cols) + " | Avg. |")
+            lines.append("| Method | Density | " + " | ".join(cols) + f" | {avg_head} |")
             lines.append("|---|---|" + "---|" * (len(cols) + 1))
             lines += rows
             lines.append("")
@@ -568,7 +568,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                     continue
                 xs, ys = [], []
                 for d in densities:
-                    _, avg, n, _ = row_for(regime, d, m)
+                    _, avg, n, _ = row_for(regime, d, m, comparable_columns(regime, d)[1])
                     if n:
                         xs.append(d)
                         ys.append(100 * avg)
