@@ -329,7 +329,7 @@ def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
 def _save_figure(plt, fig, figs_dir, filename) -> Path:
     fig.tight_layout()
     path = Path(figs_dir) / filename
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # keeps a legend placed outside the axes
     plt.close(fig)
     return path
 
@@ -370,9 +370,18 @@ _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyram
             "streaming", "random", "kvcache", "rotating"]
 
 
+def _style(name) -> dict:
+    """Line style of a method's curve: Nexus variants solid, others dashed, Ada variants dotted squares."""
+    if name.endswith("-ada"):
+        return {"linestyle": ":", "marker": "s"}
+    return {"linestyle": "-" if name.startswith("nexus") else "--", "marker": "o"}
+
+
 def _color(name):
     import matplotlib.pyplot as plt
 
+    if name.endswith("-ada"):
+        return _color(name[:-4])  # an Ada variant: its method's colour, told apart by _style
     i = _PALETTE.index(name) if name in _PALETTE else len(_PALETTE) + sum(map(ord, name)) % 7  # stable across runs
     return "k" if name == FULL else plt.cm.tab20(i % 20)
 
@@ -553,6 +562,9 @@ def _passkey_tables(data, lines, figs_dir, figures):
                      "prompt whatever the chunking, so its prefill + decode row is its prefill-only "
                      "result (not re-run).\n")
 
+    lines.append("Figure `passkey_accuracy_vs_density.png` plots each table's Avg. column: at every density the "
+                 "columns named in that table's Avg. header, so points at different densities can average "
+                 "different haystacks and lengths (a method that could not run at a density has no point).\n")
     # Accuracy vs density per regime (figure), accuracy by depth (figure).
     try:
         import matplotlib
@@ -573,7 +585,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                         xs.append(d)
                         ys.append(100 * avg)
                 if xs:
-                    ax.plot(xs, ys, marker="o", label=m, color=_color(m), linestyle="-" if m.startswith("nexus") else "--")
+                    ax.plot(xs, ys, label=m, color=_color(m), **_style(m))
             if full_acc is not None:
                 ax.axhline(100 * full_acc, color="k", lw=1, label="full cache")
             ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'} eviction")
@@ -586,7 +598,8 @@ def _passkey_tables(data, lines, figs_dir, figures):
 
         for ax in axes:
             ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.legend(fontsize=7, loc="best")
+        handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}  # one legend for both panels
+        axes[1].legend(handles.values(), handles.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_vs_density.png"))
 
         d20 = 0.2 if 0.2 in densities else densities[0]
@@ -602,12 +615,13 @@ def _passkey_tables(data, lines, figs_dir, figures):
                     sel = [c for c in cells if c["method"] == m and c["depth"] == dep and c.get("seed", 0) == 0
                            and c["regime"] == src and (m == FULL or c["density"] == d20)]
                     ys.append(100 * sum(bool(c["correct"]) for c in sel) / len(sel) if sel else float("nan"))
-                ax.bar([i + j * width for i in range(len(depths))], ys, width, label=m, color=_color(m))
+                ax.bar([i + j * width for i in range(len(depths))], ys, width, label=m, color=_color(m),
+                       hatch="//" if m.endswith("-ada") else None)
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(depths))])
             ax.set_xticklabels([f"depth {d:g}" for d in depths])
             ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}, density {d20:.0%}")
         axes[0].set_ylabel("passkey accuracy (%)")
-        axes[1].legend(fontsize=6, ncol=2)
+        axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
         figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_by_depth.png"))
     except Exception as e:  # pragma: no cover - figures are best effort
         lines.append(f"_(passkey figures failed: {e})_\n")
@@ -699,8 +713,7 @@ def _perplexity_tables(data, lines, figs_dir, figures):
         for m in methods_all:
             xs = [d for d in densities if (m, d) in table]
             if xs:
-                ax.plot(xs, [table[(m, d)] for d in xs], marker="o", label=m, color=_color(m),
-                        linestyle="-" if m.startswith("nexus") else "--")
+                ax.plot(xs, [table[(m, d)] for d in xs], label=m, color=_color(m), **_style(m))
         if full_ppl:
             ax.axhline(full_ppl, color="k", lw=1, label="full cache")
         ax.set_xscale("log")
