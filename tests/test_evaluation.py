@@ -204,8 +204,12 @@ def test_reading_compares_methods_only_where_all_of_them_ran(tmp_path):
             put("snapkv", "grass", ctx, depth, ctx == 1024)  # 100% at 1K, 0% at 2K
         put("nexus", "grass", 1024, depth, error="ValueError: nexus budget too small")
         put("nexus", "grass", 2048, depth, depth == 0.1)  # 50% at 2K
+    put("snapkv-ada", "grass", 1024, 0.1, False)  # opt-in Ada row on one prompt only
     (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
     text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
     line = next(x for x in text.splitlines() if "Passkey, prefill-only, 10% density" in x)
     assert "grass 2K; 2 prompts" in line and "best eviction nexus at 50.0%" in line
     assert "ahead of snapkv" in text
+    # The partial Ada run neither joins nor shrinks the main table; it gets its own paired table.
+    assert "| snapkv | 10% | 100 (2/2) | 0 (0/2) |" in text
+    assert "| snapkv | 100 → 0 (1 prompts) | 100.0 → 0.0 |" in text

@@ -426,15 +426,26 @@ def _passkey_index(data):
     return res, densities, prefill_only
 
 
-def passkey_table(data, density, regime, column):
+def _is_ada(name) -> bool:
+    return name.endswith("-ada")
+
+
+def passkey_table(data, density, regime, column, ada: bool = False):
     """{method: (correct, n, n_errors)} on the prompts that every method of this table finished, and
-    that prompt count. The table = every method with a cell at (density, column) in either regime."""
+    that prompt count. The table = every method with a cell at (density, column) in either regime;
+    without ``ada`` the opt-in ``<method>-ada`` rows are left out, with it the table is the full cache,
+    the Ada rows and their uniform-allocation methods (so partial Ada runs never shrink the main table)."""
     res, _, _ = _passkey_index(data)
     hay, ctx = column
     methods = {k[2] for k in res if k[0] == regime and k[1] == density and k[3:] == column}
+    if ada:
+        adas = {m for m in methods if _is_ada(m)}
+        methods &= adas | {m[:-4] for m in adas} | ({FULL} if adas else set())
+    else:
+        methods = {m for m in methods if not _is_ada(m)}
     if FULL not in methods:
         return {}, 0
-    need = [k for k in res if k[0] == regime and k[1] == density and k[3:] == column]
+    need = [k for k in res if k[0] == regime and k[1] == density and k[3:] == column and k[2] in methods]
     common = set.intersection(*(set(res[k]) for k in need)) if need else set()
     out = {}
     for m in methods:
@@ -480,6 +491,45 @@ def passkey_coverage_table(data) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline):
+    """Ada-KV allocation (opt-in ``<method>-ada`` rows) next to the same method with uniform
+    allocation, on the prompts both finished; fills headline[("ada", regime, density)]."""
+    for density in densities:
+        for regime in ("prefill", "decode"):
+            tabs = {col: passkey_table(data, density, regime, col, ada=True) for col in grid_cols}
+            cols = [col for col in grid_cols if any(a in tabs[col][0] for a in ada_methods)]
+            pairs = [(a[:-4], a) for a in ada_methods if any(a in tabs[col][0] for col in cols)]
+            if not pairs or (regime == "decode" and not any(  # decode rows of prefill-only methods are copies
+                    c["regime"] == "decode" and _is_ada(c["method"]) for c in _ok_cells(data))):
+                continue
+            lines.append(f"\n#### Ada-KV allocation vs uniform, {density:.0%}, "
+                         f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}\n")
+            lines.append("| Method | " + " | ".join(f"{h} {_ctx_label(n)}" for h, n in cols) +
+                         " | Avg. uniform → Ada |")
+            lines.append("|---|" + "---|" * (len(cols) + 1))
+            summary = {}
+            for base, a in pairs:
+                cells_txt, tot = [], {base: [0, 0], a: [0, 0]}
+                for col in cols:
+                    t = tabs[col][0]
+                    if base in t and a in t and t[base][1] and t[a][1] and not t[base][2] and not t[a][2]:
+                        cells_txt.append(f"{100 * t[base][0] / t[base][1]:.0f} → {100 * t[a][0] / t[a][1]:.0f} "
+                                         f"({t[a][1]} prompts)")
+                        for m in (base, a):
+                            tot[m][0] += t[m][0]
+                            tot[m][1] += t[m][1]
+                    else:
+                        cells_txt.append("–")
+                if tot[a][1]:
+                    summary[base] = (tot[base][0] / tot[base][1], tot[a][0] / tot[a][1], tot[a][1])
+                    avg = f"{_pct(summary[base][0])} → {_pct(summary[base][1])}"
+                else:
+                    avg = "–"
+                lines.append(f"| {base} | " + " | ".join(cells_txt) + f" | {avg} |")
+            lines.append("")
+            headline[("ada", regime, density)] = summary
+
+
 def _passkey_tables(data, lines, figs_dir, figures):
     cells = _ok_cells(data)
     if not cells:
@@ -489,7 +539,8 @@ def _passkey_tables(data, lines, figs_dir, figures):
     acc = passkey_summary(data)
     grid_cols = sorted({(c["haystack"], c["context"]) for c in data["cells"].values()},
                        key=lambda t: (t[0] != "grass", t[1]))
-    methods_all = _order({c["method"] for c in data["cells"].values()})
+    methods_all = _order({c["method"] for c in data["cells"].values() if not _is_ada(c["method"])})
+    ada_methods = _order({c["method"] for c in data["cells"].values() if _is_ada(c["method"])})
     headline = {}
     tables = {(d, r, col): passkey_table(data, d, r, col) for d in densities for r in ("prefill", "decode")
               for col in grid_cols}
@@ -562,6 +613,8 @@ def _passkey_tables(data, lines, figs_dir, figures):
                      "prompt whatever the chunking, so its prefill + decode row is its prefill-only "
                      "result (not re-run).\n")
 
+    if ada_methods:
+        _ada_tables(data, lines, densities, grid_cols, ada_methods, headline)
     lines.append("Figure `passkey_accuracy_vs_density.png` plots each table's Avg. column: at every density the "
                  "columns named in that table's Avg. header, so points at different densities can average "
                  "different haystacks and lengths (a method that could not run at a density has no point).\n")
@@ -899,9 +952,12 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
             facts.append(f"Nexus {_pct(nx)}% ({100 * (nx - full):+.1f} points vs full): ahead of "
                          f"{', '.join(ahead) or 'none'}; tied with {', '.join(tie) or 'none'}; behind "
                          f"{', '.join(behind) or 'none'}. Ablations on the same prompts: top-K "
-                         f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%" +
-                         (f", Ada-KV allocation {_pct(rows['nexus-ada'])}%" if rows.get("nexus-ada") is not None
-                          else "") + ".")
+                         f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%.")
+    for k, v in pk.items():
+        if k[0] == "ada" and v:
+            facts.append(f"**Ada-KV allocation** ({'prefill-only' if k[1] == 'prefill' else 'prefill + decode'}, "
+                         f"{k[2]:.0%}; uniform → Ada on the same prompts): " +
+                         "; ".join(f"{m} {_pct(u)} → {_pct(a)}% ({n} prompts)" for m, (u, a, n) in v.items()) + ".")
     for k, v in pk.items():
         if k[0] == "nexus_seeds":
             facts.append(f"Nexus reservoir seeds ({k[1]}, {k[2]:.0%}, {v[2]} prompts): {_pct(v[0])} ± {_pct(v[1])}% "
