@@ -257,3 +257,27 @@ def test_without_tap_falls_back_to_keys_with_one_warning(monkeypatch):
         warnings.simplefilter("error")
         builder.KVCacheBuilder.for_model(model, cfg)  # warned once per model
     assert all(c.queries_from_keys for c in caches)
+
+
+@pytest.mark.parametrize("method", ["streaming", "h2o", "nexus", "random"])
+def test_chunk_that_triggers_eviction_attends_to_every_fetched_row(method):
+    """The eviction a chunk triggers (in observe_queries, before the attention runs) must not change
+    what that chunk attends to: up to the first eviction the outputs equal mlx-lm's KVCache exactly.
+    Regression: compacting the buffers in place made the slice update_and_fetch had returned read
+    the compacted rows (logits off by up to 4.7 on the real model)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+
+    model = make_tiny_model("llama")
+    tokens = random_prompt(384, seed=3)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=200))
+    full = make_prompt_cache(model)
+    for start in range(0, 384, 128):
+        x = mx.array(tokens[start:start + 128])[None]
+        ours, ref = model(x, cache=caches), model(x, cache=full)
+        mx.eval(ours, ref)
+        if caches[0].evictions:  # the first chunk that evicted: it still attended to every row
+            break
+    assert caches[0].evictions == 1 and start > 0
+    assert mx.array_equal(ours, ref).item()

@@ -31,6 +31,11 @@ _FORMAT_VERSION = 1
 _warned_ada_no_tap: set = set()
 
 
+def _with_rows(buf: mx.array, head_rows: mx.array) -> mx.array:
+    """A new buffer of buf's capacity whose first rows (axis 2) are ``head_rows``."""
+    return mx.concatenate([head_rows.astype(buf.dtype), buf[:, :, head_rows.shape[2]:]], axis=2)
+
+
 class EvictionCache(_BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
@@ -358,16 +363,19 @@ class EvictionCache(_BaseCache):
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
         K = idx.shape[-1]
-        # Gather from the whole buffers (row indices are < rows): flattening them is free.
-        self.keys[:, :, :K] = gather_rows(self.keys, idx)
-        self.values[:, :, :K] = gather_rows(self.values, idx)
+        # Gather from the whole buffers (row indices are < rows): flattening them is free. The kept
+        # rows go into NEW arrays, never an in-place `buf[:, :, :K] = ...`: this step's attention
+        # still holds the slice update_and_fetch returned, and an in-place write made that slice
+        # read the compacted rows (measured: a chunk that triggered eviction attended to wrong keys).
+        self.keys = _with_rows(self.keys, gather_rows(self.keys, idx))
+        self.values = _with_rows(self.values, gather_rows(self.values, idx))
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
         self._ragged = real is not None
-        self.positions[:, :, :K] = pos
+        self.positions = _with_rows(self.positions, pos)
         for name in self.row_extras:
-            self.row_extras[name][:, :, :K] = gather_rows(self.row_extras[name], idx)
+            self.row_extras[name] = _with_rows(self.row_extras[name], gather_rows(self.row_extras[name], idx))
         self._rows = K
         self._evict_floor = K
         self.evictions += 1
