@@ -734,6 +734,9 @@ def _perplexity_tables(data, lines, figs_dir, figures):
                  " tokens as one call + its last token as a single-token call, so prefill-only methods "
                  "compress at every chunk boundary). Budget = density × sequence length. NLL of every "
                  "token given the evicted cache; 'late' = second half of the sequence.\n")
+    if not densities:
+        lines.append(f"Only the full cache is measured so far (PPL {full_ppl:.2f}); no eviction cells.\n")
+        return {"full": full_ppl, "table": {}}
     lines.append("| Method | " + " | ".join(f"PPL @ {d:.0%}" for d in densities) +
                  " | " + " | ".join(f"late PPL @ {d:.0%}" for d in densities) + " |")
     lines.append("|---|" + "---|" * (2 * len(densities)))
