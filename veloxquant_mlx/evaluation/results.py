@@ -76,7 +76,7 @@ def method_specs(names=None, ablations: bool = True) -> list:
         return list(specs.values())
     for m in methods():
         if get_method(m).supports_allocation("ada"):
-            specs.setdefault(f"{m}-ada", MethodSpec(f"{m}-ada", m, allocation="ada"))
+            specs.setdefault(m + _ADA, MethodSpec(m + _ADA, m, allocation="ada"))
     out = []
     for n in names:
         if n not in specs:
@@ -360,10 +360,22 @@ def _order(names, spec_order=None):
     pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv",
             "nestedkv", "streaming", "random"]
     def rank(n):
-        base = n[:-4] if n.endswith("-ada") else n  # an Ada variant sits right after its method
+        base = _ada_base(n)  # an Ada variant sits right after its method
         return (pref.index(base) if base in pref else len(pref)) + 0.5 * (base != n)
 
     return sorted(set(names), key=lambda n: (rank(n), n))
+
+
+_ADA = "-ada"  # label suffix of a method run with Ada-KV allocation
+
+
+def _is_ada(name) -> bool:
+    return name.endswith(_ADA)
+
+
+def _ada_base(name) -> str:
+    """The uniform-allocation method of an Ada label ("snapkv-ada" -> "snapkv"); other names unchanged."""
+    return name[:-len(_ADA)] if _is_ada(name) else name
 
 
 _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
@@ -372,7 +384,7 @@ _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyram
 
 def _style(name) -> dict:
     """Line style of a method's curve: Nexus variants solid, others dashed, Ada variants dotted squares."""
-    if name.endswith("-ada"):
+    if _is_ada(name):
         return {"linestyle": ":", "marker": "s"}
     return {"linestyle": "-" if name.startswith("nexus") else "--", "marker": "o"}
 
@@ -380,8 +392,8 @@ def _style(name) -> dict:
 def _color(name):
     import matplotlib.pyplot as plt
 
-    if name.endswith("-ada"):
-        return _color(name[:-4])  # an Ada variant: its method's colour, told apart by _style
+    if _is_ada(name):
+        return _color(_ada_base(name))  # an Ada variant: its method's colour, told apart by _style
     i = _PALETTE.index(name) if name in _PALETTE else len(_PALETTE) + sum(map(ord, name)) % 7  # stable across runs
     return "k" if name == FULL else plt.cm.tab20(i % 20)
 
@@ -426,21 +438,18 @@ def _passkey_index(data):
     return res, densities, prefill_only
 
 
-def _is_ada(name) -> bool:
-    return name.endswith("-ada")
-
-
-def passkey_table(data, density, regime, column, ada: bool = False):
+def passkey_table(data, density, regime, column, ada: bool = False, index=None):
     """{method: (correct, n, n_errors)} on the prompts that every method of this table finished, and
     that prompt count. The table = every method with a cell at (density, column) in either regime;
     without ``ada`` the opt-in ``<method>-ada`` rows are left out, with it the table is the full cache,
-    the Ada rows and their uniform-allocation methods (so partial Ada runs never shrink the main table)."""
-    res, _, _ = _passkey_index(data)
+    the Ada rows and their uniform-allocation methods (so partial Ada runs never shrink the main table).
+    ``index``: ``_passkey_index(data)`` when the caller already built it."""
+    res, _, _ = index or _passkey_index(data)
     hay, ctx = column
     methods = {k[2] for k in res if k[0] == regime and k[1] == density and k[3:] == column}
     if ada:
         adas = {m for m in methods if _is_ada(m)}
-        methods &= adas | {m[:-4] for m in adas} | ({FULL} if adas else set())
+        methods &= adas | {_ada_base(m) for m in adas} | ({FULL} if adas else set())
     else:
         methods = {m for m in methods if not _is_ada(m)}
     if FULL not in methods:
@@ -491,14 +500,14 @@ def passkey_coverage_table(data) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline):
+def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index=None):
     """Ada-KV allocation (opt-in ``<method>-ada`` rows) next to the same method with uniform
     allocation, on the prompts both finished; fills headline[("ada", regime, density)]."""
     for density in densities:
         for regime in ("prefill", "decode"):
-            tabs = {col: passkey_table(data, density, regime, col, ada=True) for col in grid_cols}
+            tabs = {col: passkey_table(data, density, regime, col, ada=True, index=index) for col in grid_cols}
             cols = [col for col in grid_cols if any(a in tabs[col][0] for a in ada_methods)]
-            pairs = [(a[:-4], a) for a in ada_methods if any(a in tabs[col][0] for col in cols)]
+            pairs = [(_ada_base(a), a) for a in ada_methods if any(a in tabs[col][0] for col in cols)]
             if not pairs or (regime == "decode" and not any(  # decode rows of prefill-only methods are copies
                     c["regime"] == "decode" and _is_ada(c["method"]) for c in _ok_cells(data))):
                 continue
@@ -542,7 +551,8 @@ def _passkey_tables(data, lines, figs_dir, figures):
     methods_all = _order({c["method"] for c in data["cells"].values() if not _is_ada(c["method"])})
     ada_methods = _order({c["method"] for c in data["cells"].values() if _is_ada(c["method"])})
     headline = {}
-    tables = {(d, r, col): passkey_table(data, d, r, col) for d in densities for r in ("prefill", "decode")
+    index = (res, densities, prefill_only)
+    tables = {(d, r, col): passkey_table(data, d, r, col, index=index) for d in densities for r in ("prefill", "decode")
               for col in grid_cols}
 
     def row_for(regime, density, m, avg_cols=None):
@@ -578,6 +588,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
         runnable = [m for m in members if any(ran_clean(m, col) for col in grid_cols)]
         return members, [col for col in grid_cols if all(ran_clean(m, col) for m in runnable)]
 
+    comparable = {(r, d): comparable_columns(r, d) for d in densities for r in ("prefill", "decode")}
     for density in densities:
         lines.append(f"\n#### Passkey accuracy (%) at density {density:.0%} (Table 1–2 shape)\n")
         cols = [f"{h} {_ctx_label(n)}" for h, n in grid_cols]
@@ -585,7 +596,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                                             "compression at the end of the prompt)"),
                               ("decode", "Prefill + decode eviction (prefill chunks of "
                                          f"{_regime_chunk(cells, data)} tokens; eviction runs throughout)")):
-            members, complete = comparable_columns(regime, density)
+            members, complete = comparable[(regime, density)]
             if not members:
                 continue
             rows = []
@@ -614,7 +625,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                      "result (not re-run).\n")
 
     if ada_methods:
-        _ada_tables(data, lines, densities, grid_cols, ada_methods, headline)
+        _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index)
     lines.append("Figure `passkey_accuracy_vs_density.png` plots each table's Avg. column: at every density the "
                  "columns named in that table's Avg. header, so points at different densities can average "
                  "different haystacks and lengths (a method that could not run at a density has no point).\n")
@@ -633,7 +644,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                     continue
                 xs, ys = [], []
                 for d in densities:
-                    _, avg, n, _ = row_for(regime, d, m, comparable_columns(regime, d)[1])
+                    _, avg, n, _ = row_for(regime, d, m, comparable[(regime, d)][1])
                     if n:
                         xs.append(d)
                         ys.append(100 * avg)
@@ -669,7 +680,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                            and c["regime"] == src and (m == FULL or c["density"] == d20)]
                     ys.append(100 * sum(bool(c["correct"]) for c in sel) / len(sel) if sel else float("nan"))
                 ax.bar([i + j * width for i in range(len(depths))], ys, width, label=m, color=_color(m),
-                       hatch="//" if m.endswith("-ada") else None)
+                       hatch="//" if _is_ada(m) else None)
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(depths))])
             ax.set_xticklabels([f"depth {d:g}" for d in depths])
             ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}, density {d20:.0%}")
