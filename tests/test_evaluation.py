@@ -213,3 +213,32 @@ def test_reading_compares_methods_only_where_all_of_them_ran(tmp_path):
     # The partial Ada run neither joins nor shrinks the main table; it gets its own paired table.
     assert "| snapkv | 10% | 100 (2/2) | 0 (0/2) |" in text
     assert "| snapkv | 100 → 0 (1 prompts) | 100.0 → 0.0 |" in text
+
+
+def test_decode_reading_ranks_only_methods_that_evict_during_the_prompt(tmp_path):
+    """In the prefill + decode regime a prefill-only method (snapkv) holds the whole prompt and its row is
+    copied from the prefill-only regime; the reading must not call it the best bounded method."""
+    cells = {}
+
+    def put(method, regime, depth, correct, prefill_only):
+        c = {"method": method, "haystack": "grass", "context": 1024, "depth": depth, "key": "1", "seed": 0,
+             "regime": regime, "density": None if method == R.FULL else 0.2, "prefill_only_method": prefill_only,
+             "correct": correct}
+        cells[R.cell_id(**c)] = c
+
+    for depth in (0.1, 0.5):
+        put(R.FULL, "prefill", depth, True, True)
+        put("snapkv", "prefill", depth, True, True)  # 100%, copied into the decode regime
+        put("nexus", "prefill", depth, True, False)
+        put("nexus", "decode", depth, depth == 0.5, False)  # 50%
+        put("h2o", "prefill", depth, False, False)
+        put("h2o", "decode", depth, False, False)  # 0%
+    (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
+    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    line = next(x for x in text.splitlines() if "Passkey, prefill + decode, 20% density" in x)
+    assert "best eviction nexus at 50.0%" in line and "(not snapkv:" in line
+    nexus_line = text.splitlines()[text.splitlines().index(line) + 1]
+    assert "ahead of h2o" in nexus_line and "snapkv" not in nexus_line
+    # The prefill-only reading still ranks snapkv.
+    pre = next(x for x in text.splitlines() if "Passkey, prefill-only, 20% density" in x)
+    assert "best eviction snapkv, nexus at 100.0%" in pre or "best eviction nexus, snapkv at 100.0%" in pre

@@ -716,6 +716,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                          f" | {_pct(statistics.mean(vals))} ± {_pct(sd)} |")
             headline[("nexus_seeds", regime, dens)] = (statistics.mean(vals), sd, len(common))
         lines.append("")
+    headline[("prefill_only",)] = prefill_only  # for the reading: who holds the whole prompt
     return headline
 
 
@@ -933,6 +934,7 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
     """Computed, not hand-written: facts and target checks that follow from the numbers."""
     lines.append("\n## Reading (generated from the numbers above)\n")
     facts = []
+    prefill_only = pk.get(("prefill_only",), {})
     dens_all = sorted({k[2] for k in pk if k[0] == "common"}, key=lambda d: (d != 0.2, d))  # 20% first
     for regime, density in [(r, d) for d in dens_all for r in ("prefill", "decode")]:
         common = pk.get(("common", regime, density))
@@ -941,11 +943,16 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         cols, avgs, n_pr = common
         full = avgs.get(FULL)
         rows = {m: v for m, v in avgs.items() if m != FULL and v is not None}
+        unbounded = []
+        if regime == "decode":
+            if not any(c["regime"] == "decode" and c.get("density") == density for c in _ok_cells(pk_data)):
+                continue  # only copied prefill-only rows so far
+            # A prefill-only method holds the whole prompt whatever the chunking (its row is copied from
+            # the prefill-only regime): ranking it here would compare an unbounded prompt with bounded ones.
+            unbounded = [m for m in rows if prefill_only.get(m)]
+            rows = {m: v for m, v in rows.items() if m not in unbounded}
         if full is None or not rows:
             continue
-        if regime == "decode" and not any(c["regime"] == "decode" and c.get("density") == density
-                                          for c in _ok_cells(pk_data)):
-            continue  # only copied prefill-only rows so far
         best = max(rows.values())
         winners = [m for m, v in rows.items() if v == best]
         nx = rows.get("nexus")
@@ -956,7 +963,10 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
                      f"{', '.join(cols)}; {n_pr} prompts): full cache {_pct(full)}%; best eviction "
                      f"{', '.join(winners)} at {_pct(best)}% = {best / full:.0%} of full{target}" +
                      (f"; could not run at this budget: {', '.join(m for m, v in avgs.items() if v is None)}"
-                      if any(v is None for v in avgs.values()) else "") + "." if full else
+                      if any(v is None for v in avgs.values()) else "") +
+                     (f"; ranked among the methods that evict during the prompt (not {', '.join(unbounded)}: "
+                      "they hold the whole prompt and compress once, as in the prefill-only regime)"
+                      if unbounded else "") + "." if full else
                      f"**Passkey {rname}:** full cache scored 0%.")
         if nx is not None:
             others = {m: v for m, v in rows.items() if not m.startswith("nexus")}
