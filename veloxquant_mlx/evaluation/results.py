@@ -395,7 +395,8 @@ def _color(name):
     if _is_ada(name):
         return _color(_ada_base(name))  # an Ada variant: its method's colour, told apart by _style
     i = _PALETTE.index(name) if name in _PALETTE else len(_PALETTE) + sum(map(ord, name)) % 7  # stable across runs
-    return "k" if name == FULL else plt.cm.tab20(i % 20)
+    # tab20's dark shades first (nexus = dark blue), its light ones after the tenth name
+    return "k" if name == FULL else plt.cm.tab20((2 * (i - 1)) % 20 + ((i - 1) // 10) % 2)
 
 
 def _ctx_label(n):
@@ -640,8 +641,8 @@ def _passkey_tables(data, lines, figs_dir, figures):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, regime in zip(axes, ("prefill", "decode")):
             for m in methods_all:
-                if m == FULL:
-                    continue
+                if m == FULL or (regime == "decode" and prefill_only.get(m)):
+                    continue  # a prefill-only method holds the whole prompt here: its curve is the left one
                 xs, ys = [], []
                 for d in densities:
                     _, avg, n, _ = row_for(regime, d, m, comparable[(regime, d)][1])
@@ -652,7 +653,8 @@ def _passkey_tables(data, lines, figs_dir, figures):
                     ax.plot(xs, ys, label=m, color=_color(m), **_style(m))
             if full_acc is not None:
                 ax.axhline(100 * full_acc, color="k", lw=1, label="full cache")
-            ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'} eviction")
+            ax.set_title("prefill-only eviction" if regime == "prefill" else
+                         "prefill + decode eviction\n(methods that evict during the prompt)")
             ax.set_xlabel("density (budget / prompt)")
             ax.set_xscale("log")
             ax.set_xticks(densities)
@@ -670,7 +672,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
         depths = sorted({c["depth"] for c in cells})
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, regime in zip(axes, ("prefill", "decode")):
-            ms = [m for m in methods_all]
+            ms = [m for m in methods_all if not (regime == "decode" and m != FULL and prefill_only.get(m))]
             width = 0.8 / max(len(ms), 1)
             for j, m in enumerate(ms):
                 ys = []
@@ -685,7 +687,9 @@ def _passkey_tables(data, lines, figs_dir, figures):
             ax.set_xticklabels([f"depth {d:g}" for d in depths])
             ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}, density {d20:.0%}")
         axes[0].set_ylabel("passkey accuracy (%)")
-        axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
+        handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))  # the left panel has every method
+        axes[1].legend(handles.values(), handles.keys(), fontsize=6, loc="upper left",
+                       bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
         figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_by_depth.png"))
     except Exception as e:  # pragma: no cover - figures are best effort
         lines.append(f"_(passkey figures failed: {e})_\n")
@@ -785,15 +789,15 @@ def _perplexity_tables(data, lines, figs_dir, figures):
         if full_ppl:
             ax.axhline(full_ppl, color="k", lw=1, label="full cache")
         ax.set_xscale("log")
-        ax.set_yscale("log")
         ax.set_xticks(densities)
         ax.set_xticklabels([f"{d:.0%}" for d in densities])
         from matplotlib.ticker import NullFormatter
 
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("density (budget / sequence)")
-        ax.set_ylabel("perplexity")
-        ax.legend(fontsize=7)
+        ax.set_ylabel("perplexity (lower is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: curves stay visible
         figures.append(_save_figure(plt, fig, figs_dir, "perplexity_vs_density.png"))
     except Exception as e:  # pragma: no cover
         lines.append(f"_(perplexity figure failed: {e})_\n")
