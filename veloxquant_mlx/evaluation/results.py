@@ -378,6 +378,8 @@ def _ada_base(name) -> str:
     return name[:-len(_ADA)] if _is_ada(name) else name
 
 
+_REGIME_NAME = {"prefill": "prefill-only", "decode": "prefill + decode"}
+
 _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
             "streaming", "random", "kvcache", "rotating"]
 
@@ -418,13 +420,18 @@ def passkey_summary(data) -> dict:
     return acc
 
 
+def _prefill_only_methods(data) -> dict:
+    """method -> True when it compresses only once at the end of the prompt (the full cache counts)."""
+    return {c["method"]: c.get("prefill_only_method", c["method"] == FULL)
+            for c in (data or {}).get("cells", {}).values() if "prefill_only_method" in c or c["method"] == FULL}
+
+
 def _passkey_index(data):
     """res[(regime, density, method, haystack, context)][(depth, key)] = True/False/"error" (seed 0).
     Decode-regime entries of prefill-only methods point at their prefill-regime cells; the full cache
     appears under every density (it has none) and both regimes."""
     all_cells = list((data or {}).get("cells", {}).values())
-    prefill_only = {c["method"]: c.get("prefill_only_method", c["method"] == FULL) for c in all_cells
-                    if "prefill_only_method" in c or c["method"] == FULL}
+    prefill_only = _prefill_only_methods(data)
     densities = sorted({c["density"] for c in all_cells if c["method"] != FULL and c.get("density") is not None})
     res = {}
     for c in all_cells:
@@ -495,7 +502,7 @@ def passkey_coverage_table(data) -> str:
     for (hay, ctx, regime, dens), g in sorted(groups.items(), key=lambda kv: (kv[0][0] != "grass", kv[0][1],
                                                                               kv[0][2] != "prefill",
                                                                               kv[0][3] or 0)):
-        rows.append(f"| {hay} | {_ctx_label(ctx)} | {'prefill-only' if regime == 'prefill' else 'prefill + decode'}"
+        rows.append(f"| {hay} | {_ctx_label(ctx)} | {_REGIME_NAME[regime]}"
                     f" | {'100% (full)' if dens is None else f'{dens:.0%}'} | {len(g['prompts'])} | "
                     f"{len(g['methods'])} | {g['cells']} | {g['errors']} |")
     return "\n".join(rows) + "\n"
@@ -513,7 +520,7 @@ def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index=
                     c["regime"] == "decode" and _is_ada(c["method"]) for c in _ok_cells(data))):
                 continue
             lines.append(f"\n#### Ada-KV allocation vs uniform, {density:.0%}, "
-                         f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}\n")
+                         f"{_REGIME_NAME[regime]}\n")
             lines.append("| Method | " + " | ".join(f"{h} {_ctx_label(n)}" for h, n in cols) +
                          " | Avg. uniform → Ada |")
             lines.append("|---|" + "---|" * (len(cols) + 1))
@@ -677,7 +684,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
             for j, m in enumerate(ms):
                 ys = []
                 for dep in depths:
-                    src = "prefill" if (m == FULL or (regime == "decode" and prefill_only.get(m))) else regime
+                    src = "prefill" if m == FULL else regime  # the full cache's cells are prefill-regime
                     sel = [c for c in cells if c["method"] == m and c["depth"] == dep and c.get("seed", 0) == 0
                            and c["regime"] == src and (m == FULL or c["density"] == d20)]
                     ys.append(100 * sum(bool(c["correct"]) for c in sel) / len(sel) if sel else float("nan"))
@@ -685,7 +692,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                        hatch="//" if _is_ada(m) else None)
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(depths))])
             ax.set_xticklabels([f"depth {d:g}" for d in depths])
-            ax.set_title(f"{'prefill-only' if regime == 'prefill' else 'prefill + decode'}, density {d20:.0%}")
+            ax.set_title(f"{_REGIME_NAME[regime]}, density {d20:.0%}")
         axes[0].set_ylabel("passkey accuracy (%)")
         handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))  # the left panel has every method
         axes[1].legend(handles.values(), handles.keys(), fontsize=6, loc="upper left",
@@ -720,7 +727,6 @@ def _passkey_tables(data, lines, figs_dir, figures):
                          f" | {_pct(statistics.mean(vals))} ± {_pct(sd)} |")
             headline[("nexus_seeds", regime, dens)] = (statistics.mean(vals), sd, len(common))
         lines.append("")
-    headline[("prefill_only",)] = prefill_only  # for the reading: who holds the whole prompt
     return headline
 
 
@@ -938,7 +944,7 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
     """Computed, not hand-written: facts and target checks that follow from the numbers."""
     lines.append("\n## Reading (generated from the numbers above)\n")
     facts = []
-    prefill_only = pk.get(("prefill_only",), {})
+    prefill_only = _prefill_only_methods(pk_data)
     dens_all = sorted({k[2] for k in pk if k[0] == "common"}, key=lambda d: (d != 0.2, d))  # 20% first
     for regime, density in [(r, d) for d in dens_all for r in ("prefill", "decode")]:
         common = pk.get(("common", regime, density))
@@ -960,7 +966,7 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         best = max(rows.values())
         winners = [m for m, v in rows.items() if v == best]
         nx = rows.get("nexus")
-        rname = "prefill-only" if regime == "prefill" else "prefill + decode"
+        rname = _REGIME_NAME[regime]
         target = (f" (target ≥ 95%: {'met' if best / full >= 0.95 else 'not met'})" if density == 0.2 and full
                   else "")
         facts.append(f"**Passkey, {rname}, {density:.0%} density** (columns where every runnable method finished: "
@@ -983,7 +989,7 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
                          f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%.")
     for k, v in pk.items():
         if k[0] == "ada" and v:
-            facts.append(f"**Ada-KV allocation** ({'prefill-only' if k[1] == 'prefill' else 'prefill + decode'}, "
+            facts.append(f"**Ada-KV allocation** ({_REGIME_NAME[k[1]]}, "
                          f"{k[2]:.0%}; uniform → Ada on the same prompts): " +
                          "; ".join(f"{m} {_pct(u)} → {_pct(a)}% ({n} prompts)" for m, (u, a, n) in v.items()) + ".")
     for k, v in pk.items():
