@@ -188,9 +188,13 @@ def test_changing_shapes_or_dtype_is_refused():
         cache.observe_queries(mx.zeros((1, 3, 1, 8)))
 
 
-def test_batch_merge_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="batch merging"):
-        StreamingKVCache.merge([])
+def test_batch_merge_is_ours_not_kvcache_merge():
+    """KVCache.merge would drop eviction state; ours batches one single-row cache per sequence
+    (tests/test_batching.py checks it row by row)."""
+    from veloxquant_mlx.batching import BatchEvictionCache
+
+    batch = StreamingKVCache.merge([])
+    assert type(batch) is BatchEvictionCache and batch.rows == []
 
 
 # -- query tap ------------------------------------------------------------------------------------

@@ -277,19 +277,13 @@ class EvictionCache(_BaseCache):
             return 0
         return self.keys.nbytes + self.values.nbytes
 
-    # Batching: selection state is per row, so mlx-lm's KVCache.merge would silently drop it.
-    @classmethod
-    def merge(cls, caches):
-        raise NotImplementedError(
-            f"{cls.__name__} does not support batch merging (BatchGenerator / server batching): "
-            "eviction state is per sequence. Run sequences separately, or pass a batch dimension B>1 "
-            "to a single generation.")
-
-    def filter(self, batch_indices):
-        raise NotImplementedError(f"{type(self).__name__} does not support batch filtering")
-
-    def extend(self, other):
-        raise NotImplementedError(f"{type(self).__name__} does not support batch extension")
+    # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
+    # veloxquant_mlx.batching.BatchEvictionCache holding one single-row cache per sequence, so every
+    # row keeps its own eviction state; filter/extend/extract live there. `merge` exists only on
+    # caches that can batch (the server probes hasattr(c, "merge")), never KVCache.merge.
+    from ..batching import BatchMerge as _BatchMerge
+    merge = _BatchMerge()
+    del _BatchMerge
 
     # -- storage ------------------------------------------------------------------------------
     def _check_kv(self, keys, values):
