@@ -90,27 +90,28 @@ def forbid_host_sync():
 
 
 def pytest_configure(config):
-    """Re-run the session once under Debian's OpenBLAS when it is installed (Linux CPU).
+    """Re-run the session once with OpenBLAS preloaded when one is installed (Linux CPU).
 
-    MLX's Linux CPU wheel uses a reference BLAS; the real-model tests run ~5x faster with OpenBLAS
-    preloaded (one thread). Results do not depend on it (tests compare runs within one process or
-    with tolerances). Set VELOXQUANT_NO_FAST_BLAS=1 to keep the reference BLAS.
+    MLX's Linux CPU wheel uses a reference BLAS; the real-model tests run several times faster with
+    OpenBLAS preloaded (one thread): pip's ``cmeel-openblas`` (the ``fast-cpu`` extra, which .ci/run
+    installs), else Debian's ``libopenblas0-pthread``. The re-run prints one ``fast-blas:`` line naming
+    the library. Results do not depend on it (tests compare runs within one process or with
+    tolerances). Set VELOXQUANT_NO_FAST_BLAS=1 to keep the reference BLAS.
     """
     import os
 
     if os.environ.get("VELOXQUANT_NO_FAST_BLAS"):
         return
-    from veloxquant_mlx.blas import find_openblas, openblas_preloaded
+    from veloxquant_mlx import blas
 
-    if find_openblas() and not openblas_preloaded():
-        from veloxquant_mlx.blas import reexec_with_openblas
-
-        capman = config.pluginmanager.getplugin("capturemanager")
-        if capman is not None:
-            capman.suspend_global_capture(in_=True)  # hand the real stdout/stderr to the new process
-        reexec_with_openblas()  # only returns when it cannot re-exec (then we just carry on)
-        if capman is not None:
-            capman.resume_global_capture()
+    if blas.openblas_preloaded() or blas.find_blas() is None:
+        return
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)  # hand the real stdout/stderr to the new process
+    blas.reexec_with_openblas()  # only returns when it cannot re-exec (then we just carry on)
+    if capman is not None:
+        capman.resume_global_capture()
 
 
 def pytest_addoption(parser):

@@ -1,52 +1,99 @@
 """Helpers for getting a fast CPU BLAS under MLX on Linux.
 
-MLX's Linux CPU wheel (``mlx-cpu``) links a bundled *reference* BLAS, which
-runs fp32 matmuls at only a few GFLOP/s.  Preloading Debian's OpenBLAS
-(``apt-get install libopenblas0-pthread``) with ``LD_PRELOAD`` makes MLX bind
-``sgemm``/``cblas_sgemm`` to OpenBLAS instead and speeds fp32 matmul up by
-roughly an order of magnitude.  ``OPENBLAS_NUM_THREADS=1`` is used because a
-multi-threaded OpenBLAS inside MLX's own CPU threads was seen to hang once.
+MLX's Linux CPU wheel (``mlx-cpu``) links a bundled *reference* BLAS, which runs fp32 matmuls at
+only a few GFLOP/s. Preloading an OpenBLAS with ``LD_PRELOAD`` makes MLX bind ``cblas_sgemm`` to it
+instead (about 30x faster fp32 matmul). Two sources are searched, in this order:
 
-``LD_PRELOAD`` only takes effect at process start, hence
-:func:`reexec_with_openblas`, which restarts the current Python command with
-the library preloaded.  It is also available as a launcher::
+1. ``cmeel-openblas`` from PyPI (``pip install -e ".[fast-cpu]"``): an unprefixed
+   ``libopenblas.so.0`` under ``site-packages/cmeel.prefix/lib``. It needs ``libgfortran.so.5``,
+   which most machines without a Fortran toolchain lack; the copy that ``mlx-cpu`` (or NumPy)
+   bundles under ``<pkg>.libs/`` is used then. Those copies carry hashed sonames
+   (``libgfortran-<hash>.so.5.0.0``), and the dynamic loader matches an already loaded library
+   only by soname or by file identity, so the bundled file is preloaded by its full path *and* a
+   symlink named ``libgfortran.so.5`` pointing at it is put in a small directory (under
+   ``$VELOXQUANT_CACHE_DIR`` or ``~/.cache/veloxquant_mlx``) that is prepended to ``LD_LIBRARY_PATH``: the loader opens the
+   symlink, sees the same file and reuses the preloaded copy.
+2. The system's OpenBLAS (Debian: ``apt-get install libopenblas0-pthread``).
+
+Wheels with *prefixed* symbols (``scipy-openblas32``: ``scipy_cblas_sgemm``; NumPy's bundled
+``scipy_openblas64_``) cannot interpose MLX's ``cblas_sgemm`` and are not used.
+
+``LD_PRELOAD`` only takes effect at process start, hence :func:`reexec_with_openblas`, which
+checks the preload in a throw-away child process (a preload whose dependencies do not resolve
+kills every process started with it) and then restarts the current Python command with it. It
+is also available as a launcher::
 
     python -m veloxquant_mlx.blas your_script.py --args
     python -m veloxquant_mlx.blas -m some.module --args
+    python -m veloxquant_mlx.blas              # status and a 1024x1024 fp32 matmul benchmark
+
+The default is one OpenBLAS thread (``$OPENBLAS_NUM_THREADS`` set by the user wins): on the
+bundled model two threads were not faster on a 2-core machine (see README, "CPU BLAS").
+Nothing here does anything on macOS (MLX uses Accelerate / Metal there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import os
 import platform
+import struct
+import subprocess
 import sys
+import tempfile
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "BlasLibrary",
+    "find_blas",
     "find_openblas",
     "openblas_preloaded",
+    "preloaded_openblas_path",
+    "preload_env",
     "blas_hint",
+    "describe",
     "reexec_with_openblas",
     "measure_matmul_gflops",
     "blas_info",
     "REEXEC_GUARD_ENV",
+    "DEFAULT_NUM_THREADS",
 ]
 
 #: Set in the environment of a re-executed process so it never re-executes again.
 REEXEC_GUARD_ENV = "VELOXQUANT_BLAS_REEXEC"
 #: Explicit path override for the OpenBLAS shared library.
 OPENBLAS_PATH_ENV = "VELOXQUANT_OPENBLAS"
+#: OpenBLAS threads when ``$OPENBLAS_NUM_THREADS`` is not set (see the module docstring).
+DEFAULT_NUM_THREADS = 1
 
 _LIB = "libopenblas.so.0"
+_PIP_SOURCE = "cmeel-openblas"
 # Other libraries that also count as "an optimized BLAS is preloaded".
 _OPTIMIZED_BLAS_MARKERS = ("libopenblas", "libmkl_rt", "libblis")
+# Wheel-bundled library folders (auditwheel's "<dist>.libs") searched for runtime dependencies,
+# best first: mlx-cpu is always installed next to MLX on Linux.
+_BUNDLED_LIB_DIRS = ("mlx_cpu.libs", "numpy.libs", "scipy.libs")
 
 
-def _multiarch_dirs() -> List[str]:
+@dataclasses.dataclass(frozen=True)
+class BlasLibrary:
+    """An OpenBLAS that can be preloaded, and what it takes to preload it."""
+
+    path: str  #: the ``libopenblas.so.0`` to preload
+    source: str  #: where it comes from: ``"cmeel-openblas"``, ``"system"``, ``"$VELOXQUANT_OPENBLAS"``
+    #: wheel-bundled runtime dependencies preloaded (by full path) before ``path``
+    deps: Tuple[str, ...] = ()
+    #: soname -> file: symlinks made so that ``path``'s DT_NEEDED entries resolve to ``deps``
+    links: Tuple[Tuple[str, str], ...] = ()
+
+
+# -- where libraries live -------------------------------------------------------------------------
+def _triples() -> List[str]:
     machine = platform.machine().lower()
-    triples = {
+    return {
         "x86_64": ["x86_64-linux-gnu"],
         "amd64": ["x86_64-linux-gnu"],
         "aarch64": ["aarch64-linux-gnu"],
@@ -55,8 +102,11 @@ def _multiarch_dirs() -> List[str]:
         "s390x": ["s390x-linux-gnu"],
         "riscv64": ["riscv64-linux-gnu"],
     }.get(machine, [])
+
+
+def _multiarch_dirs() -> List[str]:
     dirs = []
-    for triple in triples:
+    for triple in _triples():
         # Debian/Ubuntu: the pthread flavour first (what we recommend), then
         # the alternatives symlink, then the other flavours.
         dirs += [
@@ -70,30 +120,257 @@ def _multiarch_dirs() -> List[str]:
     return dirs
 
 
-def find_openblas() -> Optional[str]:
-    """Return the path of a system ``libopenblas.so.0`` or ``None``.
+def _site_dirs() -> List[str]:
+    """site-packages folders of this interpreter (venv first), without duplicates."""
+    import site
 
-    ``$VELOXQUANT_OPENBLAS`` overrides the search.  Only Linux is searched
-    (macOS MLX uses Accelerate and needs nothing).
-    """
-    override = os.environ.get(OPENBLAS_PATH_ENV)
-    if override:
-        return override if os.path.isfile(override) else None
-    if not sys.platform.startswith("linux"):
-        return None
+    dirs: List[str] = []
+    try:
+        dirs += list(site.getsitepackages())
+    except Exception:  # pragma: no cover - some embedded interpreters lack it
+        pass
+    try:
+        dirs.append(site.getusersitepackages())
+    except Exception:  # pragma: no cover
+        pass
+    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    seen, out = set(), []
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real not in seen and os.path.isdir(real):
+            seen.add(real)
+            out.append(d)
+    return out
+
+
+def _pip_openblas() -> List[str]:
+    return [c for d in _site_dirs() for c in [os.path.join(d, "cmeel.prefix", "lib", _LIB)]
+            if os.path.isfile(c)]
+
+
+def _system_openblas() -> List[str]:
+    found = []
     for directory in _multiarch_dirs():
         candidate = os.path.join(directory, _LIB)
         if os.path.isfile(candidate):
-            return candidate
-    # Last resort: a versioned file without the .so.0 alias.
-    for directory in _multiarch_dirs():
-        hits = sorted(glob.glob(os.path.join(directory, "libopenblas*.so*")))
-        hits = [h for h in hits if "64_" not in os.path.basename(h)]  # ILP64 symbols don't interpose
-        if hits:
-            return hits[0]
+            found.append(candidate)
+    if not found:  # a versioned file without the .so.0 alias
+        for directory in _multiarch_dirs():
+            hits = sorted(glob.glob(os.path.join(directory, "libopenblas*.so*")))
+            found += [h for h in hits if "64_" not in os.path.basename(h)]  # ILP64 symbols don't interpose
+    return found
+
+
+def _source_of(path: str) -> str:
+    if os.sep + "cmeel.prefix" + os.sep in path:
+        return _PIP_SOURCE
+    if "openblas-pthread" in path:
+        return "system (Debian libopenblas0-pthread)"
+    return "system"
+
+
+# -- ELF: which libraries does a shared object need? -------------------------------------------------
+def _elf_needed(path: str) -> Optional[List[str]]:
+    """DT_NEEDED entries of a 64-bit ELF shared object, or None if it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            ident = fh.read(64)
+            if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2:  # ELFCLASS64 only
+                return None
+            end = "<" if ident[5] == 1 else ">"
+            phoff, = struct.unpack_from(end + "Q", ident, 32)
+            phentsize, phnum = struct.unpack_from(end + "HH", ident, 54)
+            fh.seek(phoff)
+            ph = fh.read(phentsize * phnum)
+            loads, dynamic = [], None
+            for i in range(phnum):
+                p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from(
+                    end + "IIQQQQ", ph, i * phentsize)
+                if p_type == 1:  # PT_LOAD
+                    loads.append((p_vaddr, p_offset, p_filesz))
+                elif p_type == 2:  # PT_DYNAMIC
+                    dynamic = (p_offset, p_filesz)
+            if dynamic is None:
+                return []
+            fh.seek(dynamic[0])
+            raw = fh.read(dynamic[1])
+            needed, strtab, strsz = [], None, 0
+            for off in range(0, len(raw) - 15, 16):
+                tag, val = struct.unpack_from(end + "qQ", raw, off)
+                if tag == 0:  # DT_NULL
+                    break
+                if tag == 1:  # DT_NEEDED
+                    needed.append(val)
+                elif tag == 5:  # DT_STRTAB (a virtual address)
+                    strtab = val
+                elif tag == 10:  # DT_STRSZ
+                    strsz = val
+            if strtab is None:
+                return None
+            for vaddr, offset, filesz in loads:
+                if vaddr <= strtab < vaddr + filesz:
+                    fh.seek(offset + strtab - vaddr)
+                    table = fh.read(strsz)
+                    break
+            else:
+                return None
+            return [table[i:table.index(b"\0", i)].decode() for i in needed]
+    except (OSError, struct.error, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _system_resolves(soname: str) -> bool:
+    """Would the dynamic loader find ``soname`` without help (LD_LIBRARY_PATH, ld.so.cache, dirs)?"""
+    # (not our own symlink folders: a re-executed process must still plan the same preload)
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":")
+            if d and not os.path.basename(d.rstrip("/")).startswith("blas-links-")]
+    dirs += [f"/lib/{t}" for t in _triples()] + [f"/usr/lib/{t}" for t in _triples()]
+    dirs += ["/lib64", "/usr/lib64", "/lib", "/usr/lib", "/usr/local/lib"]
+    if any(os.path.exists(os.path.join(d, soname)) for d in dirs):
+        return True
+    try:
+        with open("/etc/ld.so.cache", "rb") as fh:
+            return (b"/" + soname.encode() + b"\0") in fh.read()
+    except OSError:
+        return False
+
+
+def _bundled_copy(soname: str) -> Optional[str]:
+    """A wheel-bundled copy of ``soname`` (``libgfortran.so.5`` -> ``.../libgfortran-<hash>.so.5*``)."""
+    stem, _, version = soname.partition(".so")
+    major = version.lstrip(".").split(".")[0]
+    for site_dir in _site_dirs():
+        for libs in _BUNDLED_LIB_DIRS + ("*.libs",):
+            pattern = os.path.join(site_dir, libs, f"{stem}-*.so" + (f".{major}*" if major else "*"))
+            hits = sorted(glob.glob(pattern))
+            if hits:
+                return os.path.realpath(hits[0])
     return None
 
 
+def _plan(path: str, source: str, force_bundled: bool = False) -> Optional[BlasLibrary]:
+    """How to preload ``path``: None if a dependency is missing and no bundled copy exists."""
+    deps, links = [], []
+    for soname in _elf_needed(path) or []:
+        if soname.startswith(("libc.", "libm.", "libpthread.", "libdl.", "librt.", "ld-linux",
+                              "libgcc_s.")):
+            continue  # always there
+        if not force_bundled and _system_resolves(soname):
+            continue
+        copy = _bundled_copy(soname)
+        if copy is None:
+            if _system_resolves(soname):
+                continue
+            return None
+        deps.append(copy)
+        links.append((soname, copy))
+    return BlasLibrary(path=path, source=source, deps=tuple(deps), links=tuple(links))
+
+
+def _candidates() -> List[Tuple[str, str]]:
+    override = os.environ.get(OPENBLAS_PATH_ENV)
+    if override:
+        return [(override, "$" + OPENBLAS_PATH_ENV)] if os.path.isfile(override) else []
+    if not sys.platform.startswith("linux"):
+        return []
+    return [(p, _source_of(p)) for p in _pip_openblas() + _system_openblas()]
+
+
+def find_blas() -> Optional[BlasLibrary]:
+    """The OpenBLAS to preload (pip's ``cmeel-openblas`` first, then the system's), or None.
+
+    ``$VELOXQUANT_OPENBLAS`` overrides the search. Only Linux is searched (macOS MLX uses
+    Accelerate and needs nothing). This does not check that the preload works: see
+    :func:`reexec_with_openblas`.
+    """
+    for path, source in _candidates():
+        plan = _plan(path, source)
+        if plan is not None:
+            return plan
+    return None
+
+
+def find_openblas() -> Optional[str]:
+    """Path of the ``libopenblas.so.0`` :func:`find_blas` would preload, or None."""
+    lib = find_blas()
+    return lib.path if lib else None
+
+
+# -- the environment of a preloaded process ----------------------------------------------------------
+def _link_dir(links: Sequence[Tuple[str, str]]) -> str:
+    """A directory holding symlinks ``soname -> file`` (made once, reused, race-free)."""
+    key = hashlib.sha1(repr(sorted(links)).encode()).hexdigest()[:12]
+    roots = [os.path.expanduser(os.environ.get("VELOXQUANT_CACHE_DIR") or "~/.cache/veloxquant_mlx"),
+             os.path.join(tempfile.gettempdir(), f"veloxquant_mlx-{os.getuid()}")]
+    last_error: Optional[OSError] = None
+    for root in roots:
+        directory = os.path.join(root, f"blas-links-{key}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for name, target in links:
+                link = os.path.join(directory, name)
+                if os.path.realpath(link) == os.path.realpath(target):
+                    continue
+                tmp = f"{link}.{os.getpid()}.tmp"
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+                os.symlink(target, tmp)
+                os.replace(tmp, link)
+            return directory
+        except OSError as e:
+            last_error = e
+    raise OSError(f"cannot create a folder for the BLAS symlinks: {last_error}")
+
+
+def preload_env(lib: BlasLibrary, num_threads: Optional[int] = None,
+                base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """A copy of ``base`` (default ``os.environ``) that preloads ``lib`` in a new process."""
+    env = dict(os.environ if base is None else base)
+    previous = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+    env["LD_PRELOAD"] = ":".join([*lib.deps, lib.path, *previous])
+    if lib.links:
+        dirs = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
+        env["LD_LIBRARY_PATH"] = ":".join([_link_dir(lib.links), *dirs])
+    if num_threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = str(int(num_threads))
+    elif "OPENBLAS_NUM_THREADS" not in env:
+        env["OPENBLAS_NUM_THREADS"] = str(DEFAULT_NUM_THREADS)
+    return env
+
+
+_PROBE = ("import sys\n"
+          "maps = open('/proc/self/maps').read()\n"
+          "sys.exit(0 if sys.argv[1] in maps else 3)\n")
+
+
+def _probe(lib: BlasLibrary, env: Dict[str, str]) -> bool:
+    """Does a process started with ``env`` come up with ``lib`` mapped? (~30 ms)"""
+    try:
+        done = subprocess.run([sys.executable, "-S", "-c", _PROBE, os.path.realpath(lib.path)], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and b"ld.so" not in done.stderr
+
+
+def _working_env(num_threads: Optional[int]) -> Optional[Tuple[BlasLibrary, Dict[str, str]]]:
+    """The first candidate whose preload starts a process, with its environment."""
+    for path, source in _candidates():
+        for force_bundled in (False, True):
+            lib = _plan(path, source, force_bundled)
+            if lib is None or (force_bundled and not lib.deps):
+                continue
+            try:
+                env = preload_env(lib, num_threads)
+            except OSError:
+                continue
+            if _probe(lib, env):
+                return lib, env
+    return None
+
+
+# -- what this process runs on ------------------------------------------------------------------------
 def _preload_entries() -> List[str]:
     raw = os.environ.get("LD_PRELOAD", "")
     return [p for p in raw.replace(":", " ").split() if p]
@@ -128,6 +405,33 @@ def openblas_preloaded() -> bool:
     return _preloaded(("libopenblas",))
 
 
+def preloaded_openblas_path() -> Optional[str]:
+    """Path of the preloaded OpenBLAS mapped in this process, or None."""
+    if not openblas_preloaded():
+        return None
+    for entry in _preload_entries():
+        if "libopenblas" in os.path.basename(entry):
+            return entry
+    return None  # pragma: no cover
+
+
+def _threads() -> str:
+    n = os.environ.get("OPENBLAS_NUM_THREADS")
+    return "all cores' threads" if not n else f"{n} thread" + ("" if n == "1" else "s")
+
+
+def describe() -> str:
+    """One line naming the BLAS this process's MLX CPU matmuls use."""
+    if not sys.platform.startswith("linux"):
+        return "Accelerate / Metal (macOS): nothing to do"
+    path = preloaded_openblas_path()
+    if path:
+        return f"OpenBLAS from {_source_of(path)} ({path}), {_threads()}"
+    if _preloaded(_OPTIMIZED_BLAS_MARKERS):
+        return "an optimized BLAS from LD_PRELOAD (" + os.environ.get("LD_PRELOAD", "") + ")"
+    return "MLX's bundled reference BLAS (slow)"
+
+
 def _mlx_on_cpu() -> bool:
     try:
         import mlx.core as mx
@@ -148,17 +452,16 @@ def blas_hint() -> Optional[str]:
     if _preloaded(_OPTIMIZED_BLAS_MARKERS):
         return None
     launcher = "re-run with --fast-blas (or `python -m veloxquant_mlx.blas <script> ...`)"
-    if find_openblas():
-        return (
-            "MLX is using its slow reference CPU BLAS; OpenBLAS is installed: "
-            f"{launcher} for ~10x faster fp32 matmul"
-        )
-    return (
-        "MLX is using its slow reference CPU BLAS; for ~10x faster fp32 matmul run "
-        f"`apt-get install libopenblas0-pthread` and {launcher}"
-    )
+    lib = find_blas()
+    if lib:
+        return (f"MLX is using its slow reference CPU BLAS; OpenBLAS from {lib.source} is installed "
+                f"({lib.path}): {launcher} for ~30x faster fp32 matmul")
+    return ("MLX is using its slow reference CPU BLAS (~30x slower fp32 matmul): "
+            "`pip install cmeel-openblas` (the `fast-cpu` extra; or `apt-get install libopenblas0-pthread`) "
+            f"and {launcher}")
 
 
+# -- re-exec --------------------------------------------------------------------------------------------
 def _default_argv() -> List[str]:
     orig = getattr(sys, "orig_argv", None)
     if orig:
@@ -170,33 +473,52 @@ def reexec_with_openblas(
     argv: Optional[Sequence[str]] = None,
     *,
     library: Optional[str] = None,
-    num_threads: int = 1,
+    num_threads: Optional[int] = None,
+    quiet: bool = False,
 ) -> bool:
     """Re-execute this Python process with OpenBLAS in ``LD_PRELOAD``.
 
     ``argv`` is the argument list for the interpreter (without the executable);
     by default the current command line (``sys.orig_argv[1:]``), so both
     ``python script.py ...`` and ``python -m pkg ...`` restart unchanged.
+    ``library`` forces a ``libopenblas`` path (its runtime dependencies are still resolved);
+    ``num_threads`` defaults to ``$OPENBLAS_NUM_THREADS``, else :data:`DEFAULT_NUM_THREADS`.
+    Unless ``quiet``, one line on stderr names the library used.
 
     On success this call does not return (``os.execve``).  It returns ``False``
     without doing anything when OpenBLAS is already preloaded, when no OpenBLAS
-    library is found, on non-Linux platforms, or when this process was itself
-    started by a re-exec (``$VELOXQUANT_BLAS_REEXEC`` is set) -- the latter
-    guarantees there is never a re-exec loop even if the preload failed.
+    library is found or none preloads cleanly (checked in a child process first), on
+    non-Linux platforms, or when this process was itself started by a re-exec
+    (``$VELOXQUANT_BLAS_REEXEC`` is set) -- the latter guarantees there is never a
+    re-exec loop even if the preload failed.
     """
     if not sys.platform.startswith("linux"):
         return False
     if os.environ.get(REEXEC_GUARD_ENV) or openblas_preloaded():
         return False
-    lib = library or find_openblas()
-    if not lib or not os.path.isfile(lib):
+    if library is not None:
+        if not os.path.isfile(library):
+            return False
+        saved = os.environ.get(OPENBLAS_PATH_ENV)
+        os.environ[OPENBLAS_PATH_ENV] = library
+        try:
+            found = _working_env(num_threads)
+        finally:
+            if saved is None:
+                os.environ.pop(OPENBLAS_PATH_ENV, None)
+            else:
+                os.environ[OPENBLAS_PATH_ENV] = saved
+    else:
+        found = _working_env(num_threads)
+    if found is None:
         return False
-    args = list(_default_argv() if argv is None else argv)
-    env = dict(os.environ)
-    previous = env.get("LD_PRELOAD", "").strip()
-    env["LD_PRELOAD"] = f"{lib}:{previous}" if previous else lib
-    env["OPENBLAS_NUM_THREADS"] = str(int(num_threads))
+    lib, env = found
     env[REEXEC_GUARD_ENV] = "1"
+    args = list(_default_argv() if argv is None else argv)
+    if not quiet:
+        n = env["OPENBLAS_NUM_THREADS"]
+        print(f"fast-blas: using OpenBLAS from {lib.source} ({lib.path}), {n} thread{'' if n == '1' else 's'}"
+              + (f"; libgfortran from {os.path.dirname(lib.deps[0])}" if lib.deps else ""), file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -206,6 +528,7 @@ def reexec_with_openblas(
     return True  # pragma: no cover - execve does not return
 
 
+# -- measuring ------------------------------------------------------------------------------------------
 def measure_matmul_gflops(n: int = 512, repeats: int = 3, dtype=None) -> float:
     """Best-of-``repeats`` fp32 (default) ``n x n`` matmul throughput in GFLOP/s
     on MLX's default device."""
@@ -226,14 +549,17 @@ def measure_matmul_gflops(n: int = 512, repeats: int = 3, dtype=None) -> float:
 
 def blas_info(measure: bool = False) -> dict:
     """Small dict describing the BLAS setup, for benchmark result files."""
+    lib = find_blas()
     info = {
-        "openblas_path": find_openblas(),
+        "blas": describe(),
+        "openblas_path": lib.path if lib else None,
+        "openblas_source": lib.source if lib else None,
         "openblas_preloaded": openblas_preloaded(),
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
     if measure:
-        info["matmul_gflops_512_fp32"] = measure_matmul_gflops()
+        info["matmul_gflops_1024_fp32"] = measure_matmul_gflops(1024)
     return info
 
 
