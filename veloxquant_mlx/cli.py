@@ -280,6 +280,9 @@ def build_parser():
         eval_cli = None
     if eval_cli is not None:
         eval_cli.add_parser(sub)
+    from . import serve as serve_cli  # mlx_lm.server with eviction caches
+
+    serve_cli.add_parser(sub)
     return p
 
 

@@ -1,0 +1,224 @@
+"""``python -m veloxquant_mlx serve`` as a real subprocess, driven by the official ``openai`` client.
+
+A tiny random llama (saved in mlx-lm format with a word-level tokenizer and a chat template) is
+served with H2O at a budget that evicts during decode. Checks: concurrent answers equal stand-alone
+generations with the same config, streaming, a malformed request gets an HTTP 400 and the server
+keeps serving, a client that drops a stream mid-way leaves the server serving, and a second turn
+continues the first turn's (evicted) cache.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+
+from conftest import VOCAB, make_tiny_model, tiny_tokenizer
+
+openai = pytest.importorskip("openai")
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+CONFIG = dict(method="h2o", budget=16, h2o_evict_every=4)
+FLAGS = ["--method", "h2o", "--budget", "16", "--h2o-evict-every", "4"]
+MAX_TOKENS = 10
+STEP = 8
+
+
+def save_tiny_model(path):
+    model = make_tiny_model("llama")
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    hf = tiny_tokenizer()._tokenizer
+    saved = hf.chat_template
+    hf.chat_template = CHAT_TEMPLATE
+    try:
+        hf.save_pretrained(str(path))
+    finally:
+        hf.chat_template = saved
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_arg, flags, log_path, timeout=120):
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant_mlx", "serve", "--model", str(model_arg), *flags,
+         "--port", str(port), "--prefill-step-size", str(STEP), "--max-tokens", str(MAX_TOKENS)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{open(log_path).read()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"server did not come up:\n{open(log_path).read()}")
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    import mlx_lm
+
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = root / "tiny"
+    model_dir.mkdir()
+    save_tiny_model(model_dir)
+    proc, url = start_server(model_dir, FLAGS, root / "server.log")
+    model, tokenizer = mlx_lm.load(str(model_dir))  # the same weights, for stand-alone references
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield {"url": url, "client": client, "model": model, "tokenizer": tokenizer,
+               "log": root / "server.log", "proc": proc}
+    finally:
+        stop_server(proc)
+
+
+def words(n, seed):
+    return " ".join(f"t{i}" for i in np.random.default_rng(seed).integers(1, VOCAB, size=n))
+
+
+def chat(client, messages, **kw):
+    return client.chat.completions.create(model="default_model", messages=messages, temperature=0.0,
+                                          max_tokens=MAX_TOKENS, **kw)
+
+
+def standalone(served, prompt_tokens, caches=None, max_tokens=MAX_TOKENS):
+    """Greedy text and caches of one stand-alone generation with the served config."""
+    from mlx_lm.generate import stream_generate
+
+    model, tok = served["model"], served["tokenizer"]
+    if caches is None:
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
+    text = "".join(r.text for r in stream_generate(model, tok, mx.array(prompt_tokens), max_tokens=max_tokens,
+                                                   prompt_cache=caches, prefill_step_size=STEP))
+    return text, caches
+
+
+def template(served, messages):
+    return served["tokenizer"].apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_concurrent_answers_equal_standalone_generations(served):
+    conversations = [[{"role": "user", "content": words(n, seed)}] for n, seed in ((40, 1), (12, 2), (27, 3))]
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        replies = list(pool.map(lambda m: chat(served["client"], m), conversations))
+    for messages, reply in zip(conversations, replies):
+        prompt = template(served, messages)
+        text, caches = standalone(served, prompt)
+        assert reply.choices[0].message.content == text
+        assert reply.usage.prompt_tokens == len(prompt)
+        assert reply.usage.completion_tokens == MAX_TOKENS
+    assert caches[0].evictions > 0  # the budget really evicted (40 + 10 tokens > 16 + 4)
+    log = served["log"].read_text()
+    assert "continuous batching on" in log
+    assert "KV allocated" in log  # each finished request logs its allocated KV bytes
+
+
+def test_streaming(served):
+    messages = [{"role": "user", "content": words(21, 4)}]
+    chunks = list(chat(served["client"], messages, stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([d for d in deltas if d]) > 1
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(deltas) == standalone(served, template(served, messages))[0]
+
+
+def test_malformed_requests_get_http_errors_and_the_server_keeps_serving(served):
+    with pytest.raises(openai.BadRequestError):
+        chat(served["client"], [{"role": "user", "content": "t1 t2"}], top_p=3.0)
+    req = urllib.request.Request(served["url"] + "/v1/chat/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400
+    messages = [{"role": "user", "content": words(9, 5)}]
+    assert chat(served["client"], messages).choices[0].message.content == \
+        standalone(served, template(served, messages))[0]
+
+
+def test_client_disconnecting_mid_stream_leaves_the_server_serving(served):
+    stream = served["client"].chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": words(15, 6)}], temperature=0.0,
+        max_tokens=4000, stream=True)
+    first = next(iter(stream))
+    assert first.choices
+    stream.close()  # drop the connection while the server is still generating
+    messages = [{"role": "user", "content": words(11, 7)}]
+    assert chat(served["client"], messages).choices[0].message.content == \
+        standalone(served, template(served, messages))[0]
+    assert served["proc"].poll() is None
+    with urllib.request.urlopen(served["url"] + "/health", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+@pytest.mark.filterwarnings("ignore:.*earlier generation")  # the stand-alone second turn, on purpose
+def test_second_turn_continues_the_first_turns_cache(served):
+    first = [{"role": "user", "content": words(30, 8)}]
+    answer = chat(served["client"], first).choices[0].message.content
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": words(6, 9)}]
+    reply = chat(served["client"], second)
+    p1, p2 = template(served, first), template(served, second)
+    # The server kept turn 1's cache (prompt + every generated token) and fed only the rest.
+    assert reply.usage.prompt_tokens_details.cached_tokens == len(p1) + MAX_TOKENS
+    # Stand-alone "true eviction" conversation: turn 2 continues turn 1's evicted cache.
+    text1, caches = standalone(served, p1)
+    assert text1 == answer and caches[0].offset == len(p1) + MAX_TOKENS
+    assert caches[0].evictions > 0
+    assert reply.choices[0].message.content == standalone(served, p2[caches[0].offset:], caches)[0]
+    assert "prompt cache: reusing" in served["log"].read_text()
+
+
+@pytest.mark.slow
+def test_bundled_model_serves_with_nexus(tmp_path):
+    from veloxquant_mlx.models import load_model
+
+    proc, url = start_server("bundled", ["--method", "nexus", "--budget", "128"], tmp_path / "server.log",
+                             timeout=300)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        messages = [{"role": "user", "content": "Name three colours of the rainbow. " * 20}]
+        reply = chat(client, messages)
+        model, tok = load_model()
+        served = {"model": model, "tokenizer": tok}
+        from mlx_lm.generate import stream_generate
+
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="nexus", budget=128))
+        text = "".join(r.text for r in stream_generate(model, tok, mx.array(template(served, messages)),
+                                                       max_tokens=MAX_TOKENS, prompt_cache=caches,
+                                                       prefill_step_size=STEP))
+        assert reply.choices[0].message.content == text
+    finally:
+        stop_server(proc)
