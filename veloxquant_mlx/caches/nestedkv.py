@@ -27,6 +27,7 @@ import math
 import mlx.core as mx
 
 from ..config import option
+from ..distributed import shard_of
 from ..ops import gather_rows, keep_top_rows
 from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
                             rows_from_mask)
@@ -96,16 +97,22 @@ class NestedKVKVCache(EvictionCache):
             order = mx.argsort(mx.where(pos != PAD_POSITION, r, N + r), axis=-1).astype(mx.int32)
             keys, pos = gather_rows(keys, order), gather_rows(pos, order)
         s = self.row_scores(keys, pos)
-        if self.cross_head_active and s.shape[1] > 1:
-            H, N = s.shape[1], s.shape[2]
-            k_max = max_head_rows(N, H, self.budget, self.floor_rows(), self.head_cap())
-            idx, real = rows_from_mask(cross_head_keep(s, self.budget, self.floor_rows(), self.head_cap()), k_max)
+        d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
+        cross = self.cross_head_active and (s.shape[1] if d is None else d.total_heads(s.shape[1])) > 1
+        if cross:
+            def compete(s):  # the whole layer's heads compete for its H x budget slots
+                H, N = s.shape[1], s.shape[2]
+                k_max = max_head_rows(N, H, self.budget, self.floor_rows(), self.head_cap())
+                return rows_from_mask(cross_head_keep(s, self.budget, self.floor_rows(), self.head_cap()), k_max)
+
+            # tensor parallel: every rank runs the competition over all heads' scores (one all_gather)
+            idx, real = compete(s) if d is None else d.across_heads(compete, s)
             real = real & (gather_rows(pos, idx) != PAD_POSITION)
         else:
             idx = keep_top_rows(s, self.budget, 0, 0)
             real = gather_rows(pos, idx) != PAD_POSITION
         if order is not None:
             idx = gather_rows(order, idx)
-        if not self.is_ragged and not (self.cross_head_active and s.shape[1] > 1):
+        if not self.is_ragged and not cross:
             return idx  # uniform per-head budget: no padding
         return idx, real

@@ -11,6 +11,7 @@ import dataclasses
 import mlx.core as mx
 
 from ..config import option
+from ..distributed import shard_of
 from ..registry import register
 from .base import EvictionCache
 
@@ -29,4 +30,8 @@ class RandomKVCache(EvictionCache):
     supports_ada = False  # random scores carry no per-head importance to allocate by
 
     def scores(self):
-        return mx.random.uniform(shape=self.stored("positions").shape, key=self.next_key())
+        shape = self.stored("positions").shape
+        d = shard_of(self)
+        if d is not None:  # tensor parallel: the draws of the global head layout, this rank's slice
+            return d.uniform(self.next_key(), shape)
+        return mx.random.uniform(shape=shape, key=self.next_key())

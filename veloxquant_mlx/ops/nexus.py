@@ -84,9 +84,13 @@ def walk(rows: mx.array) -> mx.array:
 
 @mx.compile
 def _weights(s_hat, walk_depth: int, lam: float, eps_tie: float):
-    a = s_hat.mean(axis=-2)  # direct score a  (Eq. 3)
+    # direct score a (Eq. 3); the walk runs over the most recent H rows, oldest first (Eq. 4)
+    return _weights_from_parts(s_hat.mean(axis=-2), s_hat[..., -walk_depth:, :], lam, eps_tie)
+
+
+def _weights_from_parts(a, walk_rows, lam: float, eps_tie: float):
     if lam != 0.0:
-        C = walk(s_hat[..., -walk_depth:, :])  # walk over the most recent H rows, oldest first (Eq. 4)
+        C = walk(walk_rows)
         c_tilde = C / mx.maximum(mx.abs(C).sum(axis=-1, keepdims=True), 1e-30)  # c~ = C / ||C||_1 (§2.2)
         s = a + lam * c_tilde  # s = a + λ c~  (Eq. 2)
     else:
@@ -104,6 +108,17 @@ def nexus_weights(s_hat: mx.array, walk_depth: int = 3, lam: float = 0.5, eps_ti
     """
     h = min(int(walk_depth), s_hat.shape[-2])
     return _weights(s_hat, h, float(lam), float(eps_tie))
+
+
+def nexus_weights_from_parts(a: mx.array, walk_rows: mx.array, lam: float = 0.5,
+                             eps_tie: float = 1e-6) -> mx.array:
+    """w (Eq. 2-5) from the two things it reads of S_hat: the direct score a = mean over the window
+    rows (..., N_k) and the walk rows (..., h, N_k), oldest first (any array when ``lam=0``). Used
+    where S_hat is averaged over heads held by different processes (veloxquant_mlx.distributed)."""
+    return _compiled_parts(a, walk_rows, float(lam), float(eps_tie))
+
+
+_compiled_parts = mx.compile(_weights_from_parts)
 
 
 @mx.compile
