@@ -1,0 +1,220 @@
+"""Serving benchmark: 1, 4 and 8 concurrent 2K-token conversations on the bundled SmolLM2-135M.
+
+For each cache (mlx-lm's KVCache, which batches as BatchKVCache, and eviction methods at a fixed
+density) and each concurrency n: n conversations join one mlx-lm ``BatchGenerator`` (the engine of
+``mlx_lm.server`` and ``batch_generate``) with their prompts already in their caches, the way the
+server continues a stored conversation, and decode ``--tokens`` tokens each. Measured:
+
+* total allocated KV: the sum of ``nbytes`` over the batch caches of every layer (what the buffers
+  hold, capacity included), after every decode step; we report the largest value during decode and
+  the value when the prompts were in (before the first decode step);
+* aggregate decode tok/s: ``BatchGenerator.stats()`` (generated tokens of all rows / decode time).
+
+Each conversation's prompt is prefilled once per cache type, alone (exactly what one row of a
+batch holds: tests/test_batching.py), and every concurrency level decodes copies of those caches.
+A warm-up decode runs first for every cache type. ``--fast-blas`` (default on) re-runs the script
+with OpenBLAS preloaded when one is installed; the JSON says whether it was.
+
+    python benchmark_scripts/bench_serving.py                 # figures/serving/bench_serving.{json,png}
+    python benchmark_scripts/bench_serving.py --quick         # tiny random model, seconds (harness check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "figures" / "serving"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=2048, help="prompt tokens per conversation")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--tokens", type=int, default=64, help="decoded tokens per conversation")
+    p.add_argument("--density", type=float, default=0.2, help="eviction budget / context")
+    p.add_argument("--methods", nargs="+", default=["nexus", "streaming"],
+                   help="eviction methods (registry names) measured against mlx-lm's KVCache")
+    p.add_argument("--prompt-eviction", choices=("end", "stream"), default="end")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--no-fast-blas", action="store_true", help="keep MLX's reference BLAS")
+    p.add_argument("--quick", action="store_true", help="tiny random model (numbers meaningless)")
+    p.add_argument("--out-dir", default=str(OUT))
+    return p.parse_args(argv)
+
+
+def load(args):
+    if args.quick:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import make_tiny_model, tiny_tokenizer
+
+        return make_tiny_model("llama", layers=4), tiny_tokenizer(), "tiny random llama (--quick)"
+    from veloxquant_mlx.models import load_model
+
+    model, tokenizer = load_model()
+    return model, tokenizer, "SmolLM2-135M-Instruct (bundled GGUF, float32)"
+
+
+def conversations(tokenizer, n, context, quick):
+    if quick:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        return [rng.integers(1, 128, size=context).tolist() for _ in range(n)]
+    from veloxquant_mlx.evaluation.passkey import make_passkey_prompt
+
+    keys = ["31416", "27182", "14142", "17320", "22360", "16180", "57721", "69314"]
+    return [make_passkey_prompt(tokenizer, context, (i + 0.5) / n, keys[i % len(keys)])[0][:context]
+            for i in range(n)]
+
+
+def prefill(model, make_cache, prompt, step):
+    """Caches holding prompt[:-1] (the batch engine feeds the last token as the first decode input)."""
+    import mlx.core as mx
+
+    caches = make_cache()
+    body = prompt[:-1]
+    for start in range(0, len(body), step):
+        model(mx.array(body[start:start + step])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def kv_total(gen):
+    return sum(c.nbytes for c in gen._generation_batch.prompt_cache)
+
+
+def decode(model, prompts, caches, tokens, step):
+    """n conversations in one BatchGenerator: (stats, max total KV bytes after a decode step, tokens)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
+                         prefill_step_size=step)
+    gen.insert([p[-1:] for p in prompts], [tokens] * len(prompts), caches=copy.deepcopy(caches),
+               all_tokens=[p[:-1] for p in prompts])
+    with gen.stats() as stats:
+        peak = 0
+        out = []
+        while True:
+            responses = gen.next_generated()
+            if not responses:
+                break
+            now = kv_total(gen) if len(gen._generation_batch) else peak
+            peak = max(peak, now)
+            out.extend(r.token for r in responses)
+    gen.close()
+    return stats, peak, len(out)
+
+
+def prompt_kv(caches_per_conv):
+    return sum(c.nbytes for caches in caches_per_conv for c in caches)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.no_fast_blas:
+        from veloxquant_mlx.blas import reexec_with_openblas
+
+        reexec_with_openblas()  # returns when already preloaded or when none is installed
+    import mlx.core as mx
+    import mlx_lm
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, __version__ as vq_version
+    from veloxquant_mlx.blas import blas_info
+
+    model, tokenizer, model_name = load(args)
+    n_max = max(args.concurrency)
+    prompts = conversations(tokenizer, n_max, args.context, args.quick)
+    budget = max(int(round(args.density * args.context)), 1)
+    caches_kinds = [("kvcache", None)] + [
+        (m, KVCacheConfig(method=m, budget=budget, prompt_eviction=args.prompt_eviction)) for m in args.methods]
+    results = []
+    for label, config in caches_kinds:
+        if config is None:
+            KVCacheBuilder.uninstall(model)
+            from mlx_lm.models.cache import make_prompt_cache
+
+            make = lambda: make_prompt_cache(model)  # noqa: E731
+        else:
+            make = lambda c=config: KVCacheBuilder.for_model(model, c)  # noqa: E731
+        t0 = time.perf_counter()
+        stored = [prefill(model, make, p, args.prefill_step_size) for p in prompts]
+        prefill_s = time.perf_counter() - t0
+        print(f"{label}: prefilled {n_max} x {args.context} tokens in {prefill_s:.1f} s", flush=True)
+        decode(model, prompts[:1], stored[:1], 4, args.prefill_step_size)  # warm-up (compiles)
+        for n in args.concurrency:
+            stats, peak, n_tokens = decode(model, prompts[:n], stored[:n], args.tokens, args.prefill_step_size)
+            row = {"cache": label, "method": None if config is None else config.method,
+                   "config": None if config is None else config.to_dict(), "concurrency": n,
+                   "context": args.context, "decode_tokens_per_conversation": args.tokens,
+                   "generated_tokens": stats.generation_tokens, "decode_time_s": stats.decode_time,
+                   "decode_tps": stats.generation_tps, "kv_allocated_peak_decode_bytes": peak,
+                   "kv_allocated_prompt_bytes": prompt_kv(stored[:n]), "prefill_s_all_conversations": prefill_s,
+                   "peak_memory_gb": stats.peak_memory}
+            results.append(row)
+            print(f"  n={n}: decode {row['decode_tps']:.1f} tok/s aggregate ({n_tokens} tokens), "
+                  f"KV allocated peak {peak / 2**20:.1f} MiB (prompt held: "
+                  f"{row['kv_allocated_prompt_bytes'] / 2**20:.1f} MiB)", flush=True)
+        del stored
+        mx.clear_cache()
+    ref = {r["concurrency"]: r for r in results if r["cache"] == "kvcache"}
+    for r in results:
+        base = ref[r["concurrency"]]
+        r["kv_vs_kvcache"] = r["kv_allocated_peak_decode_bytes"] / base["kv_allocated_peak_decode_bytes"]
+        r["decode_tps_vs_kvcache"] = r["decode_tps"] / base["decode_tps"]
+    meta = {"model": model_name, "context": args.context, "density": args.density, "budget": budget,
+            "prompt_eviction": args.prompt_eviction, "tokens": args.tokens, "concurrency": args.concurrency,
+            "prefill_step_size": args.prefill_step_size, "engine": "mlx_lm.generate.BatchGenerator",
+            "prompts": "passkey-filler prompts, one key/depth per conversation" if not args.quick else "random",
+            "quick": args.quick, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+            "veloxquant_mlx": vq_version, "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, **blas_info()}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    figure(results, meta, out / "bench_serving.png")
+    for r in results:
+        print(f"{r['cache']:>10s} n={r['concurrency']}: KV {r['kv_vs_kvcache']:.3f}x kvcache, "
+              f"decode {r['decode_tps_vs_kvcache']:.2f}x kvcache ({r['decode_tps']:.1f} tok/s)")
+    print(f"wrote {out / 'bench_serving.json'} and bench_serving.png; BLAS: {meta['blas']}")
+    return 0
+
+
+def figure(results, meta, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["cache"] for r in results))
+    ns = sorted({r["concurrency"] for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(labels)
+    for k, label in enumerate(labels):
+        rows = {r["concurrency"]: r for r in results if r["cache"] == label}
+        xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(ns))]
+        name = "mlx-lm KVCache (BatchKVCache)" if label == "kvcache" else f"{label} @ {meta['density']:.0%}"
+        axes[0].bar(xs, [rows[n]["kv_allocated_peak_decode_bytes"] / 2**20 for n in ns], width, label=name)
+        axes[1].bar(xs, [rows[n]["decode_tps"] for n in ns], width, label=name)
+    for ax, title in zip(axes, ("total allocated KV during decode (MiB)", "aggregate decode tokens/s")):
+        ax.set_xticks(range(len(ns)), [str(n) for n in ns])
+        ax.set_xlabel(f"concurrent {meta['context']}-token conversations")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    blas = "OpenBLAS preloaded" if meta.get("openblas_preloaded") else "reference BLAS"
+    fig.suptitle(f"{meta['model']} served through mlx-lm's BatchGenerator (CPU, {blas})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
