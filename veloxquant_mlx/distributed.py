@@ -250,6 +250,24 @@ def shard_for_world(model, group=None):
     return f"{kind} over {size} ranks"
 
 
+def setup_cli(model):
+    """``python -m veloxquant_mlx generate`` under ``mlx.launch``: shard the loaded model over the
+    world and silence stdout on every rank but 0 (each rank generates the same tokens). A single
+    process is left untouched. Returns the group (None alone)."""
+    import os
+    import sys
+
+    group, rank, size = world()
+    if size <= 1:
+        return None
+    how = shard_for_world(model, group)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")
+    print(f"distributed: {how}; rank 0 prints; the KV figures below are rank 0's caches "
+          f"(its share of the KV heads or layers)", flush=True)
+    return group
+
+
 def _kv_heads(model):
     args = getattr(model, "args", None)
     for name in ("num_key_value_heads", "n_kv_heads", "num_attention_heads"):
