@@ -67,7 +67,11 @@ def tiny_model(request):
 
 @contextlib.contextmanager
 def forbid_host_sync():
-    """Make every MLX host synchronization raise inside the block."""
+    """Make every MLX host synchronization raise inside the block.
+
+    The one documented exception is ``EvictionCache.ragged_width``: ragged storage reads its width
+    back once per eviction step. Those reads are allowed and counted in the yielded list."""
+    from veloxquant_mlx.caches.base import EvictionCache
 
     def boom(*a, **k):
         raise AssertionError("host sync inside the cache hot path")
@@ -76,17 +80,30 @@ def forbid_host_sync():
                                                          "__array__")
              if hasattr(mx.array, name)}
     saved_fns = {name: getattr(mx, name) for name in ("eval", "async_eval")}
-    try:
-        for name in saved:
-            setattr(mx.array, name, boom)
-        for name in saved_fns:
-            setattr(mx, name, boom)
-        yield
-    finally:
+    ragged_reads = []
+    width = EvictionCache.ragged_width
+
+    def patch(on):
         for name, fn in saved.items():
-            setattr(mx.array, name, fn)
+            setattr(mx.array, name, boom if on else fn)
         for name, fn in saved_fns.items():
-            setattr(mx, name, fn)
+            setattr(mx, name, boom if on else fn)
+
+    def counted_width(self, counts):
+        ragged_reads.append(type(self).__name__)
+        patch(False)
+        try:
+            return width(self, counts)
+        finally:
+            patch(True)
+
+    try:
+        patch(True)
+        EvictionCache.ragged_width = counted_width
+        yield ragged_reads
+    finally:
+        patch(False)
+        EvictionCache.ragged_width = width
 
 
 def pytest_configure(config):

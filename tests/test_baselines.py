@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.base import PAD_POSITION
 from veloxquant_mlx.caches.pyramidkv import pyramid_budgets
+from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.ops.allocation import ada_keep
 from veloxquant_mlx.ops.window_scores import max_pool_1d
 
@@ -21,6 +22,8 @@ D = 8
 
 
 def make(method, tap=True, **kw):
+    if not get_method(method).prefill_only:
+        kw.setdefault("prompt_eviction", "stream")  # these unit tests evict through prompt chunks
     cfg = KVCacheConfig(method=method, **kw)
     cache = cfg.cache_class(cfg, layer_idx=0, n_layers=1)
     cache.tap_active = tap

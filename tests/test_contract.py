@@ -60,9 +60,10 @@ def reference(model):
 
 
 # -- invariants ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["stream", "end"])
 @pytest.mark.parametrize("method", METHODS)
-def test_budget_invariants_under_chunked_updates(method):
-    cache = direct_cache(method)
+def test_budget_invariants_under_chunked_updates(method, policy):
+    cache = direct_cache(method, prompt_eviction=policy)
     rng = np.random.default_rng(0)
     seen, compressed_at = 0, None
     for s in [20, 13, 40, 7] + [1] * 12:
@@ -76,13 +77,18 @@ def test_budget_invariants_under_chunked_updates(method):
         for row in real_positions(cache)[0]:
             assert len(set(row.tolist())) == len(row) and row.min() >= 0
             assert row.max() == seen - 1  # the newest token is always kept
-        if cache.prefill_only:
+        if s > 1 and (policy == "end"):
+            assert cache.evictions == 0 and cache.size() == seen  # "end": the whole prompt is held
+        elif cache.prefill_only:
             if s == 1 and compressed_at is None:
                 compressed_at = seen
-                assert cache.evictions == 1 and cache.tokens_kept <= cache.budget + 1
+                assert cache.tokens_kept <= cache.budget + 1
+                chunk_evictions = cache.evictions - 1
             if compressed_at is not None:
-                assert cache.evictions == 1  # compress once, then only append
+                assert cache.evictions == chunk_evictions + 1  # compress once at the end, then only append
                 assert cache.tokens_kept <= cache.budget + (seen - compressed_at) + 1
+            else:  # "stream": compressed at the chunks already
+                assert cache.size() <= cache.budget + cache.slack
         else:
             assert cache.size() <= cache.budget + cache.slack
     assert cache.evictions >= 1
@@ -105,12 +111,13 @@ def _skip_unsupported(method, allocation):
         pytest.skip(f"{method} does not support allocation={allocation!r}")
 
 
+@pytest.mark.parametrize("policy", ["end", "stream"])
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
 @pytest.mark.parametrize("method", METHODS)
-def test_chunked_prefill_generation_with_eviction(method, allocation, model):
+def test_chunked_prefill_generation_with_eviction(method, allocation, policy, model):
     _skip_unsupported(method, allocation)
     prompt = random_prompt(80, seed=4)
-    caches = KVCacheBuilder.for_model(model, config(method, allocation=allocation))
+    caches = KVCacheBuilder.for_model(model, config(method, allocation=allocation, prompt_eviction=policy))
     tokens, lp = greedy(model, prompt, max_tokens=8, prompt_cache=caches, prefill_step_size=16)
     assert len(tokens) == 8 and np.isfinite(lp).all()
     for c in caches:
@@ -162,7 +169,7 @@ def test_hot_path_forces_no_host_sync(method):
         cache = direct_cache(method, allocation=allocation)
         k = mx.random.normal((1, 2, 60, D), key=mx.random.key(1))
         q = mx.random.normal((1, 4, 60, D), key=mx.random.key(2))
-        with forbid_host_sync():
+        with forbid_host_sync() as ragged_reads:
             at = 0
             for s in (20, 20, 9, 1, 1, 1, 1, 1, 1, 1):
                 cache.update_and_fetch(k[:, :, at:at + s], k[:, :, at:at + s])
@@ -170,6 +177,8 @@ def test_hot_path_forces_no_host_sync(method):
                 cache.attention_mask(None, q[:, :, at:at + s])
                 at += s
         assert cache.evictions >= 1, allocation
+        # Uniform storage never syncs; ragged storage reads its width back once per eviction step.
+        assert len(ragged_reads) == (cache.evictions if cache.is_ragged else 0), (allocation, ragged_reads)
         mx.eval(cache.state)
 
 

@@ -71,7 +71,7 @@ def test_full_cache_equals_eviction_with_budget_covering_prompt(tiny):
     ref = greedy_generate(model, toks, full, 6, 256)
     for name in ("nexus", "h2o", "snapkv", "streaming"):
         spec = R.method_specs([name])[0]
-        for step in (len(toks) + 1, 256):
+        for step in (2048, 256):
             caches = R.make_caches(model, spec, budget=len(toks) + 64)
             out = greedy_generate(model, toks, caches, 6, step)
             assert out["tokens"] == ref["tokens"], (name, step)
@@ -98,14 +98,41 @@ def test_shared_prefill_equals_separate_runs(tiny):
             pass
     assert "nexus" in named
     out = shared_prefill_generate(model, toks, named, 6)
-    ref = greedy_generate(model, toks, R.make_caches(model, R.method_specs([R.FULL])[0], 0), 6, len(toks) + 1)
+    ref = greedy_generate(model, toks, R.make_caches(model, R.method_specs([R.FULL])[0], 0), 6, 2048)
     assert out["__full__"]["tokens"] == ref["tokens"]
     for s in specs:
         if s.name not in named:
             continue
-        alone = greedy_generate(model, toks, R.make_caches(model, s, budget), 6, len(toks) + 1)
+        alone = greedy_generate(model, toks, R.make_caches(model, s, budget), 6, 2048)
         assert out[s.name]["tokens"] == alone["tokens"], s.name
         assert out[s.name]["kv_bytes_end"] == alone["kv_bytes_end"], s.name
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+@pytest.mark.parametrize("regime", ["prefill", "decode"])
+def test_harness_gives_what_mlx_lm_generate_gives(tiny, regime):
+    """Every published passkey number is reproducible through plain mlx_lm.generate with the
+    setting it names: the harness feeds the prompt exactly as generate_step does."""
+    from mlx_lm.generate import generate_step
+
+    from veloxquant_mlx.evaluation.retrieval import REGIME_POLICY, shared_prefill_generate
+
+    model, tok = tiny
+    toks, _ = make_prompt(tok, "grass", 900, 0.5, "24680")
+    policy, step = REGIME_POLICY[regime], (2048 if regime == "prefill" else 128)
+    names = ["nexus", "h2o", "snapkv", "streaming", "nestedkv"]
+    named = {n: R.make_caches(model, R.method_specs([n])[0], 180, prompt_eviction=policy) for n in names}
+    shared = shared_prefill_generate(model, toks, named, 6) if regime == "prefill" else None
+    for n in names:
+        spec = R.method_specs([n])[0]
+        ref_caches = R.make_caches(model, spec, 180, prompt_eviction=policy)
+        ref = [int(t) for t, _ in generate_step(mx.array(toks), model, prompt_cache=ref_caches, max_tokens=6,
+                                               prefill_step_size=step)]
+        out = greedy_generate(model, toks, R.make_caches(model, spec, 180, prompt_eviction=policy), 6, step)
+        assert out["tokens"] == ref, (n, regime)
+        assert ref_caches[0].evictions >= 1
+        if shared is not None:
+            assert shared[n]["tokens"] == ref, n
 
 
 def test_run_cells_records_errors_and_resumes(tmp_path):

@@ -96,7 +96,7 @@ def test_streaming_invariants(budget, n_sink, recent, evict_every, batch, heads,
     if budget <= n_sink + recent:
         recent = 0
     cfg = KVCacheConfig(method="streaming", budget=budget, n_sink=n_sink, recent=recent,
-                        streaming_evict_every=evict_every)
+                        streaming_evict_every=evict_every, prompt_eviction="stream")
     cache = StreamingKVCache(cfg)
     cache.queries_from_keys = not tap
     seen = 0
@@ -110,6 +110,8 @@ def test_streaming_invariants(budget, n_sink, recent, evict_every, batch, heads,
             cache.observe_queries(mx.repeat(k, 2, axis=1))
         assert cache.offset == seen == cache.tokens_seen
         assert cache.size() <= budget + evict_every
+        if cache.evictions and cache.size() == budget:  # just evicted: allocation follows the budget
+            assert cache.keys.shape[2] == budget + evict_every + 1
         pos = np.array(cache.kept_positions())
         assert (np.diff(pos, axis=-1) > 0).all()  # unique, ascending
         must = set(range(min(n_sink, seen))) | set(range(max(seen - recent, 0), seen))
@@ -275,7 +277,7 @@ def test_chunk_that_triggers_eviction_attends_to_every_fetched_row(method):
 
     model = make_tiny_model("llama")
     tokens = random_prompt(384, seed=3)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=200))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=200, prompt_eviction="stream"))
     full = make_prompt_cache(model)
     for start in range(0, 384, 128):
         x = mx.array(tokens[start:start + 128])[None]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*earlier generation")
 
 
 def _cache(budget, n_sink=2, recent=None, evict_every=4, query_block=256):
-    cfg = KVCacheConfig(method="h2o", budget=budget, n_sink=n_sink, recent=recent,
+    cfg = KVCacheConfig(method="h2o", budget=budget, n_sink=n_sink, recent=recent, prompt_eviction="stream",
                         options=dict(evict_every=evict_every, query_block=query_block))
     return H2OKVCache(cfg)
 
@@ -153,7 +153,8 @@ def test_equals_kvcache_when_nothing_evicted():
 
 def _run(model, prompt, step, budget=32):
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="h2o", budget=budget, n_sink=2,
-                                                           h2o_evict_every=8, h2o_query_block=16))
+                                                           h2o_evict_every=8, h2o_query_block=16,
+                                                           prompt_eviction="stream"))
     t, lp = greedy(model, prompt, max_tokens=12, prompt_cache=caches, prefill_step_size=step)
     return caches, t, lp
 

@@ -186,6 +186,7 @@ def _drive(cache, chunks, B=1, Hkv=2, Hq=4, D=8, dtype=mx.float32, seed=0, check
 
 
 def _config(**kw):
+    kw.setdefault("prompt_eviction", "stream")  # these tests evict through prompt chunks
     return KVCacheConfig(method="nexus", **kw)
 
 

@@ -8,20 +8,32 @@ from mlx_lm.models.cache import KVCache
 
 from .caches.base import EvictionCache
 from .config import KVCacheConfig
+from .distributed import HeadShard, layer_span, resolve_group
 from .mlx_lm_compat import install_query_tap, remove_query_tap
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
 _warned_no_tap: set = set()
+_asking_model: set = set()  # ids of models whose own make_cache we are calling right now
 
 
 def _model_layer_caches(model) -> list:
-    """The caches the model itself would build (ignoring our own installation)."""
+    """The caches the model itself would build (ignoring our own installation).
+
+    A user's ``model.make_cache = lambda *a, **k: KVCacheBuilder.for_model(model, cfg)`` makes that
+    call re-enter for_model; the inner call then asks the model's class instead (no recursion)."""
     if _ORIGINAL_MAKE_CACHE in model.__dict__:
         make = model.__dict__[_ORIGINAL_MAKE_CACHE]  # installed: ask what the model had before us
+    elif id(model) in _asking_model:
+        cls_make = getattr(type(model), "make_cache", None)
+        make = cls_make.__get__(model) if cls_make is not None else None
     else:
         make = getattr(model, "make_cache", None)
-    made = make() if callable(make) else None
+    _asking_model.add(id(model))
+    try:
+        made = make() if callable(make) else None
+    finally:
+        _asking_model.discard(id(model))
     return list(made) if made is not None else [KVCache() for _ in model.layers]
 
 
@@ -32,12 +44,17 @@ class KVCacheBuilder:
     methods = staticmethod(methods)
 
     @staticmethod
-    def for_model(model, config: KVCacheConfig) -> list:
+    def for_model(model, config: KVCacheConfig, group=None) -> list:
         """Fresh caches for every layer of ``model``.
 
         Full-attention layers (those for which the model builds a plain ``KVCache``) get
         ``config``'s eviction cache, seeded ``config.seed + layer``; every other layer (sliding
         window, SSM, ...) keeps the model's own cache. Also installs the query tap.
+
+        Distributed (see veloxquant_mlx.distributed): on a tensor-parallel model the caches hold this
+        rank's KV heads and combine head-wide selections over ``group`` (default: the group the model
+        was sharded over; ``False``: behave as a lone process); on a pipeline rank the layer indices
+        (seeds, per-layer budgets) stay those of the whole model.
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
@@ -50,11 +67,13 @@ class KVCacheBuilder:
                 f"{type(model).__module__} does not call mlx-lm's scaled_dot_product_attention, so "
                 f"{config.method!r} cannot see real queries: falling back to keys as stand-in queries "
                 "(measurably worse; see docs/architecture.md)", stacklevel=2)
-        n = len(base)
+        start, n = layer_span(model, len(base))
+        group = resolve_group(model, group)
         caches = []
         for i, c in enumerate(base):
             if type(c) is KVCache or isinstance(c, EvictionCache):
-                ev = cls(config, layer_idx=i, n_layers=n)
+                ev = cls(config, layer_idx=start + i, n_layers=n)
+                ev.dist = HeadShard(group) if group is not None else None
                 ev.queries_from_keys = not tapped
                 ev.tap_active = tapped
                 caches.append(ev)
@@ -63,7 +82,7 @@ class KVCacheBuilder:
         return caches
 
     @staticmethod
-    def install(model, config: KVCacheConfig) -> None:
+    def install(model, config: KVCacheConfig, group=None) -> None:
         """Make ``model.make_cache()`` (hence ``mlx_lm.generate``) build fresh eviction caches on
         every call. Reversible with :meth:`uninstall`; installing again replaces the config."""
         if not isinstance(config, KVCacheConfig):
@@ -78,7 +97,7 @@ class KVCacheBuilder:
                 original = cls_fn.__get__(model) if cls_fn is not None else None
             object.__setattr__(model, _ORIGINAL_MAKE_CACHE, original)
             object.__setattr__(model, "_veloxquant_had_instance_make_cache", inst is not None)
-        object.__setattr__(model, "make_cache", lambda *a, **k: KVCacheBuilder.for_model(model, config))
+        object.__setattr__(model, "make_cache", lambda *a, **k: KVCacheBuilder.for_model(model, config, group))
         install_query_tap(model)
 
     @staticmethod

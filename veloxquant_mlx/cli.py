@@ -11,6 +11,7 @@ import dataclasses
 import sys
 import time
 
+from . import distributed
 from .config import KVCacheConfig
 from .registry import get_method, methods
 
@@ -63,6 +64,9 @@ def _add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--allocation", choices=("uniform", "ada"), default=None,
                         help="budget across KV heads: uniform, or Ada-KV head-adaptive (needs a per-head score)")
     parser.add_argument("--floor-alpha", type=float, default=None, help="Ada-KV guaranteed floor fraction")
+    parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None,
+                        help="end (default): hold the prompt, compress once when it ends, then evict "
+                             "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
     _add_method_options(parser)
 
 
@@ -85,8 +89,8 @@ def _config_from_args(args, prompt_len: int):
             raise CLIError(f"--density must be in (0, 1], got {args.density}")
         budget = max(int(round(args.density * prompt_len)), 1)
     options = {k.split("__")[2]: v for k, v in extra.items()}
-    alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha))
-             if v is not None}
+    alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
+                               ("prompt_eviction", getattr(args, "prompt_eviction", None))) if v is not None}
     return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
                          seed=args.cache_seed, options=options, **alloc)
 
@@ -96,19 +100,22 @@ def _flags(extra):
 
 
 def kv_report(caches) -> dict:
-    """Kept vs full-sequence KV bytes over all layers (works for mlx-lm caches too)."""
-    kept = full = 0
+    """KV memory over all layers, ours and mlx-lm's caches alike: ``allocated_bytes`` (``c.nbytes``:
+    what the buffers really hold, capacity included), ``kept_bytes`` (the kept rows' K/V) and
+    ``full_bytes`` (K/V of every token seen). ``fraction`` = allocated / full is what a user sees."""
+    alloc = kept = full = 0
     for c in caches:
+        alloc += c.nbytes if getattr(c, "keys", None) is not None else 0
         if hasattr(c, "kept_bytes"):
             kept += c.kept_bytes
             full += c.full_seq_bytes
         elif getattr(c, "keys", None) is not None:
             k, v = c.keys, c.values
-            rows = min(getattr(c, "offset", k.shape[2]), k.shape[2])
-            nbytes = k.shape[0] * k.shape[1] * rows * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
-            kept += nbytes
-            full += k.shape[0] * k.shape[1] * c.offset * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
-    return {"kept_bytes": kept, "full_bytes": full, "ratio": (full / kept) if kept else 1.0}
+            row = k.shape[0] * k.shape[1] * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
+            kept += row * min(c.offset, k.shape[2])
+            full += row * c.offset
+    return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full,
+            "fraction": alloc / full if full else 0.0}
 
 
 def _prompt_tokens(tokenizer, prompt: str, use_chat: bool):
@@ -172,18 +179,21 @@ def cmd_generate(args):
     if args.density is None:
         _config_from_args(args, 0)  # reject bad flags before the (slow) model load
     model, tokenizer = _load(args.model)
+    distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     tokens = _prompt_tokens(tokenizer, args.prompt, not args.ignore_chat_template)
     config = _config_from_args(args, len(tokens))
     out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
                          args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
     print()
     print("=" * 10)
-    label = FULL if config is None else f"{config.method} (budget {config.budget}/head)"
+    label = FULL if config is None else (f"{config.method} (budget {config.budget}/head, "
+                                         f"prompt_eviction={config.prompt_eviction})")
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
-    print(f"KV cache: kept {_fmt_bytes(out['kept_bytes'])} of {_fmt_bytes(out['full_bytes'])} "
-          f"(ratio {out['ratio']:.2f}x); peak memory {out['peak_memory_gb']:.3f} GB")
+    print(f"KV cache: allocated {_fmt_bytes(out['allocated_bytes'])} = {out['fraction']:.2f}x of the full "
+          f"cache's {_fmt_bytes(out['full_bytes'])} (kept rows {_fmt_bytes(out['kept_bytes'])}); "
+          f"process peak memory {out['peak_memory_gb']:.3f} GB")
     _blas_footer()
     return 0
 
@@ -213,40 +223,93 @@ def parse_method_spec(spec: str, budget: int) -> KVCacheConfig:
     return KVCacheConfig(method=name, budget=budget, options=options)
 
 
+def _demo_row(model, tokenizer, tokens, config, bar, prefill_step_size, max_tokens=8) -> dict:
+    """One demo row through mlx_lm.stream_generate; ``bar`` (tqdm) advances through the prompt.
+
+    ``allocated_bytes`` is ``sum(c.nbytes)`` over the layers' caches (the buffers really held);
+    ``peak_bytes`` is MLX's process peak during this row (model weights included)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .builder import KVCacheBuilder
+
+    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start, seen = bar.n, [0]
+
+    def progress(done, total):
+        bar.update(done - seen[0])
+        seen[0] = done
+
+    text, last = "", None
+    t0 = time.perf_counter()
+    for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens=max_tokens,
+                             prompt_cache=caches, prefill_step_size=prefill_step_size,
+                             prompt_progress_callback=progress):
+        text, last = text + r.text, r
+    bar.update(start + len(tokens) - bar.n)  # the prompt's last token ran with the first decode step
+    return {"text": text, "wall_s": time.perf_counter() - t0,
+            "prompt_tps": last.prompt_tps if last else 0.0,
+            "generation_tps": last.generation_tps if last else 0.0,
+            "allocated_bytes": sum(c.nbytes for c in caches),
+            "peak_bytes": mx.get_peak_memory()}
+
+
 def cmd_demo(args):
+    from tqdm import tqdm
+
+    from .blas import blas_hint, describe
     from .evaluation.passkey import extract_digits, make_passkey_prompt
 
     for spec in args.methods:
         parse_method_spec(spec, 10**6)  # reject bad specs before loading the model
     if not 0.0 < args.density <= 1.0:
         raise CLIError(f"--density must be in (0, 1], got {args.density}")
+    hint = None if getattr(args, "blas_hint_shown", False) else blas_hint()
+    if hint:  # before the slow work, not after it
+        print(f"note: {hint}. Without it this demo takes several minutes.", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     model, tokenizer = _load(args.model)
     key = "68043"
     tokens, pos = make_passkey_prompt(tokenizer, args.context, args.depth, key)
     budget = max(int(args.density * len(tokens)), 1)
+    methods = [FULL] + args.methods
     print(f"Passkey demo: {len(tokens)}-token grass-filler prompt, key {key} at token {pos} "
-          f"(depth {args.depth}); eviction methods keep {budget} tokens/head ({args.density:.0%} density).")
+          f"(depth {args.depth}); eviction methods keep {budget} tokens/head ({args.density:.0%} density). "
+          f"BLAS: {describe()}.", flush=True)
     rows = []
-    for method in [FULL] + args.methods:
-        config = None if method == FULL else parse_method_spec(method, budget)
-        out = run_generation(model, tokenizer, tokens, config, max_tokens=8,
-                             prefill_step_size=args.prefill_step_size)
-        answer = extract_digits(out["text"])
-        rows.append((method, answer, answer == key, out))
-    width = max(len(m) for m in [FULL] + args.methods)
-    print(f"\n{'cache':{width}s} {'answer':>8s} {'ok':>3s} {'KV kept':>10s} {'ratio':>6s} "
-          f"{'prefill tok/s':>13s} {'decode tok/s':>12s}")
+    with tqdm(total=len(tokens) * len(methods), desc=f"prefill {FULL}", file=sys.stderr, leave=False,
+              mininterval=0.0, bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} prompt tokens "
+                         "[{elapsed}<{remaining}]") as bar:
+        for method in methods:
+            bar.set_description(f"prefill {method}")
+            config = None if method == FULL else parse_method_spec(method, budget)
+            out = _demo_row(model, tokenizer, tokens, config, bar, args.prefill_step_size)
+            answer = extract_digits(out["text"])
+            rows.append((method, answer, answer == key, out))
+            bar.write(f"  {method}: answer {answer or '-'} ({'found' if answer == key else 'missed'}), "
+                      f"{out['wall_s']:.1f} s", file=sys.stderr)
+    full_alloc = rows[0][3]["allocated_bytes"] or 1
+    width = max(len(m) for m in methods + ["cache"])
+    print(f"\n{'cache':{width}s} {'answer':>8s} {'found':>5s} {'KV allocated':>12s} {'vs full':>7s} "
+          f"{'peak memory':>11s} {'prefill tok/s':>13s} {'decode tok/s':>12s}")
     for method, answer, ok, out in rows:
-        print(f"{method:{width}s} {answer or '-':>8s} {'yes' if ok else 'no':>3s} {_fmt_bytes(out['kept_bytes']):>10s} "
-              f"{out['ratio']:>5.1f}x {out['prompt_tps']:>13.1f} {out['generation_tps']:>12.1f}")
-    _blas_footer()
+        print(f"{method:{width}s} {answer or '-':>8s} {'yes' if ok else 'no':>5s} "
+              f"{_fmt_bytes(out['allocated_bytes']):>12s} {out['allocated_bytes'] / full_alloc:>6.2f}x "
+              f"{_fmt_bytes(out['peak_bytes']):>11s} {out['prompt_tps']:>13.1f} {out['generation_tps']:>12.1f}")
+    print(f"KV allocated: sum of the caches' nbytes after {len(tokens)} prompt + 8 generated tokens; "
+          f"peak memory: MLX's process peak during the row (weights included). "
+          f"Total {time.perf_counter() - t0:.0f} s.")
     return 0
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m veloxquant_mlx", description=__doc__.splitlines()[0])
     p.add_argument("--fast-blas", action="store_true",
-                   help="re-run with Debian's OpenBLAS preloaded (Linux CPU; ~10x faster fp32 matmul)")
+                   help="Linux CPU: re-run with OpenBLAS preloaded (pip's cmeel-openblas, the fast-cpu extra, "
+                        "else Debian's libopenblas0-pthread; ~30x faster fp32 matmul); nothing on macOS")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with an eviction cache")
@@ -264,13 +327,14 @@ def build_parser():
     m = sub.add_parser("methods", help="list the registered eviction methods")
     m.set_defaults(func=cmd_methods)
 
-    d = sub.add_parser("demo", help="passkey retrieval: full cache vs eviction at 20%% density")
+    d = sub.add_parser("demo", help="passkey retrieval: full cache vs Nexus vs SnapKV at 20%% density")
     d.add_argument("--model", default="bundled")
     d.add_argument("--context", type=int, default=1000, help="prompt length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="where the key sits (0 = start, 1 = end)")
     d.add_argument("--density", type=float, default=0.2)
-    d.add_argument("--methods", nargs="+", default=["nexus", "nexus:n_samples=none,per_head=true", "nestedkv", "h2o"],
-                   help="methods to compare: name or name:option=value,... (e.g. nexus:n_samples=none)")
+    d.add_argument("--methods", nargs="+", default=["nexus", "snapkv"],
+                   help="methods compared with the full cache: name or name:option=value,... "
+                        "(e.g. nexus:n_samples=none h2o nestedkv)")
     d.add_argument("--prefill-step-size", type=int, default=2048)
     d.set_defaults(func=cmd_demo)
 
@@ -286,14 +350,29 @@ def build_parser():
     return p
 
 
+def _fast_blas() -> bool:
+    """--fast-blas: re-exec with OpenBLAS preloaded, or say at once (before any slow work) why not.
+    Returns whether it printed the slow-BLAS hint."""
+    import os
+
+    from . import blas
+
+    if blas.openblas_preloaded():
+        if not os.environ.get(blas.REEXEC_GUARD_ENV):  # else the re-exec already named the library
+            print(f"fast-blas: already preloaded: {blas.describe()}", file=sys.stderr)
+        return False
+    blas.reexec_with_openblas()  # does not return when it re-executes
+    hint = blas.blas_hint()  # None on macOS / GPU: nothing to do there
+    if hint:
+        print(f"fast-blas: no OpenBLAS could be preloaded; {hint}", file=sys.stderr, flush=True)
+    return bool(hint)
+
+
 def main(argv=None) -> int:
     from .models import ModelNotAvailableError
 
     args = build_parser().parse_args(argv)
-    if args.fast_blas:
-        from .blas import reexec_with_openblas
-
-        reexec_with_openblas()  # returns only if already preloaded or not possible
+    args.blas_hint_shown = _fast_blas() if args.fast_blas else False
     try:
         return args.func(args)
     except (CLIError, ValueError, TypeError, ModelNotAvailableError, FileNotFoundError) as e:

@@ -21,6 +21,14 @@ _CORE_FIELDS = ("budget", "n_sink", "recent", "seed")
 # selection): "uniform" gives every head ``budget`` rows; "ada" is Ada-KV (Feng et al., NeurIPS 2025).
 ALLOCATIONS = ("uniform", "ada")
 
+# When eviction runs while the prompt is read (see docs/architecture.md "When eviction runs"):
+# "end": hold the prompt, compress once when it ends (the first single-token step; under
+#        mlx_lm.generate the prompt's last token), then evict through decode. The paper's prefill +
+#        decode setting: the question is in the window before anything is scored. Peak = the prompt's KV.
+# "stream": also evict at every prompt chunk (mlx_lm.generate: every prefill_step_size tokens), scored
+#        before the question has arrived. Peak = budget + one chunk + headroom per layer.
+PROMPT_EVICTIONS = ("end", "stream")
+
 
 def option(default, *, kind=None, low=None, high=None, low_open=False, choices=None, allow_none=False,
            doc=""):
@@ -105,6 +113,10 @@ class KVCacheConfig:
             with a per-head score, see ``EvictionCache.supports_allocation``).
         floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
             (Ada-KV reference default 0.2). Ignored for ``"uniform"``.
+        prompt_eviction: ``"end"`` (default: hold the prompt, compress once when it ends, then evict
+            through decode; peak = the prompt's KV) or ``"stream"`` (evict at every prompt chunk too;
+            peak = budget + one chunk). Prefill-only methods compress when the prompt ends either way;
+            under ``"stream"`` they also compress at every chunk.
         options: the method's options dataclass (or a dict of its fields).
         **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
             option field of the chosen method, e.g. ``nexus_window=16``, ``nestedkv_budget=512``.
@@ -112,7 +124,8 @@ class KVCacheConfig:
 
     def __init__(self, method: str = "nexus", budget: int | None = None, n_sink: int | None = None,
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
-                 options: Any = None, allocation: str = "uniform", floor_alpha: float = 0.2, **flat):
+                 options: Any = None, allocation: str = "uniform", floor_alpha: float = 0.2,
+                 prompt_eviction: str = "end", **flat):
         cls = get_method(method)
         self.method = method
         core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
@@ -170,6 +183,9 @@ class KVCacheConfig:
         self.floor_alpha = _check_value("KVCacheConfig", "floor_alpha", floor_alpha,
                                         dict(kind=float, low=0.0, high=1.0, low_open=False, choices=None,
                                              allow_none=False))
+        self.prompt_eviction = _check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
+                                            dict(kind=str, low=None, high=None, low_open=False,
+                                                 choices=PROMPT_EVICTIONS, allow_none=False))
         if not cls.supports_allocation(self.allocation):
             raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r}: "
                              f"{cls.allocation_unsupported_reason(self.allocation)}")
@@ -205,7 +221,7 @@ class KVCacheConfig:
         return {"method": self.method, "budget": self.budget, "n_sink": self.n_sink,
                 "recent": self.recent, "seed": self.seed, "head_dim": self.head_dim,
                 "allocation": self.allocation, "floor_alpha": self.floor_alpha,
-                "options": {k: (list(v) if isinstance(v, tuple) else v)
+                "prompt_eviction": self.prompt_eviction, "options": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in dataclasses.asdict(self.options).items()}}
 
     @classmethod
@@ -223,4 +239,5 @@ class KVCacheConfig:
         opts = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
         return (f"KVCacheConfig(method={self.method!r}, budget={self.budget}, n_sink={self.n_sink}, "
                 f"recent={self.recent}, seed={self.seed}, allocation={self.allocation!r}, "
-                f"floor_alpha={self.floor_alpha}, {self.method}=({opts}))")
+                f"floor_alpha={self.floor_alpha}, prompt_eviction={self.prompt_eviction!r}, "
+                f"{self.method}=({opts}))")

@@ -21,19 +21,28 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from ..config import KVCacheConfig, NoOptions
+from ..distributed import group_max
 from ..ops import gather_rows, keep_top_rows
 from ..ops.allocation import ada_keep
 
 # Position stored for padding rows (ragged per-head storage); larger than any real position so a
 # causal "key position <= query position" test hides it.
 PAD_POSITION = 2**31 - 1
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: "prompt_open" replaced "compressed"; nbytes counts every held array
 _warned_ada_no_tap: set = set()
 
 
-def _with_rows(buf: mx.array, head_rows: mx.array) -> mx.array:
-    """A new buffer of buf's capacity whose first rows (axis 2) are ``head_rows``."""
-    return mx.concatenate([head_rows.astype(buf.dtype), buf[:, :, head_rows.shape[2]:]], axis=2)
+def _with_headroom(rows: mx.array, extra: int, fill=0) -> mx.array:
+    """A NEW contiguous buffer: ``rows`` followed by ``extra`` rows of ``fill`` along axis 2.
+
+    Every storage change goes through here, so a buffer is never a view that pins a larger array
+    and its capacity is exactly what the caller asked for (allocation follows the kept rows)."""
+    if extra <= 0:
+        return mx.contiguous(rows)
+    shape = list(rows.shape)
+    shape[2] = extra
+    pad = mx.full(shape, fill, rows.dtype) if fill else mx.zeros(shape, rows.dtype)
+    return mx.concatenate([rows, pad], axis=2)
 
 
 class EvictionCache(_BaseCache):
@@ -41,7 +50,8 @@ class EvictionCache(_BaseCache):
 
     Options = NoOptions
     method: str = ""
-    step = 256  # storage grows in steps of this many rows, like mlx-lm's KVCache
+    step = 256  # prompt chunks grow storage in steps of this many rows, like mlx-lm's KVCache
+    decode_step = 64  # single-token appends that outgrow the buffer add this many rows (unbounded decode)
     query_window = 0  # how many recent queries the method scores with (0: none kept)
     needs_queries = True  # False for key-only / position-only methods
     prefill_only = False  # True: compress once when the prompt ends, then only append
@@ -49,6 +59,7 @@ class EvictionCache(_BaseCache):
     # move budget between heads? None = decide automatically (yes when the method supplies scores()
     # and keeps the base select_rows, which is where the allocation is applied).
     supports_ada: bool | None = None
+    dist = None  # HeadShard of this rank under tensor parallelism (veloxquant_mlx.distributed); None: alone
 
     # -- construction -----------------------------------------------------------------------
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
@@ -78,7 +89,7 @@ class EvictionCache(_BaseCache):
         self.scale = None
         self._window_q = None
         self._saw_decode = False
-        self._compressed = False
+        self._prompt_open = False  # prompt text arrived since the last single-token step
         self._rng = mx.random.key(config.seed + layer_idx)
         self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
         # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
@@ -131,7 +142,8 @@ class EvictionCache(_BaseCache):
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
         if self.query_window:
             q = queries if self._window_q is None else mx.concatenate([self._window_q, queries], axis=2)
-            self._window_q = q[:, :, -self.query_window:, :]
+            # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
+            self._window_q = mx.contiguous(q[:, :, -self.query_window:, :])
 
     def scores(self) -> mx.array:
         """(B, H, rows) importance of every stored row; higher is kept."""
@@ -162,7 +174,13 @@ class EvictionCache(_BaseCache):
 
     def ada_select(self, scores: mx.array):
         """(idx, real): Ada-KV allocation of this layer's H x budget rows over (B, H, rows) scores."""
-        return ada_keep(scores, self.stored("positions"), self.offset, self.budget, self.n_sink,
+        pos = self.stored("positions")
+        if self.dist is not None:  # heads split across ranks: rank the whole layer's heads (one all_gather)
+            return self.dist.across_heads(
+                lambda s, p: ada_keep(s, p, self.offset, self.budget, self.n_sink, self.recent,
+                                      self.config.floor_alpha, PAD_POSITION),
+                scores, pos, same=() if self.is_ragged else (1,))
+        return ada_keep(scores, pos, self.offset, self.budget, self.n_sink,
                         self.recent, self.config.floor_alpha, PAD_POSITION)
 
     def evict_threshold(self) -> int:
@@ -184,12 +202,12 @@ class EvictionCache(_BaseCache):
         if S == 1 and self.offset > 0:
             self._saw_decode = True
         if S > 1:
-            self._compressed = False  # new prompt text: the next single-token call compresses again
-        if self.prefill_only:
-            if S == 1 and not self._compressed and self._rows > self.budget:
-                self._evict()  # the prompt ended: compress once over all of it
-                self._compressed = True
-        elif self._rows > self.evict_threshold():
+            self._prompt_open = True  # new prompt text: the step after it ends the prompt
+        elif self._prompt_open:
+            self._prompt_open = False  # the prompt ended (mlx_lm.generate: its last token)
+            if self._compresses_at_prompt_end() and self._rows > self.budget:
+                self._evict()  # the one-shot compression over the whole prompt
+        if self._evicts_during(S) and self._rows > self.evict_threshold():
             self._evict()  # queries never arrived for the last append (no tap): evict now
         self._append(keys, values)
         fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
@@ -217,8 +235,21 @@ class EvictionCache(_BaseCache):
         self.scale = scale
         self.queries_observed += 1
         self.on_queries(queries)
-        if not self.prefill_only and self._rows > self.evict_threshold():
+        if self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
+
+    # -- prompt-time policy (config.prompt_eviction) ------------------------------------------
+    def _compresses_at_prompt_end(self) -> bool:
+        """Compress once when the prompt ends? Prefill-only methods always; decode-bounded methods
+        under ``prompt_eviction="end"`` (the paper's prefill + decode setting)."""
+        return self.prefill_only or self.config.prompt_eviction == "end"
+
+    def _evicts_during(self, S: int) -> bool:
+        """Does a step of S new tokens run threshold evictions? Prompt chunks (S > 1) only under
+        ``prompt_eviction="stream"``; single tokens only for decode-bounded methods."""
+        if S > 1:
+            return self.config.prompt_eviction == "stream"
+        return not self.prefill_only
 
     def attention_mask(self, mask, queries: mx.array):
         """The mask this layer's attention should use, given the one mlx-lm built from cache[0].
@@ -272,10 +303,14 @@ class EvictionCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocated key/value buffers (capacity, not just kept rows)."""
+        """Bytes this cache really holds: the allocated capacity (not just the kept rows) of the
+        key/value buffers plus everything kept beside them (positions, per-row method state, the
+        observed-query window, method state arrays)."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        held = [self.keys, self.values, self.positions, *self.row_extras.values(), self._window_q,
+                *self.extra_state().values()]
+        return sum(a.nbytes for a in held if isinstance(a, mx.array))
 
     # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
     # veloxquant_mlx.batching.BatchEvictionCache holding one single-row cache per sequence, so every
@@ -312,25 +347,35 @@ class EvictionCache(_BaseCache):
     def _append(self, keys, values):
         B, H, S, _ = keys.shape
         prev, need = self._rows, self._rows + S
+        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
+        fields = self.extra_row_fields()
         if self.keys is None or need > self.keys.shape[2]:
-            cap = -(-need // self.step) * self.step
+            # Prompt text held to the end of the prompt grows like mlx-lm's KVCache (steps of ``step``);
+            # a chunk evicted right after this step gets exactly its rows; a single token that does not
+            # fit (unbounded decode) adds ``decode_step`` rows. New buffers, never views.
+            if S == 1:
+                cap = need + self.decode_step
+            elif self._evicts_during(S):
+                cap = need
+            else:
+                cap = -(-need // self.step) * self.step
+            extra = cap - need
 
-            def grow(old, shape, dtype, fill):
-                new = mx.full(shape, fill, dtype) if fill else mx.zeros(shape, dtype)
-                if old is not None and prev:
-                    new[:, :, :prev] = old[:, :, :prev]
-                return new
+            def grown(old, new, fill):
+                rows = new if old is None or not prev else mx.concatenate([old[:, :, :prev], new], axis=2)
+                return _with_headroom(rows, extra, fill)
 
-            self.keys = grow(self.keys, (B, H, cap, keys.shape[3]), keys.dtype, 0)
-            self.values = grow(self.values, (B, H, cap, values.shape[3]), values.dtype, 0)
-            self.positions = grow(self.positions, (B, H, cap), mx.int32, PAD_POSITION)
-            for name, fill in self.extra_row_fields().items():
-                self.row_extras[name] = grow(self.row_extras.get(name), (B, H, cap), mx.float32, fill)
-        self.keys[:, :, prev:need] = keys
-        self.values[:, :, prev:need] = values
-        self.positions[:, :, prev:need] = mx.arange(self.offset, self.offset + S, dtype=mx.int32)
-        for name, fill in self.extra_row_fields().items():
-            self.row_extras[name][:, :, prev:need] = fill
+            self.keys = grown(self.keys, keys, 0)
+            self.values = grown(self.values, values, 0)
+            self.positions = grown(self.positions, pos, PAD_POSITION)
+            for name, fill in fields.items():
+                self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
+        else:
+            self.keys[:, :, prev:need] = keys
+            self.values[:, :, prev:need] = values
+            self.positions[:, :, prev:need] = pos
+            for name, fill in fields.items():
+                self.row_extras[name][:, :, prev:need] = fill
         self._rows = need
         self.offset += S
 
@@ -356,24 +401,49 @@ class EvictionCache(_BaseCache):
     def _evict(self):
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
+        if real is not None:
+            idx, real = self.trim_ragged(idx, real)
         K = idx.shape[-1]
-        # Gather from the whole buffers (row indices are < rows): flattening them is free. The kept
-        # rows go into NEW arrays, never an in-place `buf[:, :, :K] = ...`: this step's attention
-        # still holds the slice update_and_fetch returned, and an in-place write made that slice
-        # read the compacted rows (measured: a chunk that triggered eviction attended to wrong keys).
-        self.keys = _with_rows(self.keys, gather_rows(self.keys, idx))
-        self.values = _with_rows(self.values, gather_rows(self.values, idx))
+        # The kept rows go into NEW buffers of exactly K + headroom rows (allocation follows the budget).
+        # Never an in-place `buf[:, :, :K] = ...`: this step's attention still holds the slice
+        # update_and_fetch returned, and an in-place write made that slice read the compacted rows
+        # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
+        # buffers (row indices are < rows) keeps the flattening free.
+        extra = self.headroom_after_eviction(K)
+        self.keys = _with_headroom(gather_rows(self.keys, idx), extra)
+        self.values = _with_headroom(gather_rows(self.values, idx), extra)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
         self._ragged = real is not None
-        self.positions = _with_rows(self.positions, pos)
+        self.positions = _with_headroom(pos, extra, PAD_POSITION)
         for name in self.row_extras:
-            self.row_extras[name] = _with_rows(self.row_extras[name], gather_rows(self.row_extras[name], idx))
+            self.row_extras[name] = _with_headroom(gather_rows(self.row_extras[name], idx), extra)
         self._rows = K
         self._evict_floor = K
         self.evictions += 1
         self.on_evicted(idx)
+
+    def headroom_after_eviction(self, kept: int) -> int:
+        """Rows allocated beyond the ``kept`` ones: what the method needs before its next eviction
+        step (decode-bounded: up to the threshold plus the one token that crosses it), or one
+        ``decode_step`` for prefill-only methods, whose decode appends."""
+        if self.prefill_only:
+            return self.decode_step
+        return max(self.budget, kept) + self.slack + 1 - kept
+
+    def trim_ragged(self, idx: mx.array, real: mx.array):
+        """Cut ragged storage to the largest head actually kept (real rows first in every head).
+
+        The width is data: reading it back is a host sync, paid once per ragged eviction step (once
+        per prompt for NestedKV, once per ``slack`` decode tokens for Ada-KV), never per token."""
+        width = max(self.ragged_width(real.sum(axis=-1)), 1)
+        return idx[..., :width], real[..., :width]
+
+    def ragged_width(self, counts: mx.array) -> int:
+        """The largest of the (B, H) per-head kept counts, read back to size ragged storage (the one
+        host sync of ragged storage; under tensor parallelism the widest head of the whole group)."""
+        return group_max(self, counts.max())
 
     def on_evicted(self, idx: mx.array) -> None:
         """Hook after an eviction step (idx: the kept old row indices)."""
@@ -438,10 +508,13 @@ class EvictionCache(_BaseCache):
         return self.full_seq_bytes / kept if kept else 1.0
 
     def byte_report(self) -> dict:
+        """Allocated bytes (what the process holds for this layer), the bytes of the kept rows and
+        of the full sequence; ``allocated_fraction`` = allocated / full is the memory a user sees."""
+        full, alloc = self.full_seq_bytes, self.nbytes
         return {"method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
-                "tokens_kept": self.tokens_kept, "kept_bytes": self.kept_bytes,
-                "full_seq_bytes": self.full_seq_bytes, "compression_ratio": self.compression_ratio,
-                "evictions": self.evictions}
+                "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
+                "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,
+                "compression_ratio": self.compression_ratio, "evictions": self.evictions}
 
     # -- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
@@ -494,7 +567,7 @@ class EvictionCache(_BaseCache):
             "layer_idx": self.layer_idx, "n_layers": self.n_layers, "offset": self.offset,
             "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
             "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
-            "scale": self.scale, "saw_decode": self._saw_decode, "compressed": self._compressed,
+            "scale": self.scale, "saw_decode": self._saw_decode, "prompt_open": self._prompt_open,
             "ragged": self.is_ragged, "evict_floor": self._evict_floor,
         }, sort_keys=True)
 
@@ -516,7 +589,7 @@ class EvictionCache(_BaseCache):
         self.tap_active = meta["tap_active"]
         self.scale = meta["scale"]
         self._saw_decode = meta["saw_decode"]
-        self._compressed = meta["compressed"]
+        self._prompt_open = meta["prompt_open"]
         self._ragged = meta["ragged"]
         self._evict_floor = meta.get("evict_floor", 0)
 

@@ -29,8 +29,9 @@ import dataclasses
 import mlx.core as mx
 
 from ..config import option
-from ..ops.nexus import (ada_select_blocks, block_distribution, block_priority, block_rows, forced_blocks, n_blocks,
-                         nexus_weights, select_blocks)
+from ..distributed import head_means, shard_of, shared_block_weights
+from ..ops.nexus import (ada_select_blocks, block_distribution, block_priority, block_rows, forced_blocks,
+                         log_reservoir_priority, n_blocks, nexus_weights, select_blocks, top_blocks)
 from ..registry import register
 from .base import PAD_POSITION, EvictionCache
 
@@ -103,6 +104,7 @@ class NexusKVCache(EvictionCache):
             W = min(self.query_window, N)
             q, q_pos = keys[:, :, -W:], pos[0, 0, -W:]
         G = q.shape[1] // H
+        d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
         per_head = o.per_head or self.config.allocation == "ada"  # Ada needs per-KV-head weights
         if o.head_average == "attention":
             # S_hat per query head against its own KV head, then averaged over the heads that share a
@@ -110,6 +112,9 @@ class NexusKVCache(EvictionCache):
             q = q.reshape(B, H, G, *q.shape[2:])
             s_hat = block_distribution(q, mx.expand_dims(keys, 2), q_pos, mx.expand_dims(pos, 2), scale,
                                        o.block_size)  # (B, H, G, W, N_k)
+            if not per_head and d is not None:  # heads on other ranks too: all_sum of a few rows
+                return shared_block_weights(d, s_hat.sum(axis=(1, 2)), H * G, o.walk_depth, o.lam,
+                                            o.eps_tie)
             s_hat = s_hat.mean(axis=2) if per_head else s_hat.mean(axis=(1, 2))[:, None]
         elif per_head:
             q = q.reshape(B, H, G, *q.shape[2:]).mean(axis=2) if G > 1 else q  # GQA-group-averaged query
@@ -119,10 +124,27 @@ class NexusKVCache(EvictionCache):
             # storage). Average over the whole contiguous buffer, then slice: MLX reduces a strided
             # row-slice view ~50x slower (measured), and the unused capacity is < one storage step.
             buf = self.keys if self.keys.dtype == mx.float32 else self.keys.astype(mx.float32)
-            k_mean = buf.mean(axis=1, keepdims=True)[:, :, :N]
-            s_hat = block_distribution(q.mean(axis=1, keepdims=True), k_mean, q_pos, pos[:, :1], scale,
-                                       o.block_size)
+            if d is None:
+                k_mean, q_mean = buf.mean(axis=1, keepdims=True)[:, :, :N], q.mean(axis=1, keepdims=True)
+            else:  # the means over every rank's heads
+                k_mean, q_mean = head_means(d, buf.sum(axis=1, keepdims=True)[:, :, :N], q, H)
+            s_hat = block_distribution(q_mean, k_mean, q_pos, pos[:, :1], scale, o.block_size)
         return nexus_weights(s_hat, o.walk_depth, o.lam, o.eps_tie)
+
+    def _trim_ada_blocks(self, blocks, real, n_lead, n_trail):
+        """Drop the padding blocks no head needs: the layout is lead | selected + padding | trailing,
+        so keep the lead, the largest head's selected count and the trailing blocks (one read-back
+        per eviction step, as ``EvictionCache.trim_ragged``)."""
+        width = blocks.shape[-1]
+        n_sel = max(self.ragged_width(real[..., n_lead:width - n_trail].sum(axis=-1)), 0)
+        keep = list(range(n_lead + n_sel)) + list(range(width - n_trail, width))
+        if len(keep) == width:
+            return blocks, real
+        take = mx.array(keep, dtype=mx.int32)
+        return mx.take(blocks, take, axis=-1), mx.take(real, take, axis=-1)
+
+    def trim_ragged(self, idx, real):
+        return idx, real  # already trimmed by whole blocks in select_rows (padding is not at the end)
 
     def select_rows(self):
         o = self.options
@@ -133,14 +155,26 @@ class NexusKVCache(EvictionCache):
         n_keep = n_forced + n_free
         w = self.block_weights()
         key = self.next_key() if o.n_samples is not None else None
+        d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
         if self.use_ada():
             # Ada-Nexus: per-head budgets K_h over whole blocks; padding blocks are never candidates.
             n_lead = min(n_blocks(self.n_sink, b), n_blocks(N, b))
             valid = self.stored("positions")[..., ::b] != PAD_POSITION  # a block is all real or all padding
-            blocks, real = ada_select_blocks(block_priority(w, o.n_samples, key), valid, n_lead,
-                                             n_forced - n_lead, n_free, self.config.floor_alpha)
+
+            def ada(w, valid):
+                blocks, real = ada_select_blocks(block_priority(w, o.n_samples, key), valid, n_lead,
+                                                 n_forced - n_lead, n_free, self.config.floor_alpha)
+                return self._trim_ada_blocks(blocks, real, n_lead, n_forced - n_lead)
+
+            # Tensor parallel: every rank runs the layer-wide allocation over all heads (one all_gather).
+            blocks, real = ada(w, valid) if d is None else d.across_heads(ada, w, valid)
             idx = block_rows(blocks, b, N)
             return idx, mx.repeat(real, b, axis=-1)[..., :idx.shape[-1]]
-        blocks = select_blocks(w, mask, n_keep, o.n_samples, key)
+        if d is not None and o.per_head and o.n_samples is not None:
+            # per-head draws for the global head layout, sliced to this rank's heads (no traffic)
+            u = d.uniform(key, (o.n_samples, *w.shape), axis=2)
+            blocks = top_blocks(log_reservoir_priority(w, u), mask, n_keep)
+        else:
+            blocks = select_blocks(w, mask, n_keep, o.n_samples, key)
         idx = block_rows(blocks, b, N)
         return mx.broadcast_to(idx, (B, H, idx.shape[-1]))

@@ -79,7 +79,8 @@ def run(args) -> int:
     def run_one(p):
         spec = specs[p["method"]] if p["method"] in specs else method_specs([p["method"]])[0]
         budget = n_tokens if spec.method is None else max(int(round(p["density"] * n_tokens)), 1)
-        caches = make_caches(model, spec, budget, seed=p["seed"])
+        # Streaming perplexity scores every chunk as it arrives: eviction runs through the text.
+        caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction="stream")
         t = time.perf_counter()
         nll = streaming_nll(model, toks, caches, chunk)
         half = len(nll) // 2

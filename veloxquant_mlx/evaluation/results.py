@@ -85,8 +85,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
     return out
 
 
-def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0):
-    """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache."""
+def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
+    """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
+    ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if spec.method is None:
@@ -95,7 +96,7 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0):
     from ..config import KVCacheConfig
 
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation)
+                           allocation=spec.allocation, prompt_eviction=prompt_eviction)
     return KVCacheBuilder.for_model(model, config)
 
 

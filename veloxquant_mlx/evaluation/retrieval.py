@@ -22,6 +22,10 @@ from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info,
 
 MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
 MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
+# The two regimes are the two prompt-time policies, each run as mlx_lm.generate runs it:
+# "prefill": prompt_eviction="end" (compress once when the prompt ends; generate's 2048-token chunks);
+# "decode": prompt_eviction="stream" with --chunk-token prefill chunks (eviction through the prompt).
+REGIME_POLICY = {"prefill": "end", "decode": "stream"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -126,21 +130,29 @@ def _arrays(tree):
     return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
 
 
-def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=()) -> dict:
-    """Prefill ``tokens`` once as a single chunk through a full KVCache plus every cache list of
-    ``named_caches`` ({name: per-layer caches}), then decode greedily per cache list.
+def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=(),
+                            prefill_step: int = 2048) -> dict:
+    """The ``prompt_eviction="end"`` regime for several cache lists with one prompt pass.
 
-    Returns {name: {"tokens", "decode_s"} or {"error"}} plus "__full__" (the full cache) and
-    "__prefill_s__"."""
+    All but the last prompt token go once, in mlx_lm.generate's chunks (``prefill_step``), through
+    a full KVCache plus every cache list of ``named_caches`` ({name: per-layer caches}). Under "end"
+    nothing is evicted before the prompt ends, so every list sees exactly what it would see alone.
+    Then each list takes the last prompt token alone (its compression runs there) and decodes
+    greedily: the tokens ``mlx_lm.generate`` gives with that list.
+
+    Returns {name: {"tokens", "decode_s", "kv_bytes_end"} or {"error"}} plus "__full__" (the full
+    cache) and "__prefill_s__"."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from .speed import feed_prompt, greedy_continue, kv_bytes, last_prompt_step
+
     full = make_prompt_cache(model)
     fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}) for i in range(len(full))]
+    x = mx.array(tokens)
     t0 = time.perf_counter()
-    logits = model(mx.array(tokens)[None], cache=fans)
-    y0 = mx.argmax(logits[0, -1], axis=-1)
-    mx.eval(y0, _arrays([f.state for f in fans]))
+    feed_prompt(model, x, fans, prefill_step)
+    mx.eval(_arrays([f.state for f in fans]))
     prefill_s = time.perf_counter() - t0
     errors = {}
     for f in fans:
@@ -152,13 +164,10 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
             out[name] = {"error": errors[name]}
             continue
         try:
-            from .speed import greedy_continue, kv_bytes
-
             t = time.perf_counter()
-            toks = greedy_continue(model, caches, y0, max_new_tokens, eos_ids)
-
+            toks = greedy_continue(model, caches, last_prompt_step(model, x, caches), max_new_tokens, eos_ids)
             out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t,
-                         "kv_bytes_end": kv_bytes(caches)["kept_bytes"]}
+                         "kv_bytes_end": kv_bytes(caches)["allocated_bytes"]}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -295,7 +304,7 @@ def run(args) -> int:
             if "error" in r:
                 recs[cid] = {**q, "error": r["error"], "prefill_only_method": spec.prefill_only}
             else:
-                recs[cid] = _record(q, toks, pos, budgets.get(cid, len(toks)), len(toks) + 1, spec, r["tokens"],
+                recs[cid] = _record(q, toks, pos, budgets.get(cid, len(toks)), 2048, spec, r["tokens"],
                                     pre, r["decode_s"], r["kv_bytes_end"], True)
             recs[cid]["group_size"] = len(group)
         return recs
@@ -323,8 +332,8 @@ def run(args) -> int:
                 pending[my] = recs[my]
             return dict(pending.pop(my))
         budget = len(toks) if spec.method is None else max(int(round(p["density"] * len(toks))), 1)
-        caches = make_caches(model, spec, budget, seed=p["seed"])
-        step = len(toks) + 1 if p["regime"] == "prefill" else args.chunk
+        caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
+        step = 2048 if p["regime"] == "prefill" else args.chunk
         r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)
         return _record(p, toks, pos, budget, step, spec, r["tokens"], r["prefill_s"], r["decode_s"],
                        r["kv_bytes_end"], False)

@@ -34,21 +34,34 @@ def kv_bytes(caches) -> dict:
     return kv_report(caches)
 
 
-def prefill(model, x, caches, prefill_step: int):
-    """Feed the prompt ids ``x`` (1-D mx array) in chunks of ``prefill_step`` (evaluating the cache
-    state between chunks, as mlx_lm.generate does); returns the greedy first new token (evaluated)."""
+def feed_prompt(model, x, caches, prefill_step: int) -> None:
+    """Feed all but the last of the prompt ids ``x`` (1-D mx array) exactly as
+    ``mlx_lm.generate.generate_step`` does: chunks of ``prefill_step``, the cache state evaluated
+    after each."""
+    n, done = x.shape[0], 0
+    while n - done > 1:
+        m = min(max(prefill_step, 1), n - done - 1)
+        model(x[None, done:done + m], cache=caches)
+        _eval_state(caches)
+        done += m
+
+
+def last_prompt_step(model, x, caches):
+    """The prompt's last id as its own single-token step (generate_step's first ``_step``; a
+    compression at the end of the prompt runs here); returns the greedy first new token."""
     import mlx.core as mx
 
-    n = x.shape[0]
-    step = max(1, min(prefill_step, n))
-    logits = None
-    for i in range(0, n, step):
-        logits = model(x[None, i:i + step], cache=caches)
-        if i + step < n:
-            _eval_state(caches)
+    logits = model(x[None, -1:], cache=caches)
     y = mx.argmax(logits[0, -1], axis=-1)
     mx.eval(y)
     return y
+
+
+def prefill(model, x, caches, prefill_step: int):
+    """The whole prompt as mlx_lm.generate feeds it (:func:`feed_prompt`, then
+    :func:`last_prompt_step`); returns the greedy first new token (evaluated)."""
+    feed_prompt(model, x, caches, prefill_step)
+    return last_prompt_step(model, x, caches)
 
 
 def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=()) -> list:
@@ -68,8 +81,8 @@ def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=()) -> list:
 
 
 def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: int, eos_ids=()) -> dict:
-    """Feed ``tokens`` in chunks of ``prefill_step`` (one chunk if ``prefill_step >= len``), then
-    decode greedily. Prefill time ends when the first new token is computed; decode time covers the
+    """Feed ``tokens`` as mlx_lm.generate does (all but the last in chunks of ``prefill_step``, then the
+    last one alone), then decode greedily: the same tokens as ``mlx_lm.generate`` with these caches. Prefill time ends when the first new token is computed; decode time covers the
     remaining ``max_new_tokens - 1`` single-token steps (no early stop, so timings are comparable
     unless ``eos_ids`` is given)."""
     import mlx.core as mx
@@ -85,8 +98,8 @@ def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: in
     nd = len(out) - 1
     return {"tokens": out, "prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_tps": n / (t1 - t0),
             "decode_tps": nd / (t2 - t1) if nd else None, "decode_tokens": nd,
-            "kv_bytes_after_prefill": kv_prefill["kept_bytes"], "kv_bytes_end": kv_end["kept_bytes"],
-            "kv_full_bytes_end": kv_end["full_bytes"]}
+            "kv_bytes_after_prefill": kv_prefill["allocated_bytes"], "kv_bytes_end": kv_end["allocated_bytes"],
+            "kv_kept_bytes_end": kv_end["kept_bytes"], "kv_full_bytes_end": kv_end["full_bytes"]}
 
 
 def _prompt(tokenizer, n_tokens: int) -> list:
@@ -136,7 +149,8 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             dt = time.perf_counter() - t0
             kv = kv_bytes(caches)
             rec.update(prefill_s=dt, prefill_tps=n / dt, peak_memory_bytes=mx.get_peak_memory() - base,
-                       kv_bytes_after_prefill=kv["kept_bytes"], segments=[])
+                       kv_bytes_after_prefill=kv["allocated_bytes"], kv_kept_bytes_after_prefill=kv["kept_bytes"],
+                       segments=[])
             live[name] = [caches, y]
         except Exception as e:  # a method that raises is an error for its cache, not a crash
             rec["error"] = f"{type(e).__name__}: {e}"
@@ -154,8 +168,8 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
                 dt = time.perf_counter() - t0
                 live[name][1] = y
                 kv = kv_bytes(caches)
-                out[name]["segments"].append({"decode_tps": decode_tokens / dt, "kv_bytes": kv["kept_bytes"],
-                                              "kv_full_bytes": kv["full_bytes"]})
+                out[name]["segments"].append({"decode_tps": decode_tokens / dt, "kv_bytes": kv["allocated_bytes"],
+                                              "kv_kept_bytes": kv["kept_bytes"], "kv_full_bytes": kv["full_bytes"]})
             except Exception as e:
                 out[name]["error"] = f"{type(e).__name__}: {e}"
                 live.pop(name)
@@ -165,6 +179,7 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             rec["decode_tps"] = statistics.median(s["decode_tps"] for s in segs)
             rec["kv_bytes_end"] = segs[-1]["kv_bytes"]
             rec["kv_full_bytes_end"] = segs[-1]["kv_full_bytes"]
+            rec["kv_kept_bytes_end"] = segs[-1]["kv_kept_bytes"]
             rec["decode_tokens_total"] = decode_tokens * len(segs)
     live.clear()
     return out
