@@ -144,3 +144,26 @@ def test_hint_without_any_openblas_names_the_pip_extra(monkeypatch):
     monkeypatch.setattr(blas, "_mlx_on_cpu", lambda: True)
     hint = blas.blas_hint()
     assert hint and "pip install cmeel-openblas" in hint and "fast-cpu" in hint and "libopenblas0-pthread" in hint
+
+
+def test_cli_fast_blas_without_openblas_says_so_before_the_work(monkeypatch, capsys):
+    from veloxquant_mlx import cli
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(blas, "_candidates", lambda: [])
+    monkeypatch.setattr(blas, "_preloaded", lambda markers: False)
+    monkeypatch.setattr(blas, "openblas_preloaded", lambda: False)
+    monkeypatch.setattr(blas, "_mlx_on_cpu", lambda: True)
+
+    def no_model(spec):  # the slow work: the hint must already be out
+        print("LOADING", file=sys.stderr)
+        raise cli.CLIError("stop here")
+
+    monkeypatch.setattr(cli, "_load", no_model)
+    assert cli.main(["--fast-blas", "demo"]) == 2
+    err = capsys.readouterr().err
+    assert err.index("fast-blas: no OpenBLAS could be preloaded") < err.index("LOADING")
+    assert err.count("pip install cmeel-openblas") == 1  # the demo does not repeat it
+    assert cli.main(["demo"]) == 2  # without --fast-blas the demo itself gives the hint first
+    err = capsys.readouterr().err
+    assert err.index("note: MLX is using its slow reference CPU BLAS") < err.index("LOADING")

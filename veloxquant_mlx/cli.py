@@ -180,7 +180,14 @@ def cmd_generate(args):
         _config_from_args(args, 0)  # reject bad flags before the (slow) model load
     model, tokenizer = _load(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
-    tokens = _prompt_tokens(tokenizer, args.prompt, not args.ignore_chat_template)
+    if args.passkey:  # the evaluation's own prompt, so one published passkey cell reruns here
+        from .evaluation.retrieval import make_prompt
+
+        hay, ctx, depth, key = args.passkey
+        tokens, pos = make_prompt(tokenizer, hay, ctx, depth, key)
+        print(f"Passkey prompt: {hay} haystack, {len(tokens)} tokens, key {key} at token {pos}")
+    else:
+        tokens = _prompt_tokens(tokenizer, args.prompt, not args.ignore_chat_template)
     config = _config_from_args(args, len(tokens))
     out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
                          args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
@@ -196,6 +203,19 @@ def cmd_generate(args):
           f"process peak memory {out['peak_memory_gb']:.3f} GB")
     _blas_footer()
     return 0
+
+
+def _passkey_spec(text):
+    parts = text.split(":")
+    try:
+        hay, ctx, depth, key = parts
+        ctx, depth = int(ctx), float(depth)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--passkey wants HAYSTACK:TOKENS:DEPTH:KEY, got {text!r}") from None
+    if hay not in ("grass", "text") or not key.isdigit() or not 0.0 <= depth <= 1.0 or ctx < 64:
+        raise argparse.ArgumentTypeError(f"--passkey: haystack grass|text, tokens >= 64, depth in [0, 1], "
+                                         f"a numeric key; got {text!r}")
+    return hay, ctx, depth, key
 
 
 def cmd_methods(args):
@@ -321,6 +341,9 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prefill-step-size", type=int, default=2048)
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--passkey", type=_passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",
+                   help="instead of --prompt: the passkey evaluation's prompt, e.g. grass:1024:0.5:68043 "
+                        "(haystack grass or text), to rerun one published cell")
     _add_cache_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -335,7 +358,9 @@ def build_parser():
     d.add_argument("--methods", nargs="+", default=["nexus", "snapkv"],
                    help="methods compared with the full cache: name or name:option=value,... "
                         "(e.g. nexus:n_samples=none h2o nestedkv)")
-    d.add_argument("--prefill-step-size", type=int, default=2048)
+    d.add_argument("--prefill-step-size", type=int, default=256,
+                   help="prompt chunk size (default 256: a live progress bar and less attention work; the "
+                        "caches still compress once when the prompt ends)")
     d.set_defaults(func=cmd_demo)
 
     try:
