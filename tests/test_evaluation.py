@@ -269,3 +269,16 @@ def test_decode_reading_ranks_only_methods_that_evict_during_the_prompt(tmp_path
     # The prefill-only reading still ranks snapkv.
     pre = next(x for x in text.splitlines() if "Passkey, prefill-only, 20% density" in x)
     assert "best eviction snapkv, nexus at 100.0%" in pre or "best eviction nexus, snapkv at 100.0%" in pre
+
+
+def test_generate_passkey_spec_names_one_evaluation_prompt():
+    import argparse
+
+    from veloxquant_mlx.cli import _passkey_spec, build_parser
+
+    assert _passkey_spec("text:2048:0.9:40718") == ("text", 2048, 0.9, "40718")
+    for bad in ("grass:1024:0.5", "hay:1024:0.5:1", "grass:10:0.5:1", "grass:1024:1.5:1", "grass:1024:0.5:x1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _passkey_spec(bad)
+    args = build_parser().parse_args(["generate", "--passkey", "grass:640:0.5:12345", "--method", "nexus"])
+    assert args.passkey == ("grass", 640, 0.5, "12345")
