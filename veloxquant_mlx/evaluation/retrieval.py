@@ -131,7 +131,7 @@ def _arrays(tree):
 
 
 def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=(),
-                            prefill_step: int = 2048) -> dict:
+                            prefill_step: int = 2048, needle_spans: list | None = None) -> dict:
     """The ``prompt_eviction="end"`` regime for several cache lists with one prompt pass.
 
     All but the last prompt token go once, in mlx_lm.generate's chunks (``prefill_step``), through
@@ -141,7 +141,8 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
     greedily: the tokens ``mlx_lm.generate`` gives with that list.
 
     Returns {name: {"tokens", "decode_s", "kv_bytes_end"} or {"error"}} plus "__full__" (the full
-    cache) and "__prefill_s__"."""
+    cache) and "__prefill_s__". With ``needle_spans`` (:func:`key_token_spans`) each entry also has
+    :func:`needle_cut_stats` of its caches after generation."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -168,9 +169,66 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
             toks = greedy_continue(model, caches, last_prompt_step(model, x, caches), max_new_tokens, eos_ids)
             out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t,
                          "kv_bytes_end": kv_bytes(caches)["allocated_bytes"]}
+            if needle_spans:
+                out[name]["needle"] = needle_cut_stats(caches, needle_spans)
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def key_token_spans(tokenizer, tokens, needle_pos: int, key: str, window: int = 64) -> list:
+    """Prompt positions of the key's tokens, one list per occurrence of ``key`` in the needle.
+
+    Tokens from a few before ``needle_pos`` to ``window`` after it are decoded one by one; a token
+    belongs to an occurrence when its text overlaps the occurrence's characters."""
+    lo, hi = max(needle_pos - 4, 0), min(needle_pos + window, len(tokens))
+    text, starts = "", []
+    for i in range(lo, hi):
+        starts.append(len(text))
+        text += tokenizer.decode([tokens[i]])
+    ends = starts[1:] + [len(text)]
+    spans = []
+    for m in re.finditer(re.escape(key), text):
+        s = [lo + j for j in range(len(starts)) if starts[j] < m.end() and ends[j] > m.start()]
+        if s:
+            spans.append(s)
+    return spans
+
+
+def needle_cut_stats(caches, spans: list) -> dict:
+    """How the kept set of every (layer, head) treats the key's token spans.
+
+    ``needle_cut_frac``: fraction of (layer, head) pairs where some occurrence is cut (some of its
+    tokens kept, some evicted); ``needle_kept_frac``: mean fraction of the key tokens kept;
+    ``needle_whole_frac``: fraction of pairs that keep at least one occurrence whole. A cache without
+    ``kept_positions`` (mlx-lm's KVCache) keeps everything."""
+    import numpy as np
+
+    if not spans:
+        return {}
+    n_tok = sum(len(s) for s in spans)
+    cut = kept = whole = pairs = 0
+    for c in caches:
+        kp = getattr(c, "kept_positions", None)
+        if kp is None:
+            pairs += 1
+            kept += 1.0
+            whole += 1
+            continue
+        arr = np.array(kp())
+        if arr.size == 0:
+            continue
+        for row in arr.reshape(-1, arr.shape[-1]):
+            have = set(int(v) for v in row if v >= 0)
+            counts = [sum(p in have for p in s) for s in spans]
+            pairs += 1
+            cut += any(0 < k < len(s) for k, s in zip(counts, spans))
+            whole += any(k == len(s) for k, s in zip(counts, spans))
+            kept += sum(counts) / n_tok
+    if pairs == 0:
+        return {}
+    return {"needle_cut_frac": round(cut / pairs, 4), "needle_kept_frac": round(kept / pairs, 4),
+            "needle_whole_frac": round(whole / pairs, 4), "needle_key_tokens": [list(s) for s in spans]}
 
 
 def make_keys(n: int, seed: int = 1234) -> list:
@@ -268,10 +326,10 @@ def run(args) -> int:
     eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
     from .speed import greedy_generate
 
-    def _record(p, toks, pos, budget, step, spec, tokens_out, prefill_s, decode_s, kv_end, shared):
+    def _record(p, toks, pos, budget, step, spec, tokens_out, prefill_s, decode_s, kv_end, shared, needle=None):
         text = tokenizer.decode(tokens_out)
         answer = extract_digits(text)
-        return {**p, "prompt_tokens": len(toks), "needle_pos": pos, "budget": budget, "prefill_step": step,
+        return {**(needle or {}), **p, "prompt_tokens": len(toks), "needle_pos": pos, "budget": budget, "prefill_step": step,
                 "prefill_only_method": spec.prefill_only, "output": text, "answer": answer,
                 "correct": answer == p["key"], "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3),
                 "kv_bytes_end": kv_end, "shared_prefill": shared}
@@ -293,7 +351,8 @@ def run(args) -> int:
                 named[cid] = make_caches(model, spec, budgets[cid], seed=q["seed"])
             except Exception as e:
                 errs[cid] = f"{type(e).__name__}: {e}"
-        out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos)
+        spans = key_token_spans(tokenizer, toks, pos, p["key"])
+        out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos, needle_spans=spans)
         pre = out["__prefill_s__"]
         recs = {}
         for cid, q in group:
@@ -305,7 +364,7 @@ def run(args) -> int:
                 recs[cid] = {**q, "error": r["error"], "prefill_only_method": spec.prefill_only}
             else:
                 recs[cid] = _record(q, toks, pos, budgets.get(cid, len(toks)), 2048, spec, r["tokens"],
-                                    pre, r["decode_s"], r["kv_bytes_end"], True)
+                                    pre, r["decode_s"], r["kv_bytes_end"], True, r.get("needle"))
             recs[cid]["group_size"] = len(group)
         return recs
 
@@ -335,7 +394,8 @@ def run(args) -> int:
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
         step = 2048 if p["regime"] == "prefill" else args.chunk
         r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)
+        needle = needle_cut_stats(caches, key_token_spans(tokenizer, toks, pos, p["key"]))
         return _record(p, toks, pos, budget, step, spec, r["tokens"], r["prefill_s"], r["decode_s"],
-                       r["kv_bytes_end"], False)
+                       r["kv_bytes_end"], False, needle)
 
     return run_experiment(store, cells, run_one, args)
