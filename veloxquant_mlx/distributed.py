@@ -32,6 +32,16 @@ from __future__ import annotations
 import mlx.core as mx
 
 
+RADIX_BITS = 4  # bits of the float key per radix-select round: 8 rounds of a 16-bin histogram
+
+
+def _order_key(x: mx.array) -> mx.array:
+    """uint32 keys in the order of the float32 values (-0.0 counts as 0.0; NaN must be gone)."""
+    bits = mx.view(x.astype(mx.float32) + 0.0, mx.uint32)
+    neg = mx.right_shift(bits, 31) == 1
+    return mx.where(neg, mx.bitwise_invert(bits), mx.bitwise_or(bits, 0x80000000))
+
+
 class HeadShard:
     """This rank's slice of every layer's KV heads, and the collectives over the tensor group.
 
@@ -48,6 +58,13 @@ class HeadShard:
 
     def __repr__(self):
         return f"HeadShard(rank={self.rank}, size={self.size})"
+
+    def __deepcopy__(self, memo):
+        """Copies (e.g. batching's per-row caches) share the group (a process-wide handle that cannot
+        be copied) and start from this one's counts."""
+        new = HeadShard.__new__(HeadShard)
+        new.__dict__.update(self.__dict__)
+        return new
 
     # -- head layout ------------------------------------------------------------------------------
     def total_heads(self, n_local: int) -> int:
@@ -96,6 +113,41 @@ class HeadShard:
         if isinstance(out, tuple):
             return tuple(self.local(o, n_local) for o in out)
         return self.local(out, n_local)
+
+    def top_k_mask(self, s: mx.array, member: mx.array, k) -> mx.array:
+        """Which of this rank's (B, H_l, R) entries are among the layer-wide top ``k`` members.
+
+        The same set as ``argsort(-s)`` ranking over every rank's heads flattened (head-major, the
+        global head order), ties to the lower flattened index (MLX's argsort is stable), among the
+        ``member`` entries; ``k`` an int or a (B,) array. Without gathering the scores: a radix
+        select on the float bits, RADIX_BITS per round (one all_sum of a (B, 2^bits) histogram per
+        round), then one all_gather of the per-rank tie counts. Every rank derives the same threshold."""
+        B = s.shape[0]
+        key = _order_key(s)
+        k_rem = (mx.full((B,), k, mx.int32) if isinstance(k, int) else k.astype(mx.int32))[:, None]
+        nbins = 1 << RADIX_BITS
+        bins = mx.arange(nbins, dtype=mx.uint32)
+        active, above = member, mx.zeros(member.shape, mx.bool_)
+        for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+            digit = mx.bitwise_and(mx.right_shift(key, shift), nbins - 1)
+            hit = mx.expand_dims(active, -1) & (mx.expand_dims(digit, -1) == bins)  # (B, H, R, nbins)
+            hist = self.all_sum(hit.sum(axis=(1, 2)).astype(mx.int32))  # (B, nbins), whole layer
+            cum = mx.cumsum(hist[:, ::-1], axis=-1)  # members in bins >= nbins - 1 - j
+            j = mx.minimum((cum < k_rem).sum(axis=-1, keepdims=True), nbins - 1)  # first bin reaching k
+            cut = (nbins - 1 - j).astype(mx.uint32)  # the threshold's digit
+            higher = mx.where(j > 0, mx.take_along_axis(cum, mx.maximum(j - 1, 0), axis=-1), 0)
+            above = above | (active & (digit > cut[:, :, None]))
+            active = active & (digit == cut[:, :, None])
+            k_rem = k_rem - higher
+        # Ties at the threshold: the lower global flattened index first (ranks in head order).
+        ties = active.reshape(B, -1)
+        n_ties = ties.sum(axis=-1).astype(mx.int32)  # (B,)
+        every = self.gather_heads(n_ties[:, None], axis=1)  # (B, size)
+        before = (every * (mx.arange(self.size) < self.rank)).sum(axis=-1, keepdims=True)
+        take = mx.clip(k_rem - before, 0, None)
+        order = mx.cumsum(ties.astype(mx.int32), axis=-1) - 1
+        won = (ties & (order < take)).reshape(active.shape)
+        return above | won
 
     def all_max_int(self, x: mx.array) -> int:
         """The group's maximum of a scalar, read back (a host sync: only where one is paid anyway)."""

@@ -43,19 +43,25 @@ def ada_head_budgets(counts: mx.array, sel_budget: int, alpha: float) -> mx.arra
 
 
 def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_sink: int, n_recent: int,
-             alpha: float, pad_position: int):
+             alpha: float, pad_position: int, layer=None):
     """Ada-KV selection over stored rows.
 
     scores (B, H, R) (higher = keep); positions (B, H, R) absolute positions, ``pad_position`` for
     padding rows; offset: tokens seen. Sinks (position < n_sink) and the recent window (position >=
     offset - n_recent) are forced in every head. Returns (idx (B, H, K) int32, real (B, H, K) bool):
     every head's kept rows in ascending row order, then padding rows (real False).
+
+    ``layer``: None when these are all of the layer's heads; under tensor parallelism this rank's
+    ``veloxquant_mlx.distributed.HeadShard``, whose layer-wide top-k / gather / sum stand in for the
+    three layer-wide steps (winners, head budgets, leftover slots), so each rank gets exactly its
+    heads' part of the one-process result.
     """
     B, H, R = scores.shape
+    H_layer = H if layer is None else layer.total_heads(H)
     F = n_sink + n_recent
     sel = budget - F
-    n_total = H * sel
-    kc = ada_width(R, H, budget, F, alpha) - F
+    n_total = H_layer * sel
+    kc = ada_width(R, H_layer, budget, F, alpha) - F
     valid = positions != pad_position
     forced = valid & ((positions < n_sink) | (positions >= offset - n_recent))
     cand = valid & ~forced
@@ -64,18 +70,26 @@ def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_
     s = mx.where(cand, s, -mx.inf)
 
     # Layer-wide winners of the H * sel selectable slots, counted per head.
-    win = (_rank_desc(s.reshape(B, H * R)) < n_total).reshape(B, H, R) & cand
-    target = ada_head_budgets(win.sum(axis=-1), sel, alpha)
+    if layer is None:
+        win = (_rank_desc(s.reshape(B, H * R)) < n_total).reshape(B, H, R) & cand
+        target = ada_head_budgets(win.sum(axis=-1), sel, alpha)
+    else:
+        counts = layer.gather_heads(layer.top_k_mask(s, cand, n_total).sum(axis=-1).astype(mx.int32))
+        target = layer.local(ada_head_budgets(counts, sel, alpha), H)
     target = mx.minimum(mx.minimum(target, cand.sum(axis=-1).astype(mx.int32)), kc)
 
     head_rank = _rank_desc(s)  # (B, H, R)
     primary = cand & (head_rank < mx.expand_dims(target, -1))
     # A head with fewer candidates than its target (possible only when re-evicting ragged storage)
     # hands its leftover slots to the best remaining candidates of the layer that still fit.
-    left = n_total - target.sum(axis=-1)  # (B,)
+    kept = target.sum(axis=-1)
+    left = n_total - (kept if layer is None else layer.all_sum(kept))  # (B,)
     pool = cand & ~primary & (head_rank < kc)
-    extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * R)).reshape(B, H, R)
-    extra = pool & (extra_rank < left[:, None, None])
+    if layer is None:
+        extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * R)).reshape(B, H, R)
+        extra = pool & (extra_rank < left[:, None, None])
+    else:
+        extra = layer.top_k_mask(s, pool, left)
     keep = forced | primary | extra
 
     K = F + kc
