@@ -174,14 +174,9 @@ class EvictionCache(_BaseCache):
 
     def ada_select(self, scores: mx.array):
         """(idx, real): Ada-KV allocation of this layer's H x budget rows over (B, H, rows) scores."""
-        pos = self.stored("positions")
-        if self.dist is not None:  # heads split across ranks: rank the whole layer's heads (one all_gather)
-            return self.dist.across_heads(
-                lambda s, p: ada_keep(s, p, self.offset, self.budget, self.n_sink, self.recent,
-                                      self.config.floor_alpha, PAD_POSITION),
-                scores, pos, same=() if self.is_ragged else (1,))
-        return ada_keep(scores, pos, self.offset, self.budget, self.n_sink,
-                        self.recent, self.config.floor_alpha, PAD_POSITION)
+        # Tensor parallel (self.dist): the layer-wide steps combine every rank's heads (radix top-k).
+        return ada_keep(scores, self.stored("positions"), self.offset, self.budget, self.n_sink,
+                        self.recent, self.config.floor_alpha, PAD_POSITION, layer=self.dist)
 
     def evict_threshold(self) -> int:
         """Stored rows above which a (decode-bounded) method runs an eviction step."""
