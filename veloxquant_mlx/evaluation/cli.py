@@ -88,6 +88,9 @@ def add_parser(subparsers):
     pk.add_argument("--seeds", type=int, nargs="+", default=None, help="Nexus reservoir seeds (custom grid)")
     pk.add_argument("--chunk", type=int, default=256, help="prefill chunk of the prefill + decode regime")
     pk.add_argument("--max-new-tokens", type=int, default=8)
+    pk.add_argument("--spread", action="store_true",
+                    help="prompt order balanced for partial runs: key by key, depths spread over (0, 1), "
+                         "haystacks alternating (default: haystack-major, depths in order)")
     pk.add_argument("--prefill-first", action="store_true",
                     help="run every prefill-only-regime cell (cheap: shared passes) before the decode regime")
     pk.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",

@@ -260,6 +260,20 @@ def _stage_cells(stage: dict, specs: dict, keys: list) -> list:
     return cells
 
 
+def spread_order(cells: list, keys: list) -> list:
+    """Reorder prompts (methods of one prompt stay together, in order) so that every prefix of the
+    run is balanced: key by key, depths in a golden-ratio sequence (each prefix spreads over (0, 1)),
+    haystacks and contexts alternating. A run cut short then still covers every haystack and depth."""
+    depths = sorted({p["depth"] for _, p in cells})
+    golden = {d: (i * 0.6180339887498949) % 1.0 for i, d in enumerate(depths)}
+
+    def rank(t):
+        p = t[1]
+        return (keys.index(p["key"]) if p["key"] in keys else len(keys), golden[p["depth"]])
+
+    return sorted(cells, key=rank)  # stable: stage / haystack / context order kept within a rank
+
+
 def default_plan(specs: dict, quick: bool) -> list:
     """Stages in priority order; the runner walks them in this order and stops on the time budget."""
     allm = list(specs)
@@ -312,6 +326,8 @@ def run(args) -> int:
                 seen.add(cid)
                 p["stage"] = stage["name"]
                 cells.append((cid, p))
+    if getattr(args, "spread", False):
+        cells = spread_order(cells, keys)
     if getattr(args, "prefill_first", False):
         cells.sort(key=lambda t: t[1]["regime"] != "prefill")  # stable: priority kept within each regime
     max_new = args.max_new_tokens
