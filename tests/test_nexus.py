@@ -556,3 +556,20 @@ def test_ada_nexus_ragged_attention_equals_per_head_hand_computed():
             sel = pos[h] < 2**31 - 1
             np.testing.assert_array_equal(_np(keys)[0, h, sel], hist_k[0, h, pos[h][sel]])
     assert checked >= 3 and cache.evictions >= 2
+
+
+def test_neighbour_smoothing_option():
+    from veloxquant_mlx.caches.nexus import neighbour_max
+
+    w = mx.array([[[0.5, 0.1, 0.3, 0.02, 0.08]]])
+    forced = mx.array([True, False, False, False, True])  # sink and recent blocks lend nothing
+    out = _np(neighbour_max(w, 1, forced))[0, 0]
+    expect = np.array([0.1, 0.3, 0.3, 0.3, 0.02])  # max over +-1 of [0, .1, .3, .02, 0]
+    np.testing.assert_allclose(out, expect / expect.sum(), rtol=1e-6)
+    np.testing.assert_allclose(_np(neighbour_max(w, 0)), _np(w) / 1.0, rtol=1e-6)
+    # As a cache option: the budget holds, and top-K selection keeps the chosen blocks' neighbours.
+    cfg = _config(budget=160, nexus_smooth_blocks=1, nexus_n_samples=None)
+    cache = _drive(NexusKVCache(cfg), [400])
+    assert cache.evictions == 1 and cache.size() <= 160
+    with pytest.raises(ValueError):
+        _config(budget=160, nexus_smooth_blocks=-1)

@@ -54,10 +54,30 @@ class NexusOptions:
                                    "the per-head block distributions S_hat; 'vectors' averages the query and "
                                    "key vectors before one softmax (literal reading; measurably worse)")
 
+    smooth_blocks: int = option(0, low=0, doc="r: neighbour smoothing of the block weights before selection "
+                                              "(each block takes the largest w within r blocks, SnapKV's "
+                                              "pooling at block level) so a needle straddling a block "
+                                              "boundary keeps both blocks' odds; 0 = off (the paper)")
+
     def check(self):
         if self.walk_depth > self.window:
             raise ValueError(f"NexusOptions.walk_depth ({self.walk_depth}) must be <= window "
                              f"({self.window}): the walk consumes observation-window rows (Eq. 4)")
+
+
+def neighbour_max(w: mx.array, radius: int, forced: mx.array | None = None) -> mx.array:
+    """Each block's weight replaced by the largest within ``radius`` blocks on either side (last axis),
+    renormalised to sum to 1. ``forced`` blocks (kept anyway: the sink, the recent window) lend their
+    weight to no neighbour (the attention sink would otherwise always win the block after it)."""
+    if forced is not None:
+        w = mx.where(forced, 0.0, w).astype(w.dtype)
+    out = w
+    nk = w.shape[-1]
+    for s in range(1, min(radius, nk - 1) + 1):
+        zeros = mx.zeros((*w.shape[:-1], s), dtype=w.dtype)
+        out = mx.maximum(out, mx.concatenate([w[..., s:], zeros], axis=-1))   # right neighbour
+        out = mx.maximum(out, mx.concatenate([zeros, w[..., :-s]], axis=-1))  # left neighbour
+    return out / mx.maximum(out.sum(axis=-1, keepdims=True), 1e-30)
 
 
 def min_budget(block_size: int, n_sink: int, recent: int) -> int:
@@ -154,6 +174,8 @@ class NexusKVCache(EvictionCache):
         n_free = max((self.budget - forced_rows) // b, 0)
         n_keep = n_forced + n_free
         w = self.block_weights()
+        if o.smooth_blocks:
+            w = neighbour_max(w, o.smooth_blocks, mask)
         key = self.next_key() if o.n_samples is not None else None
         d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
         if self.use_ada():
