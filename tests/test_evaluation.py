@@ -236,9 +236,10 @@ def test_reading_compares_methods_only_where_all_of_them_ran(tmp_path):
     text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
     line = next(x for x in text.splitlines() if "Passkey, prefill-only, 10% density" in x)
     assert "grass 2K; 2 prompts" in line and "best eviction nexus at 50.0%" in line
-    assert "ahead of snapkv" in text
+    # 1 prompt only Nexus got right, none only SnapKV: the reading reports it and calls no winner.
+    assert "vs snapkv 1/0, p = 1.00" in text and "ahead of none and behind none" in text
     # The partial Ada run neither joins nor shrinks the main table; it gets its own paired table.
-    assert "| snapkv | 10% | 100 (2/2) | 0 (0/2) |" in text
+    assert "| snapkv | 10% | 100 [34–100] (2/2) | 0 [0–66] (0/2) |" in text
     assert "| snapkv | 100 → 0 (1 prompts) | 100.0 → 0.0 |" in text
 
 
@@ -265,7 +266,7 @@ def test_decode_reading_ranks_only_methods_that_evict_during_the_prompt(tmp_path
     line = next(x for x in text.splitlines() if "Passkey, prefill + decode, 20% density" in x)
     assert "best eviction nexus at 50.0%" in line and "(not snapkv:" in line
     nexus_line = text.splitlines()[text.splitlines().index(line) + 1]
-    assert "ahead of h2o" in nexus_line and "snapkv" not in nexus_line
+    assert "vs h2o 1/0, p = 1.00" in nexus_line and "snapkv" not in nexus_line
     # The prefill-only reading still ranks snapkv.
     pre = next(x for x in text.splitlines() if "Passkey, prefill-only, 20% density" in x)
     assert "best eviction snapkv, nexus at 100.0%" in pre or "best eviction nexus, snapkv at 100.0%" in pre
@@ -282,3 +283,34 @@ def test_generate_passkey_spec_names_one_evaluation_prompt():
             _passkey_spec(bad)
     args = build_parser().parse_args(["generate", "--passkey", "grass:640:0.5:12345", "--method", "nexus"])
     assert args.passkey == ("grass", 640, 0.5, "12345")
+
+
+def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
+    """Nexus right on 10 prompts where H2O fails (p = 2/1024) and SnapKV equal but on other prompts
+    (2/2 discordant, p = 1): the reading says ahead of h2o only; the paired table and the block-cut
+    table carry the counts."""
+    cells = {}
+
+    def put(method, i, correct, cut=None):
+        c = {"method": method, "haystack": "grass", "context": 1024, "depth": i / 20, "key": "1", "seed": 0,
+             "regime": "prefill", "density": None if method == R.FULL else 0.2,
+             "prefill_only_method": method in (R.FULL, "snapkv"), "correct": correct}
+        if cut is not None:
+            c.update(needle_cut_frac=cut, needle_kept_frac=1 - cut, needle_whole_frac=1 - cut)
+        cells[R.cell_id(**c)] = c
+
+    for i in range(12):
+        put(R.FULL, i, True, 0.0)
+        put("nexus", i, i < 10, 0.0 if i < 10 else 0.5)  # the two misses are cut
+        put("h2o", i, False, 0.3)
+        put("snapkv", i, 2 <= i < 12)  # 10/12 on other prompts: 2 discordant each way
+    (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
+    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    assert "ahead of h2o and behind none" in text
+    assert "vs h2o 10/0, p = 0.002" in text and "vs snapkv 2/2, p = 1.00" in text
+    assert "full cache 100.0% [75.8–100.0]" in text and "nexus, snapkv at 83.3% [55.2–95.3]" in text
+    assert "| h2o | 12 | 0 | 10 | 0 | 2 | +83.3 | 0.002 |" in text
+    # Block cut: nexus cut on 2 prompts (both wrong), intact on 10 (all right).
+    row = next(x for x in text.splitlines() if x.startswith("| nexus | 12 |"))
+    assert "| 8.3% | 16.7% |" in row and "0 [0–66] (0/2)" in row and "100 [72–100] (10/10)" in row
+    assert (tmp_path / "passkey_accuracy_ci.png").exists()

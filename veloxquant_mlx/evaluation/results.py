@@ -22,11 +22,17 @@ import time
 import warnings
 from pathlib import Path
 
+from .stats import fmt_p, paired, wilson
+
 FULL = "full"
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
 ABLATIONS = {
     "nexus-topk": ("nexus", {"n_samples": None}),
     "nexus-nowalk": ("nexus", {"lam": 0.0}),
+}
+# Opt-in Nexus options (only when named with --methods): remedies for the needle's block-boundary cut.
+OPT_IN_ABLATIONS = {
+    "nexus-smooth": ("nexus", {"smooth_blocks": 1}),
 }
 DEFAULT_OUT_DIR = "figures/eval"
 DEFAULT_RESULTS_MD = "docs/results.md"
@@ -77,6 +83,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
     for m in methods():
         if get_method(m).supports_allocation("ada"):
             specs.setdefault(m + _ADA, MethodSpec(m + _ADA, m, allocation="ada"))
+    if ablations and "nexus" in specs:
+        for label, (m, opts) in OPT_IN_ABLATIONS.items():
+            specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
     out = []
     for n in names:
         if n not in specs:
@@ -349,6 +358,21 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _ci_cell(k, n):
+    """'80 [49–94] (8/10)': accuracy % with its Wilson 95% interval and the counts."""
+    lo, hi = wilson(k, n)
+    return f"{100 * k / n:.0f} [{100 * lo:.0f}–{100 * hi:.0f}] ({k}/{n}"
+
+
+def _ci_avg(avg, n, unit=""):
+    """'83.3 [76.5–88.5]' (``unit`` after the point estimate) for an accuracy ``avg`` over ``n``
+    prompts (Wilson 95%)."""
+    if avg is None or not n:
+        return "–"
+    lo, hi = wilson(int(round(avg * n)), n)
+    return f"{100 * avg:.1f}{unit} [{100 * lo:.1f}–{100 * hi:.1f}]"
+
+
 def _ok_cells(data):
     return [c for c in (data or {}).get("cells", {}).values() if "error" not in c]
 
@@ -358,7 +382,7 @@ def _err_cells(data):
 
 
 def _order(names, spec_order=None):
-    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv",
+    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "nexus-smooth", "h2o", "snapkv", "pyramidkv", "morphkv",
             "nestedkv", "streaming", "random"]
     def rank(n):
         base = _ada_base(n)  # an Ada variant sits right after its method
@@ -382,7 +406,7 @@ def _ada_base(name) -> str:
 _REGIME_NAME = {"prefill": "prefill-only", "decode": "prefill + decode"}
 
 _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
-            "streaming", "random", "kvcache", "rotating"]
+            "streaming", "random", "kvcache", "rotating", "nexus-smooth"]
 
 
 def _style(name) -> dict:
@@ -548,6 +572,92 @@ def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index=
             headline[("ada", regime, density)] = summary
 
 
+def _paired_outcomes(res, regime, density, m, columns) -> dict:
+    """{(haystack, context, depth, key): correct} of one method over ``columns`` (errors left out)."""
+    out = {}
+    for hay, ctx in columns:
+        for (depth, key), v in res.get((regime, density, m, hay, ctx), {}).items():
+            if v != "error":
+                out[(hay, ctx, depth, key)] = v
+    return out
+
+
+def _paired_table(lines, res, regime, density, members, columns, prefill_only, ref="nexus") -> dict:
+    """Nexus against every other row on the same prompts: the discordant counts and the exact
+    McNemar two-sided p. Returns {method: stats.paired(...)}."""
+    if ref not in members:
+        return {}
+    mine = _paired_outcomes(res, regime, density, ref, columns)
+    out = {}
+    for m in members:
+        if m == ref:
+            continue
+        r = paired(mine, _paired_outcomes(res, regime, density, m, columns))
+        if r["n"]:
+            out[m] = r
+    if not out:
+        return out
+    lines.append(f"*Paired: {ref} against each method on the same prompts ({_REGIME_NAME[regime]}, "
+                 f"{density:.0%}; exact McNemar test on the discordant prompts).*\n")
+    lines.append(f"| {ref} vs | Prompts | Both right | Only {ref} | Only other | Neither | "
+                 "Difference (points) | p (two-sided) |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for m in _order(out):
+        r = out[m]
+        diff = 100 * (r["only_a"] - r["only_b"]) / r["n"]
+        label = m + (" †" if regime == "decode" and prefill_only.get(m) else "")
+        lines.append(f"| {label} | {r['n']} | {r['both']} | {r['only_a']} | {r['only_b']} | {r['neither']} | "
+                     f"{diff:+.1f} | {fmt_p(r['p'])} |")
+    lines.append("")
+    return out
+
+
+def needle_cut_summary(cells, regime, density) -> dict:
+    """Per method: the block cut of the needle's key tokens (cells with ``needle_cut_frac``, seed 0) and
+    accuracy conditioned on it. {method: {n, cut_mean, cut_any, kept_mean, whole_mean, cut: (k, n),
+    nocut: (k, n), cut_right, cut_wrong}} (the last two: mean cut fraction on right / wrong answers)."""
+    out = {}
+    for c in cells:
+        if (c["regime"] != regime or c.get("seed", 0) != 0 or "needle_cut_frac" not in c
+                or (c["method"] != FULL and c.get("density") != density)):
+            continue
+        g = out.setdefault(c["method"], {"rows": []})
+        g["rows"].append((c["needle_cut_frac"], c["needle_kept_frac"], c["needle_whole_frac"], bool(c["correct"])))
+    for m, g in out.items():
+        rows = g.pop("rows")
+        cut = [r for r in rows if r[0] > 0]
+        nocut = [r for r in rows if r[0] == 0]
+        g.update(n=len(rows), cut_mean=_mean([r[0] for r in rows]), cut_any=len(cut) / len(rows),
+                 kept_mean=_mean([r[1] for r in rows]), whole_mean=_mean([r[2] for r in rows]),
+                 cut=(sum(r[3] for r in cut), len(cut)), nocut=(sum(r[3] for r in nocut), len(nocut)),
+                 cut_right=_mean([r[0] for r in rows if r[3]]), cut_wrong=_mean([r[0] for r in rows if not r[3]]))
+    return out
+
+
+def _pc(x):
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _needle_cut_table(lines, cells, regime, density):
+    summ = needle_cut_summary(cells, regime, density)
+    if not summ:
+        return
+    lines.append(f"*Block-boundary cut of the needle ({_REGIME_NAME[regime]}, {density:.0%}): for every "
+                 "(layer, KV head) the kept positions after generation against the key's token spans (the key "
+                 "occurs twice in the needle). Cut = some of an occurrence's tokens kept and some evicted.*\n")
+    lines.append("| Method | Prompts | (layer, head) pairs with a cut | Prompts with any cut | Key tokens kept | "
+                 "Pairs keeping a whole key | Accuracy, prompts with a cut | Accuracy, no cut | "
+                 "Mean cut: right / wrong answers |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for m in _order(summ):
+        g = summ[m]
+        acc = [_ci_cell(*g[k]) + ")" if g[k][1] else "–" for k in ("cut", "nocut")]
+        lines.append(f"| {m} | {g['n']} | {_pct(g['cut_mean'])}% | {_pct(g['cut_any'])}% | {_pct(g['kept_mean'])}% | "
+                     f"{_pct(g['whole_mean'])}% | {acc[0]} | {acc[1]} | {_pc(g['cut_right'])} / "
+                     f"{_pc(g['cut_wrong'])} |")
+    lines.append("")
+
+
 def _passkey_tables(data, lines, figs_dir, figures):
     cells = _ok_cells(data)
     if not cells:
@@ -575,7 +685,7 @@ def _passkey_tables(data, lines, figs_dir, figures):
                 if ne == n:
                     vals.append("error")
                     continue
-                vals.append(f"{100 * cnum / n:.0f} ({cnum}/{n}{', ' + str(ne) + ' err' if ne else ''})")
+                vals.append(_ci_cell(cnum, n - ne) + (f", {ne} err)" if ne else ")"))
                 if avg_cols is None or col in avg_cols:
                     tot_c += cnum
                     tot_n += n - ne
@@ -601,19 +711,20 @@ def _passkey_tables(data, lines, figs_dir, figures):
     for density in densities:
         lines.append(f"\n#### Passkey accuracy (%) at density {density:.0%} (Table 1–2 shape)\n")
         cols = [f"{h} {_ctx_label(n)}" for h, n in grid_cols]
-        for regime, title in (("prefill", "Prefill-only eviction (whole prompt = one prefill chunk; "
-                                            "compression at the end of the prompt)"),
+        for regime, title in (("prefill", "Prefill-only eviction (prompt_eviction=\"end\": the prompt is held, "
+                                            "compressed once at its last token, then decode eviction)"),
                               ("decode", "Prefill + decode eviction (prefill chunks of "
                                          f"{_regime_chunk(cells, data)} tokens; eviction runs throughout)")):
             members, complete = comparable[(regime, density)]
-            if not members:
-                continue
+            if not members or (regime == "decode" and not any(
+                    c["regime"] == "decode" and c.get("density") == density for c in cells)):
+                continue  # no decode-regime run at this density: the table would be copies only
             rows = []
             for m in members:
                 vals, avg, n, copied = row_for(regime, density, m, complete)
                 label = m + (" †" if copied else "")
                 dens = "100%" if m == FULL else f"{density:.0%}"
-                rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_pct(avg)} |")
+                rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_ci_avg(avg, n)} |")
             if complete:
                 avgs = {m: row_for(regime, density, m, complete)[1] for m in members}
                 n_pr = sum(tables[(density, regime, col)][1] for col in complete)
@@ -626,7 +737,11 @@ def _passkey_tables(data, lines, figs_dir, figures):
             lines.append("|---|---|" + "---|" * (len(cols) + 1))
             lines += rows
             lines.append("")
-        lines.append("Cells: accuracy % (correct/prompts). Within one table every number in a column is over "
+            if complete:
+                headline[("paired", regime, density)] = _paired_table(lines, res, regime, density, members,
+                                                                      complete, prefill_only)
+            _needle_cut_table(lines, cells, regime, density)
+        lines.append("Cells: accuracy % [Wilson 95% interval] (correct/prompts). Within one table every number in a column is over "
                      "the same prompts (the depth × key prompts that every method of that table finished; the "
                      "two regimes' tables may cover different prompt counts). "
                      "† prefill-only method (or the full cache): it compresses once at the end of the "
@@ -651,14 +766,17 @@ def _passkey_tables(data, lines, figs_dir, figures):
             for m in methods_all:
                 if m == FULL or (regime == "decode" and prefill_only.get(m)):
                     continue  # a prefill-only method holds the whole prompt here: its curve is the left one
-                xs, ys = [], []
+                xs, ys, err = [], [], [[], []]
                 for d in densities:
                     _, avg, n, _ = row_for(regime, d, m, comparable[(regime, d)][1])
                     if n:
+                        lo, hi = wilson(int(round(avg * n)), n)
                         xs.append(d)
                         ys.append(100 * avg)
-                if xs:
-                    ax.plot(xs, ys, label=m, color=_color(m), **_style(m))
+                        err[0].append(100 * (avg - lo))
+                        err[1].append(100 * (hi - avg))
+                if xs:  # error bars: Wilson 95%
+                    ax.errorbar(xs, ys, yerr=err, capsize=2, label=m, color=_color(m), **_style(m))
             if full_acc is not None:
                 ax.axhline(100 * full_acc, color="k", lw=1, label="full cache")
             ax.set_title("prefill-only eviction" if regime == "prefill" else
@@ -678,27 +796,65 @@ def _passkey_tables(data, lines, figs_dir, figures):
 
         d20 = 0.2 if 0.2 in densities else densities[0]
         depths = sorted({c["depth"] for c in cells})
+        # Many depths: five equal-width depth bins (each bar then rests on enough prompts for an interval).
+        bins = ([(d, d) for d in depths] if len(depths) <= 6 else [(i / 5, (i + 1) / 5) for i in range(5)])
+
+        def in_bin(dep, b):
+            return b[0] == dep if b[0] == b[1] else (b[0] <= dep < b[1] or (b[1] == 1.0 and dep == 1.0))
+
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, regime in zip(axes, ("prefill", "decode")):
             ms = [m for m in methods_all if not (regime == "decode" and m != FULL and prefill_only.get(m))]
             width = 0.8 / max(len(ms), 1)
             for j, m in enumerate(ms):
-                ys = []
-                for dep in depths:
+                ys, err = [], [[], []]
+                for b in bins:
                     src = "prefill" if m == FULL else regime  # the full cache's cells are prefill-regime
-                    sel = [c for c in cells if c["method"] == m and c["depth"] == dep and c.get("seed", 0) == 0
+                    sel = [c for c in cells if c["method"] == m and in_bin(c["depth"], b) and c.get("seed", 0) == 0
                            and c["regime"] == src and (m == FULL or c["density"] == d20)]
-                    ys.append(100 * sum(bool(c["correct"]) for c in sel) / len(sel) if sel else float("nan"))
-                ax.bar([i + j * width for i in range(len(depths))], ys, width, label=m, color=_color(m),
-                       hatch="//" if _is_ada(m) else None)
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(depths))])
-            ax.set_xticklabels([f"depth {d:g}" for d in depths])
+                    k = sum(bool(c["correct"]) for c in sel)
+                    lo, hi = wilson(k, len(sel))
+                    p = k / len(sel) if sel else float("nan")
+                    ys.append(100 * p)
+                    err[0].append(100 * (p - lo) if sel else 0)
+                    err[1].append(100 * (hi - p) if sel else 0)
+                ax.bar([i + j * width for i in range(len(bins))], ys, width, label=m, color=_color(m),
+                       hatch="//" if _is_ada(m) else None, yerr=err if len(bins) < len(depths) else None,
+                       error_kw={"elinewidth": 0.6, "capsize": 1})
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(bins))])
+            ax.set_xticklabels([f"depth {a:g}" if a == b else f"depth {a:g}–{b:g}" for a, b in bins])
             ax.set_title(f"{_REGIME_NAME[regime]}, density {d20:.0%}")
         axes[0].set_ylabel("passkey accuracy (%)")
         handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))  # the left panel has every method
         axes[1].legend(handles.values(), handles.keys(), fontsize=6, loc="upper left",
                        bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
         figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_by_depth.png"))
+
+        # Forest plot: every table's Avg. column with its Wilson 95% interval.
+        panels = [(r, d) for d in densities for r in ("prefill", "decode")
+                  if comparable[(r, d)][1] and (r == "prefill" or any(
+                      c["regime"] == "decode" and c.get("density") == d for c in cells))]
+        if panels:
+            fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 4.5), squeeze=False)
+            for ax, (regime, d) in zip(axes[0], panels):
+                ms = [m for m in comparable[(regime, d)][0]
+                      if not (regime == "decode" and m != FULL and prefill_only.get(m))]
+                for i, m in enumerate(reversed(ms)):
+                    _, avg, n, _ = row_for(regime, d, m, comparable[(regime, d)][1])
+                    if not n:
+                        continue
+                    lo, hi = wilson(int(round(avg * n)), n)
+                    ax.errorbar([100 * avg], [i], xerr=[[100 * (avg - lo)], [100 * (hi - avg)]], fmt="o",
+                                capsize=3, color=_color(m))
+                    if m == FULL:
+                        ax.axvspan(100 * lo, 100 * hi, color="0.85", zorder=0)
+                ax.set_yticks(range(len(ms)))
+                ax.set_yticklabels(list(reversed(ms)), fontsize=8)
+                ax.set_xlim(0, 100)
+                ax.set_xlabel("passkey accuracy (%), Wilson 95% interval")
+                where = ", ".join(f"{h} {_ctx_label(c)}" for h, c in comparable[(regime, d)][1])
+                ax.set_title(f"{_REGIME_NAME[regime]}, {d:.0%}\n({where})", fontsize=9)
+            figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_ci.png"))
     except Exception as e:  # pragma: no cover - figures are best effort
         lines.append(f"_(passkey figures failed: {e})_\n")
 
@@ -970,9 +1126,14 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         rname = _REGIME_NAME[regime]
         target = (f" (target ≥ 95%: {'met' if best / full >= 0.95 else 'not met'})" if density == 0.2 and full
                   else "")
+        full_lo, full_hi = wilson(int(round(full * n_pr)), n_pr)
+        inside = [m for m in _order(rows) if full_lo <= rows[m] <= full_hi]
         facts.append(f"**Passkey, {rname}, {density:.0%} density** (columns where every runnable method finished: "
-                     f"{', '.join(cols)}; {n_pr} prompts): full cache {_pct(full)}%; best eviction "
-                     f"{', '.join(winners)} at {_pct(best)}% = {best / full:.0%} of full{target}" +
+                     f"{', '.join(cols)}; {n_pr} prompts; [Wilson 95% interval]): full cache "
+                     f"{_ci_avg(full, n_pr, '%')}; best eviction "
+                     f"{', '.join(winners)} at {_ci_avg(best, n_pr, '%')} = {best / full:.0%} "
+                     f"of full{target}; point estimate inside the full cache's interval: "
+                     f"{', '.join(inside) or 'none'}" +
                      (f"; could not run at this budget: {', '.join(m for m, v in avgs.items() if v is None)}"
                       if any(v is None for v in avgs.values()) else "") +
                      (f"; ranked among the methods that evict during the prompt (not {', '.join(unbounded)}: "
@@ -980,14 +1141,20 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
                       if unbounded else "") + "." if full else
                      f"**Passkey {rname}:** full cache scored 0%.")
         if nx is not None:
-            others = {m: v for m, v in rows.items() if not m.startswith("nexus")}
-            ahead = [m for m, v in others.items() if nx > v]
-            tie = [m for m, v in others.items() if nx == v]
-            behind = [m for m, v in others.items() if nx < v]
-            facts.append(f"Nexus {_pct(nx)}% ({100 * (nx - full):+.1f} points vs full): ahead of "
-                         f"{', '.join(ahead) or 'none'}; tied with {', '.join(tie) or 'none'}; behind "
-                         f"{', '.join(behind) or 'none'}. Ablations on the same prompts: top-K "
-                         f"{_pct(rows.get('nexus-topk'))}%, no-walk {_pct(rows.get('nexus-nowalk'))}%.")
+            pr = {m: r for m, r in pk.get(("paired", regime, density), {}).items() if m in rows or m == FULL}
+            pr = {m: pr[m] for m in _order(pr)}
+            sig_a = [m for m, r in pr.items() if r["p"] < 0.05 and r["only_a"] > r["only_b"]]
+            sig_b = [m for m, r in pr.items() if r["p"] < 0.05 and r["only_a"] < r["only_b"]]
+            rest = [m for m, r in pr.items() if r["p"] >= 0.05]
+            facts.append(f"Nexus {_ci_avg(nx, n_pr, '%')} ({100 * (nx - full):+.1f} points vs full). Paired exact "
+                         "McNemar on the same prompts (prompts only Nexus got right / only the other got right, "
+                         "two-sided p): " + "; ".join(f"vs {m} {r['only_a']}/{r['only_b']}, p = {fmt_p(r['p'])}"
+                                                      for m, r in pr.items()) +
+                         f". At the 5% level Nexus is ahead of {', '.join(sig_a) or 'none'} and behind "
+                         f"{', '.join(sig_b) or 'none'}; against {', '.join(rest) or 'none'} these prompts "
+                         "cannot tell the difference (no correction for the number of comparisons). "
+                         f"Ablations on the same prompts: top-K {_pct(rows.get('nexus-topk'))}%, no-walk "
+                         f"{_pct(rows.get('nexus-nowalk'))}%.")
     for k, v in pk.items():
         if k[0] == "ada" and v:
             facts.append(f"**Ada-KV allocation** ({_REGIME_NAME[k[1]]}, "
@@ -1002,10 +1169,13 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         if c["method"] == FULL:
             n_prompts[(c["haystack"], c["context"])] = n_prompts.get((c["haystack"], c["context"]), 0) + 1
     if n_prompts:
-        facts.append("Sample sizes are small (" + ", ".join(f"{h} {_ctx_label(n)}: {k} prompts" for (h, n), k in
-                                                            sorted(n_prompts.items())) +
-                     "): one prompt = " + ", ".join(f"{100 / k:.0f} points" for k in sorted(set(n_prompts.values())))
-                     + " of accuracy.")
+        tot = sum(n_prompts.values())
+        lo, hi = wilson(int(round(0.9 * tot)), tot)
+        facts.append("Sample sizes (" + ", ".join(f"{h} {_ctx_label(n)}: {k} prompts" for (h, n), k in
+                                                 sorted(n_prompts.items())) +
+                     "): one prompt = " + ", ".join(f"{100 / k:.1f} points" for k in sorted(set(n_prompts.values())))
+                     + f" of a column; over all {tot} prompts a 90% accuracy has the Wilson 95% interval "
+                     f"[{100 * lo:.1f}, {100 * hi:.1f}].")
     if ppl and ppl.get("full"):
         t = ppl["table"]
         at20 = {m: v for (m, d), v in t.items() if d == 0.2}
@@ -1073,18 +1243,21 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
     lines += [
         "How to read this (fixed text of the generator):",
         "",
-        f"- Scale: a 135M model on a 2-core CPU shared with other jobs, so the grid is small "
-        f"({_prompt_scale(pk_data)}) and every accuracy is over a handful of prompts: one prompt moves a "
-        "cell by 11–33 points. The paper's LongBench/RULER numbers are on 8B models at 4K–64K; only the "
-        "*shape* of its tables is reproduced here.",
+        f"- Scale: a 135M model on a 2-core CPU shared with other jobs ({_prompt_scale(pk_data)}). Every "
+        "passkey accuracy carries its Wilson 95% interval and the prompt count it rests on; Nexus is compared "
+        "with each method on the same prompts by the exact McNemar test. The paper's LongBench/RULER numbers "
+        "are on 8B models at 4K–64K; only the *shape* of its tables is reproduced here.",
         "- Budget = density × prompt tokens, per KV head per layer, for every method (PyramidKV "
         "redistributes it across layers); n_sink = 4 and each method's default recent window. Nexus "
         "needs budget ≥ 111 rows (32-token blocks), so Nexus at 10% of a 1K prompt is recorded as an error; "
         "so is PyramidKV there (its deepest layers would keep fewer rows than n_sink + window).",
-        "- Prefill-only regime: the prompt is one prefill chunk; to save CPU every method's cache is fed "
-        "by ONE shared forward pass (`FanOutCache`: identical computation for a single chunk into empty "
-        "caches, checked in tests/test_evaluation.py), then each decodes on its own. Prefill + decode "
-        "regime: 256-token chunks, a separate run per method.",
+        "- Prefill-only regime = `prompt_eviction=\"end\"` (the default), run as `mlx_lm.generate` runs it: "
+        "the prompt but its last token in 2048-token chunks with nothing evicted, then the last token as its "
+        "own step (the one-shot compression runs there), then decode eviction. To save CPU every method's "
+        "cache is fed by ONE shared pass over the held prompt (`FanOutCache`; "
+        "`retrieval.shared_prefill_generate`, tested equal to `mlx_lm.generate_step`), then each takes the "
+        "last token and decodes on its own. Prefill + decode regime = `prompt_eviction=\"stream\"` with "
+        "256-token chunks, a separate run per method.",
         "- Full cache = mlx-lm `KVCache`; its result is regime-independent (run once).",
         "- Nexus keeps whole 32-token blocks: at 20% of a 1K prompt (205 rows) that is 6 blocks, of which "
         "only ~3 are free after the sink block and the recent window, so a weighted reservoir draw "
@@ -1108,6 +1281,12 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
                      "(stdlib `pydoc_data.topics`, paragraphs without digits) with the needle \"The magic number "
                      "is N\". Depth = needle position as a fraction of the filler. Budget = density × prompt "
                      "tokens per KV head per layer.\n")
+    old = out_dir / "passkey_previous_harness.json"
+    if old.exists():
+        n_old = len(json.loads(old.read_text()).get("cells", {}))
+        lines.append(f"Passkey cells measured with the previous harness (the whole prompt as one chunk, no "
+                     f"separate last-token step) are kept in `{old.name}` ({n_old} cells) and are NOT "
+                     "tabulated here: they are superseded by the cells below.\n")
     if pk_data and pk_data.get("cells"):
         lines.append("Grid actually run (counted from the finished cells; a run cut by its time budget stops "
                      "in prompt-major order, so the methods of one prompt finish together):\n")
