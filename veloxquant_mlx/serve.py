@@ -23,6 +23,7 @@ import json
 import logging
 from decimal import Decimal, InvalidOperation
 
+from . import distributed
 from .cli import FULL, CLIError, _add_cache_args, _config_from_args
 
 log = logging.getLogger("veloxquant_mlx.serve")
@@ -196,6 +197,9 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
     provider = _model_provider_class()(args, model, tokenizer, config)
     prompt_cache = _prompt_cache_class()(args.prompt_cache_size)
     generator = server.ResponseGenerator(provider, prompt_cache)
+    if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
+        generator.join()
+        return
     server._run_http_server(args.host, args.port, generator)
 
 
@@ -208,6 +212,7 @@ def cmd_serve(args):
     options = {k: getattr(args, k) for k in vars(server_args()) if hasattr(args, k) and k != "model"}
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     model, tokenizer = _load(args.model)
+    distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     label = FULL if config is None else f"{config.method}, budget {config.budget}/head"
     log.info(f"veloxquant serve: {label} on http://{args.host}:{args.port}/v1")
     serve(model, tokenizer, config, model_name=args.model, **options)
