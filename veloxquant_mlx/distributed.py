@@ -13,10 +13,12 @@ layer and carries the few collectives a selection that combines heads needs:
   process would give it, again without traffic;
 * Nexus's layer-shared selection averages a few rows of block statistics over every head:
   one ``all_sum`` of a (B, 1 + walk_depth, N_k) float32 array per layer and eviction step;
-* Ada-KV budgets (any method, and Ada-Nexus) and NestedKV's cross-head pool rank every head's scores
-  layer-wide: one ``all_gather`` of the (B, H_l, rows) scores (blocks for Ada-Nexus) per layer and
-  eviction step, after which every rank runs the single-process selection over the whole layer and
-  keeps its own heads' rows (exact by construction).
+* Ada-KV budgets rank every head's scores layer-wide: ``ops.allocation.ada_keep(..., layer=shard)``
+  finds the layer-wide top-k with :meth:`HeadShard.top_k_mask` (a radix select: small histograms,
+  never the scores), then gathers the per-head winner counts: ~1.1 KiB per layer and step;
+* Ada-Nexus (block priorities) and NestedKV's cross-head pool (once per prompt compression) gather
+  the small per-head scores (:meth:`HeadShard.across_heads`), run the single-process selection over
+  the whole layer and keep their own heads' rows (exact by construction).
 
 Pipeline parallel (``model.model.pipeline(group)``): a rank holds a contiguous slice of the layers;
 caches carry the GLOBAL layer index (seed ``config.seed + layer``, PyramidKV's per-layer budget), so
@@ -99,17 +101,12 @@ class HeadShard:
         out = mx.distributed.all_gather(mx.contiguous(moved), group=self.group)
         return mx.moveaxis(out, 0, axis)
 
-    def across_heads(self, fn, *arrays, same=()):
+    def across_heads(self, fn, *arrays):
         """Run ``fn`` (a layer-wide selection over (B, H, ...) arrays) on the whole layer's heads and
         return its output(s) for this rank's heads only. Every rank runs the same computation on the
-        same gathered inputs, so all ranks (and one process) agree exactly. Arrays whose position is
-        in ``same`` hold the same values in every head (uniform storage's positions): broadcast, not
-        gathered."""
+        same gathered inputs, so all ranks (and one process) agree exactly."""
         n_local = arrays[0].shape[1]
-        H = self.total_heads(n_local)
-        full = [mx.broadcast_to(a[:, :1], (a.shape[0], H) + a.shape[2:]) if i in same else self.gather_heads(a)
-                for i, a in enumerate(arrays)]
-        out = fn(*full)
+        out = fn(*(self.gather_heads(a) for a in arrays))
         if isinstance(out, tuple):
             return tuple(self.local(o, n_local) for o in out)
         return self.local(out, n_local)
