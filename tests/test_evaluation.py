@@ -314,3 +314,9 @@ def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
     row = next(x for x in text.splitlines() if x.startswith("| nexus | 12 |"))
     assert "| 8.3% | 16.7% |" in row and "0 [0–66] (0/2)" in row and "100 [72–100] (10/10)" in row
     assert (tmp_path / "passkey_accuracy_ci.png").exists()
+    # The reservoir-n study (benchmark_scripts/nexus_seed_n.py) gets its own table when present.
+    per = {n: {"p_whole_mean_over_layers": p, "layers_keeping_whole_frac_sd_over_seeds": 0.05}
+           for n, p in (("1", 0.47), ("topk", 0.7))}
+    (tmp_path / "nexus_seed_n.json").write_text(json.dumps({"seeds": 10, "prompts": {"grass:0.5": {"per_n": per}}}))
+    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    assert "| grass:0.5 | 47 ± 5 | 70 ± 5 |" in text

@@ -887,6 +887,27 @@ def _passkey_tables(data, lines, figs_dir, figures):
     return headline
 
 
+def _seed_n_table(data, lines):
+    """benchmark_scripts/nexus_seed_n.py: how often the one-shot compression keeps a whole key
+    occurrence, per reservoir n, redrawn over many seeds on the recorded block weights."""
+    if not data or not data.get("prompts"):
+        return
+    ns = list(next(iter(data["prompts"].values()))["per_n"])
+    lines.append(f"\n#### Nexus reservoir n against seed variance (`nexus_seed_n.json`, "
+                 f"{data.get('seeds')} seeds, {data.get('density', 0.2):.0%})\n")
+    lines.append("The one-shot compression's block weights of each prompt were recorded per layer and the "
+                 "selection redrawn with every seed. Cells: mean over layers of P(the layer keeps a whole key "
+                 "occurrence) ± the seed-to-seed sd of the fraction of layers that keep one "
+                 "(`benchmark_scripts/nexus_seed_n.py`; a proxy: no decoding).\n")
+    lines.append("| Prompt (1K) | " + " | ".join("top-K" if n == "topk" else f"n = {n}" for n in ns) + " |")
+    lines.append("|---|" + "---|" * len(ns))
+    for p, r in data["prompts"].items():
+        cells = [f"{100 * r['per_n'][n]['p_whole_mean_over_layers']:.0f} ± "
+                 f"{100 * r['per_n'][n]['layers_keeping_whole_frac_sd_over_seeds']:.0f}" for n in ns]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
 def _regime_chunk(cells, data=None):
     g = (data or {}).get("grid", {})
     if g.get("prefill_step_decode_regime"):
@@ -1154,7 +1175,9 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
                          f"{', '.join(sig_b) or 'none'}; against {', '.join(rest) or 'none'} these prompts "
                          "cannot tell the difference (no correction for the number of comparisons). "
                          f"Ablations on the same prompts: top-K {_pct(rows.get('nexus-topk'))}%, no-walk "
-                         f"{_pct(rows.get('nexus-nowalk'))}%.")
+                         f"{_pct(rows.get('nexus-nowalk'))}%" +
+                         (f", neighbour-smoothed blocks (nexus-smooth) {_pct(rows['nexus-smooth'])}%"
+                          if "nexus-smooth" in rows else "") + ".")
     for k, v in pk.items():
         if k[0] == "ada" and v:
             facts.append(f"**Ada-KV allocation** ({_REGIME_NAME[k[1]]}, "
@@ -1299,6 +1322,7 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
                      f"first run separately, re-run through one shared pass): identical outputs for {same}/{len(cmp_)} "
                      f"caches ({', '.join(cmp_)}).\n")
     pk = _passkey_tables(pk_data, lines, out_dir, figures) if pk_data else {}
+    _seed_n_table(_load_json(out_dir, "nexus_seed_n"), lines)
     if pk_data:
         _meta_block("passkey", pk_data, lines)
     lines.append("## 2. Streaming perplexity\n")
