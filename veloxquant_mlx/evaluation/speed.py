@@ -148,7 +148,9 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             y = prefill(model, x, caches, prefill_step)
             dt = time.perf_counter() - t0
             kv = kv_bytes(caches)
-            rec.update(prefill_s=dt, prefill_tps=n / dt, peak_memory_bytes=mx.get_peak_memory() - base,
+            peak = mx.get_peak_memory()
+            rec.update(prefill_s=dt, prefill_tps=n / dt, peak_memory_bytes=peak - base,
+                       process_peak_bytes=peak, active_before_bytes=base,
                        kv_bytes_after_prefill=kv["allocated_bytes"], kv_kept_bytes_after_prefill=kv["kept_bytes"],
                        segments=[])
             live[name] = [caches, y]
@@ -160,6 +162,8 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
                 continue
             caches, y = live[name]
             try:
+                before = mx.get_active_memory()
+                mx.reset_peak_memory()
                 t0 = time.perf_counter()
                 for _ in range(decode_tokens):
                     logits = model(y.reshape(1, 1), cache=caches)
@@ -169,6 +173,7 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
                 live[name][1] = y
                 kv = kv_bytes(caches)
                 out[name]["segments"].append({"decode_tps": decode_tokens / dt, "kv_bytes": kv["allocated_bytes"],
+                                              "decode_peak_bytes": mx.get_peak_memory() - before,
                                               "kv_kept_bytes": kv["kept_bytes"], "kv_full_bytes": kv["full_bytes"]})
             except Exception as e:
                 out[name]["error"] = f"{type(e).__name__}: {e}"
@@ -181,6 +186,7 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             rec["kv_full_bytes_end"] = segs[-1]["kv_full_bytes"]
             rec["kv_kept_bytes_end"] = segs[-1]["kv_kept_bytes"]
             rec["decode_tokens_total"] = decode_tokens * len(segs)
+            rec["decode_peak_memory_bytes"] = max(s["decode_peak_bytes"] for s in segs)
     live.clear()
     return out
 

@@ -1,0 +1,439 @@
+"""Memory benchmark (issue 13): what a user of plain ``mlx_lm.generate`` really holds.
+
+Part ``bundled``: the bundled SmolLM2-135M (30 layers, 9 query / 3 KV heads, fp32) through
+``mlx_lm.generate.generate_step`` with its default arguments (``prefill_step_size=2048``, greedy),
+prose prompts of 2K and 4K tokens, 32 new tokens, budget = 20 % of the prompt, every registry method
+(``KVCacheConfig(method=m, budget=...)`` with the default ``prompt_eviction="end"``) and mlx-lm's own
+``KVCache``. Per cache, measured around one generation (``gc`` + ``mx.clear_cache()`` +
+``mx.reset_peak_memory()`` first):
+
+* ``kv_allocated_bytes``: ``sum(c.nbytes)`` after generation (every array the caches hold);
+* ``kv_kept_bytes`` / ``kv_full_bytes``: ``veloxquant_mlx.cli.kv_report`` (kept rows' K/V; K/V of
+  every token seen);
+* ``active_growth_bytes``: ``mx.get_active_memory()`` after generation minus before it;
+* ``peak_over_baseline_bytes``: ``mx.get_peak_memory()`` minus the active memory before generation
+  (the prefill activations are in here), and ``process_peak_bytes`` (absolute; weights included);
+* ``kv_allocated_max_bytes``: the largest ``sum(c.nbytes)`` seen right after any layer's
+  ``update_and_fetch`` (a recording wrapper on every cache: the KV part of the peak).
+
+Plus ``nexus`` with ``prompt_eviction="stream"`` at 4K, whose process peak is compared with
+weights + 0.35x the full KV (weights = sum of the parameters' nbytes), at the default prefill step
+and at smaller ones (the prefill activations of one chunk dominate the peak).
+
+Part ``tiny``: a tiny random llama (2 layers, hidden 64, 4 query / 2 KV heads of 16, fp32) with a
+fixed budget, prompts from 1K to 32K tokens through ``generate_step`` (8 new tokens): allocated KV
+and active-memory growth per method after generation, and for one method both prompt-eviction
+policies with their peaks.
+
+    python benchmark_scripts/bench_memory.py                 # both parts -> figures/memory/*.json, *.png
+    python benchmark_scripts/bench_memory.py --part tiny     # the tiny-model sweep only (~1-2 min)
+    python benchmark_scripts/bench_memory.py --quick         # harness check (tiny model everywhere)
+
+OpenBLAS is preloaded (``veloxquant_mlx.blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
+which BLAS ran. Memory numbers do not depend on it; it only makes the run shorter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "figures" / "memory"
+MIB = 1024 * 1024
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("bundled", "tiny", "all"), default="all")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096], help="bundled-model prompt lengths")
+    p.add_argument("--density", type=float, default=0.2, help="bundled model: budget / prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="bundled model: new tokens")
+    p.add_argument("--methods", nargs="+", default=None, help="registry methods (default: all)")
+    p.add_argument("--stream-context", type=int, default=4096, help="context of the nexus stream-peak run")
+    p.add_argument("--stream-steps", type=int, nargs="+", default=[2048, 512],
+                   help="prefill_step_size values of the nexus stream-peak run (2048 = mlx_lm default)")
+    p.add_argument("--tiny-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                   help="tiny model: prompt lengths for every method and KVCache")
+    p.add_argument("--tiny-stream-lengths", type=int, nargs="+", default=[16384, 32768],
+                   help="tiny model: further lengths for the policy method under prompt_eviction='stream'")
+    p.add_argument("--tiny-end-lengths", type=int, nargs="+", default=[16384, 32768],
+                   help="tiny model: further lengths for KVCache and the policy method under 'end' (O(N^2))")
+    p.add_argument("--tiny-budget", type=int, default=512)
+    p.add_argument("--tiny-max-tokens", type=int, default=8)
+    p.add_argument("--tiny-policy-method", default="nexus", help="method run under both prompt-eviction policies")
+    p.add_argument("--resume", action="store_true", help="bundled part: keep the finished runs of bundled.json")
+    p.add_argument("--figures-only", action="store_true", help="redraw the figures from the JSON files")
+    p.add_argument("--no-fast-blas", action="store_true", help="keep MLX's reference BLAS")
+    p.add_argument("--quick", action="store_true", help="tiny model and short prompts everywhere (harness check)")
+    p.add_argument("--out-dir", default=str(OUT))
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement
+# ------------------------------------------------------------------------------------------------
+class AllocationRecorder:
+    """Wraps ``update_and_fetch`` of every cache in a list and records the largest total
+    ``sum(c.nbytes)`` over the list right after any layer's call (shapes only: no evaluation).
+    Eviction caches evict in the query tap right after ``update_and_fetch``, so this sees the
+    chunk before it is evicted: the KV part of the peak."""
+
+    def __init__(self, caches):
+        self.caches = caches
+        self.max_bytes = 0
+        for c in caches:
+            orig = c.update_and_fetch
+
+            def wrapped(keys, values, _orig=orig):
+                out = _orig(keys, values)
+                self.max_bytes = max(self.max_bytes, total_nbytes(self.caches))
+                return out
+
+            c.update_and_fetch = wrapped
+
+    def close(self):
+        for c in self.caches:
+            c.__dict__.pop("update_and_fetch", None)
+
+
+def total_nbytes(caches) -> int:
+    return sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
+
+
+def weights_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def make_cache_list(model, method, budget, prompt_eviction="end"):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+
+    if method == "kvcache":
+        return make_prompt_cache(model)
+    return KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=budget,
+                                                         prompt_eviction=prompt_eviction))
+
+
+def measure(model, prompt, method, budget, max_tokens, prompt_eviction="end", prefill_step_size=None) -> dict:
+    """One generation through plain ``mlx_lm.generate.generate_step`` (its defaults unless
+    ``prefill_step_size`` is given) with fresh caches; memory and byte accounting around it."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from veloxquant_mlx.cli import kv_report
+
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    caches = make_cache_list(model, method, budget, prompt_eviction)
+    rec = AllocationRecorder(caches)
+    kw = {} if prefill_step_size is None else {"prefill_step_size": prefill_step_size}
+    t0 = time.perf_counter()
+    tokens = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=caches, **kw):
+        tokens.append(int(tok))
+    wall = time.perf_counter() - t0
+    rec.close()
+    gc.collect()
+    peak = mx.get_peak_memory()
+    active = mx.get_active_memory()
+    rep = kv_report(caches)
+    out = {"method": method, "prompt_eviction": prompt_eviction if method != "kvcache" else None,
+           "prompt_tokens": len(prompt), "new_tokens": len(tokens), "budget": budget if method != "kvcache" else None,
+           "prefill_step_size": prefill_step_size or 2048,
+           "kv_allocated_bytes": total_nbytes(caches), "kv_kept_bytes": rep["kept_bytes"],
+           "kv_full_bytes": rep["full_bytes"], "kv_allocated_max_bytes": rec.max_bytes,
+           "active_before_bytes": base, "active_growth_bytes": active - base,
+           "peak_over_baseline_bytes": peak - base, "process_peak_bytes": peak,
+           "wall_s": round(wall, 2), "tokens_head": tokens[:8]}
+    if method != "kvcache":
+        out["evictions"] = sum(getattr(c, "evictions", 0) for c in caches)
+    del caches
+    gc.collect()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# parts
+# ------------------------------------------------------------------------------------------------
+def _tiny_model():
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import make_tiny_model
+
+    return make_tiny_model("llama", layers=2)
+
+
+def bundled_jobs(args, methods):
+    """(key, context, method, prompt_eviction, prefill_step_size) in priority order: the first
+    context for every method, the stream-peak run, the other contexts, the smaller-step peak runs."""
+    first = ["kvcache", "nexus", "nestedkv"]
+    order = [m for m in first if m == "kvcache" or m in methods] + [m for m in methods if m not in first]
+    jobs = []
+    for k, n in enumerate(args.contexts):
+        jobs += [(n, m, "end", None) for m in order]
+        if k == 0:
+            jobs.append((args.stream_context, "nexus", "stream", 2048))
+    for step in args.stream_steps:
+        if step != 2048:
+            jobs += [(args.stream_context, "nexus", "stream", step), (args.stream_context, "nexus", "end", step),
+                     (args.stream_context, "kvcache", "end", step)]
+    out, seen = [], set()
+    for n, m, pe, step in jobs:
+        key = f"{n}|{m}|{pe if m != 'kvcache' else '-'}|{step or 2048}"
+        if key not in seen:
+            seen.add(key)
+            out.append((key, n, m, pe, step))
+    return out
+
+
+def derive_bundled(res):
+    """Ratios from the measured rows: allocated / KVCache's at the same context and step,
+    allocated / kept, and (process peak - weights) / full KV."""
+    rows = list(res["runs"].values())
+    wbytes = res["weights_bytes"]
+    for r in rows:
+        base = next((x for x in rows if x["method"] == "kvcache" and x["prompt_tokens"] == r["prompt_tokens"]
+                     and x["prefill_step_size"] == r["prefill_step_size"]), None)
+        if base:
+            r["allocated_vs_kvcache"] = r["kv_allocated_bytes"] / base["kv_allocated_bytes"]
+            r["active_growth_vs_kvcache"] = r["active_growth_bytes"] / base["active_growth_bytes"]
+        r["allocated_vs_kept"] = r["kv_allocated_bytes"] / r["kv_kept_bytes"] if r["kv_kept_bytes"] else None
+        r["peak_minus_weights_vs_full_kv"] = (r["process_peak_bytes"] - wbytes) / r["kv_full_bytes"]
+    return res
+
+
+def run_bundled(args, methods, log, save):
+    import numpy as np
+
+    if args.quick:
+        model = _tiny_model()
+        prompt_of = lambda n: np.random.default_rng(0).integers(0, 128, size=n).tolist()  # noqa: E731
+        desc = "tiny random llama (--quick; numbers meaningless)"
+    else:
+        from veloxquant_mlx.evaluation.speed import _prompt
+        from veloxquant_mlx.models import load_model
+
+        model, tokenizer = load_model()
+        prompt_of = lambda n: _prompt(tokenizer, n)  # noqa: E731
+        desc = "SmolLM2-135M-Instruct (bundled GGUF, float32)"
+    res = {"model": desc, "weights_bytes": weights_bytes(model), "density": args.density,
+           "max_tokens": args.max_tokens, "runs": {}}
+    path = Path(args.out_dir) / "bundled.json"
+    if args.resume and path.exists():
+        old = json.loads(path.read_text())
+        if old.get("model") == desc and old.get("max_tokens") == args.max_tokens:
+            res["runs"] = old.get("runs", {})
+    prompts = {}
+    for key, n, m, pe, step in bundled_jobs(args, methods):
+        if key in res["runs"]:
+            continue
+        if n not in prompts:
+            prompts[n] = prompt_of(n)
+        budget = max(int(round(args.density * n)), 1)
+        r = measure(model, prompts[n], m, budget, args.max_tokens, prompt_eviction=pe, prefill_step_size=step)
+        res["runs"][key] = r
+        derive_bundled(res)
+        save(res)
+        log(f"bundled {key}: alloc {r['kv_allocated_bytes'] / MIB:7.2f} MiB  kept {r['kv_kept_bytes'] / MIB:7.2f}  "
+            f"active+ {r['active_growth_bytes'] / MIB:7.2f}  peak+ {r['peak_over_baseline_bytes'] / MIB:7.1f}  "
+            f"process peak {r['process_peak_bytes'] / MIB:7.1f} = weights + {r['peak_minus_weights_vs_full_kv']:.3f}x "
+            f"full KV; KV max {r['kv_allocated_max_bytes'] / MIB:.2f} ({r['wall_s']:.0f} s)")
+    return res
+
+
+def tiny_jobs(args, methods):
+    """(key, length, method, prompt_eviction) in priority order. Every method (default policy
+    "end") and KVCache at ``--tiny-lengths``; the policy method under "stream" at those and at
+    ``--tiny-stream-lengths``; KVCache and the policy method under "end" at ``--tiny-end-lengths``.
+    Under "end" every cache attends over the whole held prompt, so those runs cost O(N^2): on a
+    shared CPU the long lengths are run for the stream policy (O(N)) first."""
+    pm = args.tiny_policy_method
+    jobs = []
+    for n in args.tiny_lengths:
+        jobs += [(n, m, "end") for m in ["kvcache"] + methods] + [(n, pm, "stream")]
+    jobs += [(n, pm, "stream") for n in args.tiny_stream_lengths]
+    for n in args.tiny_end_lengths:
+        jobs += [(n, "kvcache", "end"), (n, pm, "end")]
+    out, seen = [], set()
+    for n, m, pe in jobs:
+        key = f"{n}|{m}|{pe if m != 'kvcache' else '-'}"
+        if key not in seen:
+            seen.add(key)
+            out.append((key, n, m, pe))
+    return out
+
+
+def run_tiny(args, methods, log, save):
+    import numpy as np
+
+    model = _tiny_model()
+    budget = args.tiny_budget if not args.quick else 256
+    res = {"model": "tiny random llama: 2 layers, hidden 64, 4 query / 2 KV heads of 16, fp32 "
+                    "(tests/conftest.py make_tiny_model)", "weights_bytes": weights_bytes(model), "budget": budget,
+           "max_tokens": args.tiny_max_tokens, "policy_method": args.tiny_policy_method, "runs": {}}
+    path = Path(args.out_dir) / "tiny.json"
+    if args.resume and path.exists():
+        old = json.loads(path.read_text())
+        if old.get("budget") == budget and old.get("max_tokens") == args.tiny_max_tokens:
+            res["runs"] = old.get("runs", {})
+    for key, n, m, pe in tiny_jobs(args, methods):
+        if key in res["runs"]:
+            continue
+        prompt = np.random.default_rng(n).integers(0, 128, size=n).tolist()
+        r = measure(model, prompt, m, budget, args.tiny_max_tokens, prompt_eviction=pe)
+        res["runs"][key] = r
+        save(res)
+        log(f"tiny {key}: alloc {r['kv_allocated_bytes'] / 1024:8.1f} KiB  active+ "
+            f"{r['active_growth_bytes'] / 1024:8.1f} KiB  peak+ {r['peak_over_baseline_bytes'] / MIB:7.1f} MiB  "
+            f"KV max {r['kv_allocated_max_bytes'] / 1024:8.1f} KiB ({r['wall_s']:.0f} s)")
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# figures
+# ------------------------------------------------------------------------------------------------
+def _colors(names):
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    return {n: ("black" if n == "kvcache" else cmap(i % 10)) for i, n in enumerate(names)}
+
+
+def figure_bundled(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["runs"].values() if r["prefill_step_size"] == 2048 and r["prompt_eviction"] != "stream"]
+    ctxs = sorted({r["prompt_tokens"] for r in rows})
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(6.5 * len(ctxs), 4.2), squeeze=False)
+    w = 0.27
+    for ax, n in zip(axes[0], ctxs):
+        sub = {r["method"]: r for r in rows if r["prompt_tokens"] == n}
+        if "kvcache" not in sub:
+            continue
+        names_n = [m for m in names if m in sub]
+        xs = range(len(names_n))
+        for k, (key, lab) in enumerate((("kv_kept_bytes", "kept rows"), ("kv_allocated_bytes", "allocated (sum nbytes)"),
+                                        ("active_growth_bytes", "mx active memory growth"))):
+            ax.bar([x + (k - 1) * w for x in xs], [sub[m][key] / MIB for m in names_n], w, label=lab)
+        ax.axhline(0.25 * sub["kvcache"]["kv_allocated_bytes"] / MIB, color="red", ls="--", lw=1,
+                   label="target: 0.25x KVCache")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names_n, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{n}-token prompt + {res['max_tokens']} new, budget {sub['nexus']['budget'] if 'nexus' in sub else '?'}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{res['model']}: KV memory after plain mlx_lm generate_step", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure_tiny(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(res["runs"].values())
+    end = [r for r in rows if r["prompt_eviction"] in (None, "end")]
+    names = list(dict.fromkeys(r["method"] for r in end))
+    col = _colors(names)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    for m in names:
+        sub = sorted((r for r in end if r["method"] == m), key=lambda r: r["prompt_tokens"])
+        xs = [r["prompt_tokens"] for r in sub]
+        style = dict(marker="o", color=col[m], label=m, lw=2 if m in ("kvcache", "nexus") else 1)
+        axes[0].plot(xs, [r["kv_allocated_bytes"] / MIB for r in sub], **style)
+        axes[1].plot(xs, [r["active_growth_bytes"] / MIB for r in sub], **style)
+    pm = res["policy_method"]
+    for pe, ls in (("end", "-"), ("stream", "--")):
+        sub = sorted((r for r in rows if r["method"] == pm and r["prompt_eviction"] == pe), key=lambda r: r["prompt_tokens"])
+        xs = [r["prompt_tokens"] for r in sub]
+        axes[2].plot(xs, [r["peak_over_baseline_bytes"] / MIB for r in sub], ls=ls, marker="o", color="tab:blue",
+                     label=f"{pm} {pe}: mx peak over baseline")
+        axes[2].plot(xs, [r["kv_allocated_max_bytes"] / MIB for r in sub], ls=ls, marker="s", color="tab:orange",
+                     label=f"{pm} {pe}: max allocated KV")
+    sub = sorted((r for r in end if r["method"] == "kvcache"), key=lambda r: r["prompt_tokens"])
+    axes[2].plot([r["prompt_tokens"] for r in sub], [r["peak_over_baseline_bytes"] / MIB for r in sub], color="black",
+                 marker="o", label="kvcache: mx peak over baseline")
+    titles = ("allocated KV after generation (sum nbytes)", "mx.get_active_memory() growth",
+              f"peak during generation: {pm} end vs stream")
+    for ax, t in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("MiB")
+        ax.set_title(t, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[1].legend(fontsize=7, ncol=2)
+    axes[2].legend(fontsize=6)
+    fig.suptitle(f"{res['model']}; budget {res['budget']} tokens, {res['max_tokens']} new tokens, "
+                 "mlx_lm generate_step defaults (prefill_step_size 2048)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.no_fast_blas:
+        from veloxquant_mlx.blas import reexec_with_openblas
+
+        reexec_with_openblas()  # returns when already preloaded or when none is installed
+    import mlx.core as mx
+    import mlx_lm
+
+    import veloxquant_mlx
+    from veloxquant_mlx.blas import blas_info
+    from veloxquant_mlx.evaluation.results import quiet_cache_warnings
+
+    quiet_cache_warnings()
+    methods = args.methods or list(veloxquant_mlx.methods())
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", flush=True)
+
+    meta = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "quick": args.quick,
+            "load_average_at_start": os.getloadavg(), "command": " ".join(sys.argv), **blas_info()}
+    parts = ("bundled", "tiny") if args.part == "all" else (args.part,)
+    figure = {"bundled": figure_bundled, "tiny": figure_tiny}
+    for part in parts:
+        path = out / f"{part}.json"
+        if not args.figures_only:
+            t0 = time.perf_counter()
+
+            def save(res, _t0=t0, _path=path):
+                res["meta"] = {**meta, "wall_s": round(time.perf_counter() - _t0, 1),
+                               "load_average_now": os.getloadavg()}
+                tmp = _path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(res, indent=1) + "\n")
+                os.replace(tmp, _path)
+
+            res = (run_bundled if part == "bundled" else run_tiny)(args, methods, log, save)
+            save(res)
+        figure[part](json.loads(path.read_text()), out / f"memory_{part}.png")
+        log(f"wrote {path} and memory_{part}.png; BLAS: {meta['blas']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
