@@ -630,7 +630,8 @@ def needle_cut_summary(cells, regime, density) -> dict:
         g.update(n=len(rows), cut_mean=_mean([r[0] for r in rows]), cut_any=len(cut) / len(rows),
                  kept_mean=_mean([r[1] for r in rows]), whole_mean=_mean([r[2] for r in rows]),
                  cut=(sum(r[3] for r in cut), len(cut)), nocut=(sum(r[3] for r in nocut), len(nocut)),
-                 cut_right=_mean([r[0] for r in rows if r[3]]), cut_wrong=_mean([r[0] for r in rows if not r[3]]))
+                 cut_right=_mean([r[0] for r in rows if r[3]]), cut_wrong=_mean([r[0] for r in rows if not r[3]]),
+                 whole_right=_mean([r[2] for r in rows if r[3]]), whole_wrong=_mean([r[2] for r in rows if not r[3]]))
     return out
 
 
@@ -647,14 +648,14 @@ def _needle_cut_table(lines, cells, regime, density):
                  "occurs twice in the needle). Cut = some of an occurrence's tokens kept and some evicted.*\n")
     lines.append("| Method | Prompts | (layer, head) pairs with a cut | Prompts with any cut | Key tokens kept | "
                  "Pairs keeping a whole key | Accuracy, prompts with a cut | Accuracy, no cut | "
-                 "Mean cut: right / wrong answers |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+                 "Mean cut: right / wrong answers | Mean whole: right / wrong answers |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for m in _order(summ):
         g = summ[m]
         acc = [_ci_cell(*g[k]) + ")" if g[k][1] else "–" for k in ("cut", "nocut")]
         lines.append(f"| {m} | {g['n']} | {_pct(g['cut_mean'])}% | {_pct(g['cut_any'])}% | {_pct(g['kept_mean'])}% | "
                      f"{_pct(g['whole_mean'])}% | {acc[0]} | {acc[1]} | {_pc(g['cut_right'])} / "
-                     f"{_pc(g['cut_wrong'])} |")
+                     f"{_pc(g['cut_wrong'])} | {_pc(g['whole_right'])} / {_pc(g['whole_wrong'])} |")
     lines.append("")
 
 
