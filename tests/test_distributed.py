@@ -248,6 +248,18 @@ def test_single_process_builds_no_shard():
     KVCacheBuilder.uninstall(model)
 
 
+def test_attach_gives_loaded_caches_their_shard():
+    from veloxquant_mlx.distributed import attach, traffic
+
+    cfg = KVCacheConfig("random", budget=32)
+    caches = [cfg.cache_class(cfg, layer_idx=i, n_layers=2) for i in range(2)]
+    attach(caches, _FakeGroup(1, 2))
+    assert all(isinstance(c.dist, HeadShard) and (c.dist.rank, c.dist.size) == (1, 2) for c in caches)
+    assert traffic(caches) == {"bytes": 0, "collectives": 0}
+    attach(caches, None)
+    assert all(c.dist is None for c in caches)
+
+
 def test_pipeline_layer_span_is_global():
     class Inner:
         pipeline_size, start_idx = 2, 3

@@ -204,14 +204,22 @@ def group_max(cache, x: mx.array) -> int:
 # -- finding the groups of a loaded model ---------------------------------------------------------
 
 def tensor_group(model):
-    """The tensor-parallel group of a model sharded with ``model.shard(group)`` (mlx-lm's
-    ``shard_linear`` layers carry it), or None when no layer is sharded or the group has one rank."""
+    """The tensor-parallel group that splits the model's attention heads (``model.shard(group)``:
+    mlx-lm's ``shard_linear`` layers carry it), or None when no attention projection is sharded
+    (a model whose ``shard`` splits only its MLP keeps every head on every rank) or the group has
+    one rank."""
     from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 
-    for m in model.modules():
-        if isinstance(m, (AllToShardedLinear, QuantizedAllToShardedLinear)):
-            g = m.group
-            return g if g.size() > 1 else None
+    sharded = (AllToShardedLinear, QuantizedAllToShardedLinear)
+    for layer in getattr(model, "layers", None) or []:
+        if layer is None:  # pipeline ranks keep None for the layers they do not hold
+            continue
+        for name, child in layer.children().items():
+            if "attn" not in name and "attention" not in name:
+                continue
+            for m in (child.modules() if hasattr(child, "modules") else []):
+                if isinstance(m, sharded):
+                    return m.group if m.group.size() > 1 else None
     return None
 
 
