@@ -10,9 +10,12 @@ server continues a stored conversation, and decode ``--tokens`` tokens each. Mea
   the value when the prompts were in (before the first decode step);
 * aggregate decode tok/s: ``BatchGenerator.stats()`` (generated tokens of all rows / decode time).
 
-Each conversation's prompt is prefilled once per cache type, alone (exactly what one row of a
+Each conversation's prompt is prefilled once per eviction method, alone (exactly what one row of a
 batch holds: tests/test_batching.py), and every concurrency level decodes copies of those caches.
-A warm-up decode runs first for every cache type. ``--fast-blas`` (default on) re-runs the script
+Under ``--prompt-eviction end`` (default) an eviction cache holds every prompt row until the prompt
+ends, so mlx-lm's KVCache baseline is built from those same rows (bit-identical to its own prefill)
+instead of a second prefill. A warm-up decode runs first for every cache; then, for each
+concurrency, every cache is measured in turn, so they see the same machine load. ``--fast-blas`` (default on) re-runs the script
 with OpenBLAS preloaded when one is installed; the JSON says whether it was.
 
     python benchmark_scripts/bench_serving.py                 # figures/serving/bench_serving.{json,png}
@@ -113,6 +116,18 @@ def decode(model, prompts, caches, tokens, step):
     return stats, peak, len(out)
 
 
+def kvcache_from(cache):
+    """mlx-lm's KVCache holding the same rows as an eviction cache that has not evicted yet."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    kv = KVCache()
+    kv.keys, kv.values = mx.contiguous(cache.stored("keys")), mx.contiguous(cache.stored("values"))
+    kv.offset = cache.offset
+    mx.eval(kv.keys, kv.values)
+    return kv
+
+
 def prompt_kv(caches_per_conv):
     return sum(c.nbytes for caches in caches_per_conv for c in caches)
 
@@ -135,35 +150,51 @@ def main(argv=None):
     budget = max(int(round(args.density * args.context)), 1)
     caches_kinds = [("kvcache", None)] + [
         (m, KVCacheConfig(method=m, budget=budget, prompt_eviction=args.prompt_eviction)) for m in args.methods]
-    results = []
-    for label, config in caches_kinds:
-        if config is None:
-            KVCacheBuilder.uninstall(model)
-            from mlx_lm.models.cache import make_prompt_cache
-
-            make = lambda: make_prompt_cache(model)  # noqa: E731
-        else:
-            make = lambda c=config: KVCacheBuilder.for_model(model, c)  # noqa: E731
+    stored, prefill_s = {}, {}
+    for label, config in caches_kinds[1:]:
+        make = lambda c=config: KVCacheBuilder.for_model(model, c)  # noqa: E731
         t0 = time.perf_counter()
-        stored = [prefill(model, make, p, args.prefill_step_size) for p in prompts]
-        prefill_s = time.perf_counter() - t0
-        print(f"{label}: prefilled {n_max} x {args.context} tokens in {prefill_s:.1f} s", flush=True)
-        decode(model, prompts[:1], stored[:1], 4, args.prefill_step_size)  # warm-up (compiles)
-        for n in args.concurrency:
-            stats, peak, n_tokens = decode(model, prompts[:n], stored[:n], args.tokens, args.prefill_step_size)
+        stored[label] = [prefill(model, make, p, args.prefill_step_size) for p in prompts]
+        prefill_s[label] = time.perf_counter() - t0
+        print(f"{label}: prefilled {n_max} x {args.context} tokens in {prefill_s[label]:.1f} s", flush=True)
+    first = caches_kinds[1][0] if len(caches_kinds) > 1 else None
+    derived = first is not None and all(
+        c.evictions == 0 and c.size() == len(p) - 1 for p, caches in zip(prompts, stored[first]) for c in caches)
+    if derived:
+        # Under prompt_eviction="end" the eviction cache holds every prompt row until the prompt ends,
+        # and attention saw all of them: its keys/values are exactly what mlx-lm's KVCache holds after
+        # the same prefill, so the baseline reuses them instead of a second prefill.
+        stored["kvcache"] = [[kvcache_from(c) for c in caches] for caches in stored[first]]
+        prefill_s["kvcache"] = 0.0
+    else:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        KVCacheBuilder.uninstall(model)
+        t0 = time.perf_counter()
+        stored["kvcache"] = [prefill(model, lambda: make_prompt_cache(model), p, args.prefill_step_size)
+                             for p in prompts]
+        prefill_s["kvcache"] = time.perf_counter() - t0
+    configs = dict(caches_kinds)
+    for label in configs:  # warm-up (compiles the eviction graphs)
+        decode(model, prompts[:1], stored[label][:1], 4, args.prefill_step_size)
+    results = []
+    for n in args.concurrency:
+        for label, config in caches_kinds:  # interleaved: every cache sees the same machine load
+            load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            stats, peak, n_tokens = decode(model, prompts[:n], stored[label][:n], args.tokens,
+                                           args.prefill_step_size)
             row = {"cache": label, "method": None if config is None else config.method,
                    "config": None if config is None else config.to_dict(), "concurrency": n,
                    "context": args.context, "decode_tokens_per_conversation": args.tokens,
                    "generated_tokens": stats.generation_tokens, "decode_time_s": stats.decode_time,
                    "decode_tps": stats.generation_tps, "kv_allocated_peak_decode_bytes": peak,
-                   "kv_allocated_prompt_bytes": prompt_kv(stored[:n]), "prefill_s_all_conversations": prefill_s,
-                   "peak_memory_gb": stats.peak_memory}
+                   "kv_allocated_prompt_bytes": prompt_kv(stored[label][:n]),
+                   "prefill_s_all_conversations": prefill_s[label], "peak_memory_gb": stats.peak_memory,
+                   "load_average_1min_before": load_before}
             results.append(row)
-            print(f"  n={n}: decode {row['decode_tps']:.1f} tok/s aggregate ({n_tokens} tokens), "
+            print(f"  {label} n={n}: decode {row['decode_tps']:.1f} tok/s aggregate ({n_tokens} tokens), "
                   f"KV allocated peak {peak / 2**20:.1f} MiB (prompt held: "
-                  f"{row['kv_allocated_prompt_bytes'] / 2**20:.1f} MiB)", flush=True)
-        del stored
-        mx.clear_cache()
+                  f"{row['kv_allocated_prompt_bytes'] / 2**20:.1f} MiB); load {load_before}", flush=True)
     ref = {r["concurrency"]: r for r in results if r["cache"] == "kvcache"}
     for r in results:
         base = ref[r["concurrency"]]
@@ -172,6 +203,9 @@ def main(argv=None):
     meta = {"model": model_name, "context": args.context, "density": args.density, "budget": budget,
             "prompt_eviction": args.prompt_eviction, "tokens": args.tokens, "concurrency": args.concurrency,
             "prefill_step_size": args.prefill_step_size, "engine": "mlx_lm.generate.BatchGenerator",
+            "kvcache_prefill": ("rows of the first eviction method's prefill (prompt_eviction=end holds "
+                                "them all: identical to a KVCache prefill)") if derived else "own prefill",
+            "order": "prefill all, warm-up each cache, then for each concurrency every cache in turn",
             "prompts": "passkey-filler prompts, one key/depth per conversation" if not args.quick else "random",
             "quick": args.quick, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "veloxquant_mlx": vq_version, "platform": platform.platform(), "cpu_count": os.cpu_count(),
