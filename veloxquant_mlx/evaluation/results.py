@@ -1170,7 +1170,8 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
             rest = [m for m, r in pr.items() if r["p"] >= 0.05]
             facts.append(f"Nexus {_ci_avg(nx, n_pr, '%')} ({100 * (nx - full):+.1f} points vs full). Paired exact "
                          "McNemar on the same prompts (prompts only Nexus got right / only the other got right, "
-                         "two-sided p): " + "; ".join(f"vs {m} {r['only_a']}/{r['only_b']}, p = {fmt_p(r['p'])}"
+                         "two-sided p): " + "; ".join(f"vs {m} {r['only_a']}/{r['only_b']}, p "
+                                                      f"{'' if r['p'] < 0.001 else '= '}{fmt_p(r['p'])}"
                                                       for m, r in pr.items()) +
                          f". At the 5% level Nexus is ahead of {', '.join(sig_a) or 'none'} and behind "
                          f"{', '.join(sig_b) or 'none'}; against {', '.join(rest) or 'none'} these prompts "
