@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--stream-context", type=int, default=4096, help="context of the nexus stream-peak run")
     p.add_argument("--stream-steps", type=int, nargs="+", default=[2048, 512],
                    help="prefill_step_size values of the nexus stream-peak run (2048 = mlx_lm default)")
+    p.add_argument("--stream-first", action="store_true", help="run the nexus stream-peak run first")
+    p.add_argument("--no-stream-peak", action="store_true", help="skip the stream-peak runs")
     p.add_argument("--tiny-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
                    help="tiny model: prompt lengths for every method and KVCache")
     p.add_argument("--tiny-stream-lengths", type=int, nargs="+", default=[16384, 32768],
@@ -180,12 +182,12 @@ def bundled_jobs(args, methods):
     context for every method, the stream-peak run, the other contexts, the smaller-step peak runs."""
     first = ["kvcache", "nexus", "nestedkv"]
     order = [m for m in first if m == "kvcache" or m in methods] + [m for m in methods if m not in first]
-    jobs = []
+    jobs = [(args.stream_context, "nexus", "stream", 2048)] if args.stream_first else []
     for k, n in enumerate(args.contexts):
         jobs += [(n, m, "end", None) for m in order]
-        if k == 0:
+        if k == 0 and not args.no_stream_peak:
             jobs.append((args.stream_context, "nexus", "stream", 2048))
-    for step in args.stream_steps:
+    for step in ([] if args.no_stream_peak else args.stream_steps):
         if step != 2048:
             jobs += [(args.stream_context, "nexus", "stream", step), (args.stream_context, "nexus", "end", step),
                      (args.stream_context, "kvcache", "end", step)]
@@ -563,7 +565,11 @@ def main(argv=None):
     if args.write_md:
         data = {p: json.loads((out / f"{p}.json").read_text()) if (out / f"{p}.json").exists() else None
                 for p in ("bundled", "tiny")}
-        Path(args.write_md).write_text(markdown(data["bundled"], data["tiny"]))
+        text = markdown(data["bundled"], data["tiny"])
+        notes = out / "notes.md"  # hand-written reading of the numbers, kept across regenerations
+        if notes.exists():
+            text += "\n" + notes.read_text()
+        Path(args.write_md).write_text(text)
         log(f"wrote {args.write_md}")
     return 0
 
