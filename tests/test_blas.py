@@ -167,3 +167,24 @@ def test_cli_fast_blas_without_openblas_says_so_before_the_work(monkeypatch, cap
     assert cli.main(["demo"]) == 2  # without --fast-blas the demo itself gives the hint first
     err = capsys.readouterr().err
     assert err.index("note: MLX is using its slow reference CPU BLAS") < err.index("LOADING")
+
+
+@linux
+def test_probe_rejects_a_library_without_a_working_sgemm():
+    # The probe calls cblas_sgemm: a build for a newer CPU (cmeel's x86_64 wheel is AVX-512 only) dies
+    # there, and a library without the symbol fails the same way; either way no re-exec onto it.
+    maps = open("/proc/self/maps").read().split()
+    libm = next(p for p in maps if os.path.basename(p).startswith("libm.so"))
+    fake = blas.BlasLibrary(path=libm, source="system")
+    assert not blas._probe(fake, blas.preload_env(fake, base=_clean_env()))
+
+
+def test_coretype_is_set_for_system_openblas_only(monkeypatch, tmp_path):
+    monkeypatch.setattr(blas, "_coretype", lambda: "Haswell")
+    system = blas.BlasLibrary(path="/usr/lib/x86_64-linux-gnu/libopenblas.so.0", source="system")
+    pip = blas.BlasLibrary(path="/x/cmeel.prefix/lib/libopenblas.so.0", source="cmeel-openblas")
+    assert blas.preload_env(system, base={})["OPENBLAS_CORETYPE"] == "Haswell"
+    assert blas.preload_env(system, base={"OPENBLAS_CORETYPE": "Zen"})["OPENBLAS_CORETYPE"] == "Zen"
+    assert "OPENBLAS_CORETYPE" not in blas.preload_env(pip, base={})
+    monkeypatch.undo()  # the real one reads /proc/cpuinfo
+    assert blas._coretype() in (None, "SkylakeX", "Haswell")

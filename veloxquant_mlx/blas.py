@@ -15,6 +15,10 @@ instead (about 30x faster fp32 matmul). Two sources are searched, in this order:
    symlink, sees the same file and reuses the preloaded copy.
 2. The system's OpenBLAS (Debian: ``apt-get install libopenblas0-pthread``).
 
+The x86_64 ``cmeel-openblas`` wheel is built for one target, SKYLAKEX (AVX-512, no DYNAMIC_ARCH): on
+a CPU without AVX-512 its ``sgemm`` dies of SIGILL, which the child-process probe below catches
+(it runs one ``cblas_sgemm``), and the system library or the hint takes over.
+
 Wheels with *prefixed* symbols (``scipy-openblas32``: ``scipy_cblas_sgemm``; NumPy's bundled
 ``scipy_openblas64_``) cannot interpose MLX's ``cblas_sgemm`` and are not used.
 
@@ -322,6 +326,32 @@ def _link_dir(links: Sequence[Tuple[str, str]]) -> str:
     raise OSError(f"cannot create a folder for the BLAS symlinks: {last_error}")
 
 
+def _coretype() -> Optional[str]:
+    """An ``OPENBLAS_CORETYPE`` from the CPU's flags (x86_64), or None.
+
+    A DYNAMIC_ARCH OpenBLAS picks its kernels from the CPU model; a model it does not know gets
+    generic kernels: Debian 12's 0.3.21 chose "Prescott" (SSE3) on a virtualized Xeon with AVX-512,
+    10-15 GFLOP/s instead of 60. The CPU's feature flags name the right kernel family. (Builds for
+    one target, like cmeel-openblas's, ignore the variable.)"""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        with open("/proc/cpuinfo", "r") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+            else:
+                return None
+    except OSError:
+        return None
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
 def preload_env(lib: BlasLibrary, num_threads: Optional[int] = None,
                 base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """A copy of ``base`` (default ``os.environ``) that preloads ``lib`` in a new process."""
@@ -331,6 +361,9 @@ def preload_env(lib: BlasLibrary, num_threads: Optional[int] = None,
     if lib.links:
         dirs = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
         env["LD_LIBRARY_PATH"] = ":".join([_link_dir(lib.links), *dirs])
+    coretype = _coretype()
+    if coretype and "OPENBLAS_CORETYPE" not in env and lib.source != _PIP_SOURCE:
+        env["OPENBLAS_CORETYPE"] = coretype
     if num_threads is not None:
         env["OPENBLAS_NUM_THREADS"] = str(int(num_threads))
     elif "OPENBLAS_NUM_THREADS" not in env:
@@ -338,13 +371,23 @@ def preload_env(lib: BlasLibrary, num_threads: Optional[int] = None,
     return env
 
 
-_PROBE = ("import sys\n"
-          "maps = open('/proc/self/maps').read()\n"
-          "sys.exit(0 if sys.argv[1] in maps else 3)\n")
+_PROBE = """
+import ctypes, sys
+if sys.argv[1] not in open("/proc/self/maps").read():
+    sys.exit(3)  # the preload did not take
+n = 96
+a = (ctypes.c_float * (n * n))(*([0.5] * (n * n)))
+c = (ctypes.c_float * (n * n))()
+lib = ctypes.CDLL(sys.argv[1])  # the preloaded copy
+lib.cblas_sgemm(101, 111, 111, n, n, n, ctypes.c_float(1.0), a, n, a, n, ctypes.c_float(0.0), c, n)
+sys.exit(0 if abs(c[0] - 0.25 * n) < 1e-3 and abs(c[n * n - 1] - 0.25 * n) < 1e-3 else 4)
+"""
 
 
 def _probe(lib: BlasLibrary, env: Dict[str, str]) -> bool:
-    """Does a process started with ``env`` come up with ``lib`` mapped? (~30 ms)"""
+    """Does a process started with ``env`` come up with ``lib`` mapped, and does its ``cblas_sgemm``
+    run and compute right? (~50 ms.) The latter catches builds for a newer CPU: cmeel-openblas's
+    x86_64 wheel is built for SKYLAKEX only (AVX-512, no DYNAMIC_ARCH) and dies of SIGILL elsewhere."""
     try:
         done = subprocess.run([sys.executable, "-S", "-c", _PROBE, os.path.realpath(lib.path)], env=env,
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
