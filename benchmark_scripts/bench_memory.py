@@ -364,6 +364,10 @@ def figure_tiny(res, path):
         axes[0].plot(xs, [r["kv_allocated_bytes"] / MIB for r in sub], **style)
         axes[1].plot(xs, [r["active_growth_bytes"] / MIB for r in sub], **style)
     pm = res["policy_method"]
+    sub = sorted((r for r in rows if r["method"] == pm and r["prompt_eviction"] == "stream"), key=lambda r: r["prompt_tokens"])
+    for ax, key in ((axes[0], "kv_allocated_bytes"), (axes[1], "active_growth_bytes")):
+        ax.plot([r["prompt_tokens"] for r in sub], [r[key] / MIB for r in sub], ls="--", marker="x",
+                color=col.get(pm, "tab:blue"), label=f"{pm} (prompt_eviction=stream)")
     for pe, ls in (("end", "-"), ("stream", "--")):
         sub = sorted((r for r in rows if r["method"] == pm and r["prompt_eviction"] == pe), key=lambda r: r["prompt_tokens"])
         xs = [r["prompt_tokens"] for r in sub]
