@@ -222,3 +222,62 @@ def test_bundled_model_serves_with_nexus(tmp_path):
         assert reply.choices[0].message.content == text
     finally:
         stop_server(proc)
+
+
+# -- in-process pieces (no HTTP) -------------------------------------------------------------------
+def test_prompt_cache_reuses_prefixes_and_recomputes_exact_hits():
+    from veloxquant_mlx.serve import _prompt_cache_class
+
+    model = make_tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
+    tokens = list(range(1, 30))
+    model(mx.array(tokens)[None], cache=caches)
+    model(mx.array([[7]]), cache=caches)  # a decode step: the cache now warns on a new prompt
+    store = _prompt_cache_class()(4)
+    store.insert_cache("m", tokens + [7], caches)
+    got, rest = store.fetch_nearest_cache("m", tokens + [7, 9, 9])
+    assert rest == [9, 9] and got is not caches and got[0].offset == 30
+    assert not got[0]._saw_decode  # continuing a stored conversation is on purpose
+    # an exact hit would leave nothing to feed and eviction caches cannot rewind: computed afresh
+    assert store.fetch_nearest_cache("m", tokens + [7]) == (None, tokens + [7])
+    # a longer stored conversation is never rewound (not trimmable)
+    assert store.fetch_nearest_cache("m", tokens[:10]) == (None, tokens[:10])
+
+
+@pytest.mark.parametrize("config", [KVCacheConfig(**CONFIG), None])
+def test_model_provider_serves_our_caches_batched(config):
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from veloxquant_mlx.batching import BatchEvictionCache
+    from veloxquant_mlx.serve import _model_provider_class, server_args
+
+    model = make_tiny_model("llama")
+    provider = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), config)
+    try:
+        assert provider.load("any-name-a-client-sends") == (model, tiny_tokenizer())
+        assert provider.is_batchable
+        caches = make_prompt_cache(model)
+        want = KVCache if config is None else config.cache_class
+        assert type(caches[0]) is want
+        if config is not None:
+            assert isinstance(caches[0].merge(caches[:1]), BatchEvictionCache)
+        with pytest.raises(ValueError, match="draft"):
+            provider.load("default_model", None, "some/draft-model")
+    finally:
+        KVCacheBuilder.uninstall(model)
+
+
+def test_serve_flags():
+    from veloxquant_mlx.cli import build_parser, main
+    from veloxquant_mlx.serve import _size, server_args
+
+    args = build_parser().parse_args(["serve", "--method", "h2o", "--budget", "64", "--h2o-evict-every", "8",
+                                      "--port", "9999", "--decode-concurrency", "4",
+                                      "--prompt-cache-bytes", "2G", "--prompt-eviction", "stream"])
+    assert (args.port, args.decode_concurrency, args.prompt_cache_bytes) == (9999, 4, 2 * 10**9)
+    assert _size("512M") == 512 * 10**6 and _size("10") == 10
+    assert server_args(port=1).kv_bits is None  # mlx-lm reads it: requests stay batchable
+    with pytest.raises(TypeError, match="unknown server options"):
+        server_args(kv_bitz=4)
+    assert main(["serve", "--density", "0.2"]) == 2  # a server does not know prompt lengths
+    assert main(["serve", "--method", "h2o", "--nexus-window", "4"]) == 2  # option of another method
