@@ -17,7 +17,8 @@ instead (about 30x faster fp32 matmul). Two sources are searched, in this order:
 
 The x86_64 ``cmeel-openblas`` wheel is built for one target, SKYLAKEX (AVX-512, no DYNAMIC_ARCH): on
 a CPU without AVX-512 its ``sgemm`` dies of SIGILL, which the child-process probe below catches
-(it runs one ``cblas_sgemm``), and the system library or the hint takes over.
+(it runs one ``cblas_sgemm``), and the system library or the hint takes over. The aarch64 wheel is
+built for NEOVERSEN2 (not tried here); the same probe guards it.
 
 Wheels with *prefixed* symbols (``scipy-openblas32``: ``scipy_cblas_sgemm``; NumPy's bundled
 ``scipy_openblas64_``) cannot interpose MLX's ``cblas_sgemm`` and are not used.
@@ -87,7 +88,7 @@ class BlasLibrary:
     """An OpenBLAS that can be preloaded, and what it takes to preload it."""
 
     path: str  #: the ``libopenblas.so.0`` to preload
-    source: str  #: where it comes from: ``"cmeel-openblas"``, ``"system"``, ``"$VELOXQUANT_OPENBLAS"``
+    source: str  #: where it comes from: ``"cmeel-openblas"``, ``"system ..."``, ``"... via $VELOXQUANT_OPENBLAS"``
     #: wheel-bundled runtime dependencies preloaded (by full path) before ``path``
     deps: Tuple[str, ...] = ()
     #: soname -> file: symlinks made so that ``path``'s DT_NEEDED entries resolve to ``deps``
@@ -252,14 +253,20 @@ def _bundled_copy(soname: str) -> Optional[str]:
     return None
 
 
-def _plan(path: str, source: str, force_bundled: bool = False) -> Optional[BlasLibrary]:
-    """How to preload ``path``: None if a dependency is missing and no bundled copy exists."""
+def _plan(path: str, source: str, bundled_first: Optional[bool] = None) -> Optional[BlasLibrary]:
+    """How to preload ``path``: None if a dependency is missing and no bundled copy exists.
+
+    A pip library takes its missing runtime dependencies from the wheels next to it first (the
+    environment then stands alone: removing the distro's libgfortran later cannot break it), a
+    system library from the system first; ``bundled_first`` overrides that order."""
+    if bundled_first is None:
+        bundled_first = source.startswith(_PIP_SOURCE)
     deps, links = [], []
     for soname in _elf_needed(path) or []:
         if soname.startswith(("libc.", "libm.", "libpthread.", "libdl.", "librt.", "ld-linux",
                               "libgcc_s.")):
             continue  # always there
-        if not force_bundled and _system_resolves(soname):
+        if not bundled_first and _system_resolves(soname):
             continue
         copy = _bundled_copy(soname)
         if copy is None:
@@ -274,7 +281,7 @@ def _plan(path: str, source: str, force_bundled: bool = False) -> Optional[BlasL
 def _candidates() -> List[Tuple[str, str]]:
     override = os.environ.get(OPENBLAS_PATH_ENV)
     if override:
-        return [(override, "$" + OPENBLAS_PATH_ENV)] if os.path.isfile(override) else []
+        return [(override, f"{_source_of(override)} via ${OPENBLAS_PATH_ENV}")] if os.path.isfile(override) else []
     if not sys.platform.startswith("linux"):
         return []
     return [(p, _source_of(p)) for p in _pip_openblas() + _system_openblas()]
@@ -362,7 +369,7 @@ def preload_env(lib: BlasLibrary, num_threads: Optional[int] = None,
         dirs = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
         env["LD_LIBRARY_PATH"] = ":".join([_link_dir(lib.links), *dirs])
     coretype = _coretype()
-    if coretype and "OPENBLAS_CORETYPE" not in env and lib.source != _PIP_SOURCE:
+    if coretype and "OPENBLAS_CORETYPE" not in env and not lib.source.startswith(_PIP_SOURCE):
         env["OPENBLAS_CORETYPE"] = coretype
     if num_threads is not None:
         env["OPENBLAS_NUM_THREADS"] = str(int(num_threads))
@@ -398,12 +405,14 @@ def _probe(lib: BlasLibrary, env: Dict[str, str]) -> bool:
 
 
 def _working_env(num_threads: Optional[int]) -> Optional[Tuple[BlasLibrary, Dict[str, str]]]:
-    """The first candidate whose preload starts a process, with its environment."""
+    """The first candidate whose preload starts a process and runs sgemm, with its environment."""
     for path, source in _candidates():
-        for force_bundled in (False, True):
-            lib = _plan(path, source, force_bundled)
-            if lib is None or (force_bundled and not lib.deps):
+        first = _plan(path, source)
+        tried = []
+        for lib in (first, _plan(path, source, not source.startswith(_PIP_SOURCE))):
+            if lib is None or lib in tried:
                 continue
+            tried.append(lib)
             try:
                 env = preload_env(lib, num_threads)
             except OSError:
