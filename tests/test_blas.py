@@ -188,3 +188,14 @@ def test_coretype_is_set_for_system_openblas_only(monkeypatch, tmp_path):
     assert "OPENBLAS_CORETYPE" not in blas.preload_env(pip, base={})
     monkeypatch.undo()  # the real one reads /proc/cpuinfo
     assert blas._coretype() in (None, "SkylakeX", "Haswell")
+
+
+def test_hint_after_a_refused_preload_does_not_say_rerun_with_fast_blas(monkeypatch):
+    lib = blas.BlasLibrary(path="/x/cmeel.prefix/lib/libopenblas.so.0", source="cmeel-openblas")
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(blas, "find_blas", lambda: lib)
+    monkeypatch.setattr(blas, "_preloaded", lambda markers: False)
+    monkeypatch.setattr(blas, "_mlx_on_cpu", lambda: True)
+    assert "is installed" in blas.blas_hint() and "--fast-blas" in blas.blas_hint()
+    hint = blas.blas_hint(tried=True)
+    assert "failed the preload check" in hint and "libopenblas0-pthread" in hint

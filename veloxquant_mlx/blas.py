@@ -493,11 +493,12 @@ def _mlx_on_cpu() -> bool:
         return True
 
 
-def blas_hint() -> Optional[str]:
+def blas_hint(tried: bool = False) -> Optional[str]:
     """One-line advice when MLX runs on a Linux CPU with its slow reference BLAS.
 
     Returns ``None`` when nothing can be improved (not Linux, MLX on a GPU, an
-    optimized BLAS already preloaded).
+    optimized BLAS already preloaded). ``tried``: a re-exec was just refused (no library passed
+    the preload check), so an installed library is named as not usable here.
     """
     if not sys.platform.startswith("linux") or not _mlx_on_cpu():
         return None
@@ -505,6 +506,10 @@ def blas_hint() -> Optional[str]:
         return None
     launcher = "re-run with --fast-blas (or `python -m veloxquant_mlx.blas <script> ...`)"
     lib = find_blas()
+    if lib and tried:
+        return (f"MLX is using its slow reference CPU BLAS; OpenBLAS from {lib.source} ({lib.path}) failed "
+                "the preload check on this machine (cmeel-openblas's x86_64 build needs AVX-512): "
+                f"`apt-get install libopenblas0-pthread` and {launcher} for ~30x faster fp32 matmul")
     if lib:
         return (f"MLX is using its slow reference CPU BLAS; OpenBLAS from {lib.source} is installed "
                 f"({lib.path}): {launcher} for ~30x faster fp32 matmul")

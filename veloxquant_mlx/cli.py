@@ -387,7 +387,7 @@ def _fast_blas() -> bool:
             print(f"fast-blas: already preloaded: {blas.describe()}", file=sys.stderr)
         return False
     blas.reexec_with_openblas()  # does not return when it re-executes
-    hint = blas.blas_hint()  # None on macOS / GPU: nothing to do there
+    hint = blas.blas_hint(tried=True)  # None on macOS / GPU: nothing to do there
     if hint:
         print(f"fast-blas: no OpenBLAS could be preloaded; {hint}", file=sys.stderr, flush=True)
     return bool(hint)
