@@ -154,6 +154,7 @@ def test_cli_fast_blas_without_openblas_says_so_before_the_work(monkeypatch, cap
     monkeypatch.setattr(blas, "_preloaded", lambda markers: False)
     monkeypatch.setattr(blas, "openblas_preloaded", lambda: False)
     monkeypatch.setattr(blas, "_mlx_on_cpu", lambda: True)
+    monkeypatch.delenv(blas.REEXEC_GUARD_ENV, raising=False)  # the test session itself was re-executed
 
     def no_model(spec):  # the slow work: the hint must already be out
         print("LOADING", file=sys.stderr)

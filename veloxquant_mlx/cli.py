@@ -386,6 +386,10 @@ def _fast_blas() -> bool:
         if not os.environ.get(blas.REEXEC_GUARD_ENV):  # else the re-exec already named the library
             print(f"fast-blas: already preloaded: {blas.describe()}", file=sys.stderr)
         return False
+    if os.environ.get(blas.REEXEC_GUARD_ENV):  # a re-executed process whose preload was cleared
+        print(f"fast-blas: ${blas.REEXEC_GUARD_ENV} is set (already re-executed once) but no OpenBLAS is "
+              "preloaded: not re-executing again", file=sys.stderr)
+        return False
     blas.reexec_with_openblas()  # does not return when it re-executes
     hint = blas.blas_hint(tried=True)  # None on macOS / GPU: nothing to do there
     if hint:
