@@ -436,7 +436,7 @@ def markdown(bundled, tiny) -> str:
         misses = []
         for n in sorted({r["prompt_tokens"] for r in main_rows}):
             sub = [r for r in main_rows if r["prompt_tokens"] == n]
-            L += [f"### {n}-token prompt (budget {next((r['budget'] for r in sub if r['budget']), '?')})", "",
+            L += [f"### {n}-token prompt (budget {max(int(round(bundled['density'] * n)), 1)})", "",
                   "| cache | allocated MiB | ×KVCache | kept MiB | allocated ÷ kept | active + MiB | active ×KVCache "
                   "| peak + MiB | KV max MiB | evictions |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
