@@ -319,13 +319,17 @@ def figure_bundled(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in res["runs"].values() if r["prefill_step_size"] == 2048 and r["prompt_eviction"] != "stream"]
+    rows = [r for r in res["runs"].values() if r["prefill_step_size"] == 2048]
+
+    def label(r):
+        return r["method"] + (" (stream)" if r["prompt_eviction"] == "stream" else "")
+
     ctxs = sorted({r["prompt_tokens"] for r in rows})
-    names = list(dict.fromkeys(r["method"] for r in rows))
+    names = list(dict.fromkeys(label(r) for r in rows))
     fig, axes = plt.subplots(1, len(ctxs), figsize=(6.5 * len(ctxs), 4.2), squeeze=False)
     w = 0.27
     for ax, n in zip(axes[0], ctxs):
-        sub = {r["method"]: r for r in rows if r["prompt_tokens"] == n}
+        sub = {label(r): r for r in rows if r["prompt_tokens"] == n}
         if "kvcache" not in sub:
             continue
         names_n = [m for m in names if m in sub]
@@ -338,7 +342,7 @@ def figure_bundled(res, path):
         ax.set_xticks(list(xs))
         ax.set_xticklabels(names_n, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel("MiB")
-        ax.set_title(f"{n}-token prompt + {res['max_tokens']} new, budget {sub['nexus']['budget'] if 'nexus' in sub else '?'}")
+        ax.set_title(f"{n}-token prompt + {res['max_tokens']} new, budget {max(int(round(res['density'] * n)), 1)}")
         ax.legend(fontsize=7)
     fig.suptitle(f"{res['model']}: KV memory after plain mlx_lm generate_step", fontsize=10)
     fig.tight_layout()
