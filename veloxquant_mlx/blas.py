@@ -469,7 +469,7 @@ def preloaded_openblas_path() -> Optional[str]:
 
 def _threads() -> str:
     n = os.environ.get("OPENBLAS_NUM_THREADS")
-    return "all cores' threads" if not n else f"{n} thread" + ("" if n == "1" else "s")
+    return "OpenBLAS's default threads (one per core)" if not n else f"{n} thread" + ("" if n == "1" else "s")
 
 
 def describe() -> str:
