@@ -220,6 +220,10 @@ class BatchEvictionCache(_BaseCache):
                 q = queries if (len(self.rows) == 1 and n == S) else queries[i:i + 1, :, a:a + n]
                 row.observe_queries(q, scale)
 
+    def step_state(self) -> list:
+        """Every row's step state (EvictionCache.step_state), tied to the layer's output by the tap."""
+        return [a for row in self.rows for a in row.step_state()]
+
     def attention_mask(self, mask, queries: mx.array):
         """This layer's mask: each row sees its own kept rows (not the left padding that lines the
         rows up), causally by its own positions; padded queries see all their row's keys."""

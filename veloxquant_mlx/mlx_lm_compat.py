@@ -23,10 +23,17 @@ _TAP_NAME = "scaled_dot_product_attention"
 
 def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, **kwargs):
     observe = getattr(cache, "observe_queries", None)
-    if observe is not None:
-        observe(queries, scale)
-        mask = cache.attention_mask(mask, queries)
-    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+    if observe is None:
+        return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+    observe(queries, scale)
+    mask = cache.attention_mask(mask, queries)
+    out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+    # The state this step updated (scores, query window, positions) is consumed by no output, and
+    # mlx_lm.generate evaluates only the tokens in decode: tie it to this layer's output so it is
+    # computed now, instead of a lazy graph that pins every earlier buffer until the next eviction.
+    step_state = getattr(cache, "step_state", None)
+    deps = step_state() if step_state is not None else None
+    return mx.depends(out, deps) if deps else out
 
 
 tapped_scaled_dot_product_attention.__veloxquant_tap__ = True

@@ -226,6 +226,14 @@ class EvictionCache(_BaseCache):
                              f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
         self._observe(queries, D ** -0.5 if scale is None else float(scale))
 
+    def step_state(self) -> list:
+        """Arrays a step updates that attention does not read (positions, per-row scores, the query
+        window): the query tap makes the layer's output depend on them (``mx.depends``), so they are
+        evaluated with the token instead of growing a lazy graph that pins old buffers."""
+        if self.keys is None:
+            return []
+        return [a for a in (self.positions, self._window_q, *self.row_extras.values()) if a is not None]
+
     def _observe(self, queries: mx.array, scale: float) -> None:
         self.scale = scale
         self.queries_observed += 1
