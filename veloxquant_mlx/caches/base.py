@@ -208,8 +208,9 @@ class EvictionCache(_BaseCache):
         fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
         self._fetched_positions = self.positions[:, :, :self._rows]
         self._fetched_ragged = self.is_ragged
-        if self.queries_from_keys:
+        if self.queries_from_keys:  # no tap: observe here, and tie the step state to what attention reads
             self._observe(keys, keys.shape[-1] ** -0.5)
+            fetched = tuple(mx.depends(list(fetched), self.step_state()))
         return fetched
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
