@@ -30,13 +30,18 @@ def make(method, tap=True, **kw):
     return cache
 
 
-def feed(cache, keys, queries, chunk=16):
-    """Prefill keys (B, H, N, D) in chunks, handing the tap the matching queries (B, Hq, N, D)."""
-    N = keys.shape[2]
+def feed(cache, keys, queries, chunk=16, end=False):
+    """Prefill keys (B, H, N, D) in chunks, handing the tap the matching queries (B, Hq, N, D).
+    ``end``: the last token goes alone, as mlx_lm.generate feeds a prompt's last token (the prompt
+    ends there: the one-shot compression runs after its attention)."""
+    N = keys.shape[2] - (1 if end else 0)
     for i in range(0, N, chunk):
-        k = keys[:, :, i:i + chunk]
+        k = keys[:, :, i:min(i + chunk, N)]
         cache.update_and_fetch(k, k)
-        cache.observe_queries(queries[:, :, i:i + chunk])
+        cache.observe_queries(queries[:, :, i:min(i + chunk, N)])
+    if end:
+        cache.update_and_fetch(keys[:, :, N:], keys[:, :, N:])
+        cache.observe_queries(queries[:, :, N:])
 
 
 def kept(cache, b=0, h=0):
@@ -86,16 +91,16 @@ def test_snapkv_keeps_pooled_needles_window_and_sinks():
     keys, q = needle_inputs(N, [[10, 25], [15, 30]], [0, 1], W)
     cache = make("snapkv", budget=11, n_sink=1, snapkv_window=W, snapkv_kernel=3)
     assert cache.recent == W and cache.prefill_only
-    feed(cache, keys, q)
-    assert cache.size() == N and cache.evictions == 0  # prefill-only: nothing evicted mid-prompt
-    cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])  # first decode step: compress once
-    assert cache.evictions == 1 and cache.size() == 11 + 1 and cache.offset == N + 1
+    feed(cache, keys[:, :, :N - 1], q[:, :, :N - 1])
+    assert cache.size() == N - 1 and cache.evictions == 0  # prefill-only: nothing evicted mid-prompt
+    feed(cache, keys[:, :, N - 1:], q[:, :, N - 1:], end=True)  # the prompt's last token: compress once after it
+    assert cache.evictions == 1 and cache.size() == 11 and cache.offset == N
     window = set(range(N - W, N))
-    assert kept(cache, 0, 0) == {0} | {9, 10, 11, 24, 25, 26} | window | {N}
-    assert kept(cache, 0, 1) == {0} | {14, 15, 16, 29, 30, 31} | window | {N}
+    assert kept(cache, 0, 0) == {0} | {9, 10, 11, 24, 25, 26} | window
+    assert kept(cache, 0, 1) == {0} | {14, 15, 16, 29, 30, 31} | window
     for _ in range(5):  # decode rows are appended, never evicted again
         cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])
-    assert cache.size() == 17 and cache.evictions == 1
+    assert cache.size() == 16 and cache.evictions == 1
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -105,8 +110,7 @@ def test_snapkv_matches_numpy_reference(seed):
     k = rng.normal(size=(1, 2, N, D)).astype(np.float32)
     q = rng.normal(size=(1, 4, N, D)).astype(np.float32)
     cache = make("snapkv", budget=budget, n_sink=n_sink, snapkv_window=W, snapkv_kernel=kernel)
-    feed(cache, mx.array(k), mx.array(q), chunk=13)
-    cache.update_and_fetch(mx.array(k[:, :, :1]), mx.array(k[:, :, :1]))
+    feed(cache, mx.array(k), mx.array(q), chunk=13, end=True)
     k_pos = np.broadcast_to(np.arange(N), (1, 2, N))
     s = np_window_probs(q[:, :, N - W:], k, np.arange(N - W, N), k_pos).sum(2)
     s[..., N - W:] = -np.inf
@@ -137,8 +141,8 @@ def test_pyramidkv_layers_compress_to_their_budgets():
     want = pyramid_budgets(40, 8, 4, 4.0)
     assert [c.budget for c in caches] == want and sum(want) == 160
     greedy(model, random_prompt(90), max_tokens=3, prompt_cache=caches, prefill_step_size=32)
-    # compressed when the last prompt token (position 89) arrived; it and every decode token appended
-    assert [c.size() for c in caches] == [b + caches[0].offset - 89 for b in want]
+    # compressed right after the last prompt token (position 89); every decode token appended
+    assert [c.size() for c in caches] == [b + caches[0].offset - 90 for b in want]
     assert all(c.evictions == 1 for c in caches)
 
 
@@ -324,11 +328,14 @@ def test_ada_snapkv_ragged_attention_equals_hand_computed():
     vals = keys * 2 + 1  # values distinct from keys, to check the gather of values too
     cache2 = make("snapkv", budget=12, n_sink=1, snapkv_window=4, snapkv_kernel=1, allocation="ada")
     N = keys.shape[2]
-    for i in range(0, N, 16):
-        cache2.update_and_fetch(keys[:, :, i:i + 16], vals[:, :, i:i + 16])
-        cache2.observe_queries(q[:, :, i:i + 16])
+    for i in range(0, N - 1, 16):
+        j = min(i + 16, N - 1)
+        cache2.update_and_fetch(keys[:, :, i:j], vals[:, :, i:j])
+        cache2.observe_queries(q[:, :, i:j])
+    cache2.update_and_fetch(keys[:, :, N - 1:], vals[:, :, N - 1:])  # the prompt's last token ...
+    cache2.observe_queries(q[:, :, N - 1:])  # ... compress right after it
     new_k = mx.random.normal((1, 2, 1, D), key=mx.random.key(7))
-    k_all, v_all = cache2.update_and_fetch(new_k, new_k * 2 + 1)  # compress, then append
+    k_all, v_all = cache2.update_and_fetch(new_k, new_k * 2 + 1)  # a decode step appends
     assert cache2.is_ragged and cache2.evictions == 1
     per_head = np.array(cache2.kept_per_head())[0]
     assert per_head.sum() == 2 * (12 + 1) and per_head[0] != per_head[1]
@@ -353,8 +360,10 @@ def test_ada_without_tap_falls_back_to_uniform_with_warning():
     import veloxquant_mlx.caches.base as base
     base._warned_ada_no_tap.discard("snapkv")
     with pytest.warns(UserWarning, match="uniform"):
-        cache, keys, _ = _ada_snapkv(tap=False)
-        cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])
+        cache, keys, q = _ada_snapkv(tap=False)
+        cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])  # the prompt's last token
+        cache.observe_queries(q[:, :, :1])  # compressed right after it
+        cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])  # a decode step appends
     assert not cache.is_ragged and cache.size() == 13
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -395,7 +404,7 @@ def test_ada_end_to_end_generation_and_config_errors():
     caches = KVCacheBuilder.for_model(model, cfg)
     toks, lp = greedy(model, random_prompt(80), max_tokens=6, prompt_cache=caches, prefill_step_size=16)
     assert len(toks) == 6 and np.isfinite(lp).all()
-    assert all(c.is_ragged and np.array(c.kept_per_head()).sum() == 2 * (24 + c.offset - 79)
+    assert all(c.is_ragged and np.array(c.kept_per_head()).sum() == 2 * (24 + c.offset - 80)
                for c in caches)
     with pytest.raises(ValueError, match="allocation must be one of"):
         KVCacheConfig(method="snapkv", allocation="pyramid")

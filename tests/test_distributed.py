@@ -166,7 +166,7 @@ def test_pipeline_ranks_keep_global_layer_numbers(ranks):
     # layer 1 (budget 18) evicts; a rank numbering its one layer 0 of 1 would keep 48.
     pyr = {c["layer_idx"][0]: c for _, name, c in _cases(ranks, "pipeline/qwen2") if name == "pyramidkv"}
     assert pyr[0]["kept_all"] and pyr[0]["evictions"] == [0]
-    assert not pyr[1]["kept_all"] and pyr[1]["evictions"] == [1]
+    assert not pyr[1]["kept_all"] and pyr[1]["evictions"][0] >= 1  # stream chunks + the end compression
 
 
 # -- single process (no launch) -----------------------------------------------------------------------

@@ -129,12 +129,13 @@ def test_byte_accounting_and_ratio():
     cache = StreamingKVCache(KVCacheConfig(method="streaming", budget=40, streaming_evict_every=8))
     k = mx.zeros((1, 2, 200, 16), mx.float16)
     cache.update_and_fetch(k, k)
-    cache.update_and_fetch(k[:, :, :1], k[:, :, :1])  # no tap: evicts at the start
-    assert cache.size() == 41 and cache.offset == 201 and cache.evictions == 1
-    assert cache.kept_bytes == 2 * 41 * 16 * 2 * 2
-    assert cache.compression_ratio == pytest.approx(201 / 41)
+    cache.update_and_fetch(k[:, :, :1], k[:, :, :1])  # the prompt's last token ...
+    cache.observe_queries(k[:, :, :1])  # ... compressed right after its step
+    assert cache.size() == 40 and cache.offset == 201 and cache.evictions == 1
+    assert cache.kept_bytes == 2 * 40 * 16 * 2 * 2
+    assert cache.compression_ratio == pytest.approx(201 / 40)
     report = cache.byte_report()
-    assert report["tokens_kept"] == 41 and report["evictions"] == 1
+    assert report["tokens_kept"] == 40 and report["evictions"] == 1
 
 
 # -- masks, host syncs, bad input ------------------------------------------------------------------

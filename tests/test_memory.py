@@ -81,7 +81,7 @@ def test_prefill_only_shrinks_right_after_its_one_shot_compression():
         _generate(model, prompt, caches, max_tokens=2)
         for c in caches:
             assert c.evictions == 1
-            appended = c.offset - (len(prompt) - 1)  # single-token steps after the compression
+            appended = c.offset - len(prompt)  # decode steps after the compression (it ends the last prompt step)
             width = int(c.kept_per_head().max()) - appended  # ragged storage: the largest head actually kept
             assert c.keys.shape[2] == width + c.decode_step, (name, c.keys.shape, width)
 

@@ -25,12 +25,18 @@ def _cache(budget, n_sink=2, tap=True, **opts):
 
 
 def _prefill_then_decode(c, k, chunks=None):
+    """The prompt k as mlx_lm.generate feeds it (chunks, then its last token alone: the one-shot
+    compression runs right after that token's step), then one decode token; returns its fetch."""
     N = k.shape[2]
     chunks = chunks or [N]
     s = 0
     for ch in chunks:
-        c.update_and_fetch(k[:, :, s:s + ch], k[:, :, s:s + ch])
+        e = min(s + ch, N - 1)
+        if e > s:
+            c.update_and_fetch(k[:, :, s:e], k[:, :, s:e])
         s += ch
+    c.update_and_fetch(k[:, :, N - 1:], k[:, :, N - 1:])
+    c.observe_queries(k[:, :, N - 1:])  # the tap's call after the prompt's last step: compress here
     one = mx.ones(k.shape[:2] + (1, k.shape[3]))
     return c.update_and_fetch(one, one)
 
@@ -105,7 +111,8 @@ def test_primitives_handle_identical_keys():
     c = _cache(32)
     c.update_and_fetch(k, k)
     s = c.row_scores(c.stored("keys"), c.stored("positions"))
-    assert np.isfinite(np.array(s)[..., 2:]).all()
+    assert np.isfinite(np.array(s)[..., 2:-1]).all()  # sinks and the newest row are forced (+inf)
+    assert np.isposinf(np.array(s)[..., [0, 1, -1]]).all()
     for f in (stable_anomaly(k), episodic_anomaly(k, 128), current_anomaly(k, 64)):
         assert np.isfinite(np.array(f)).all()
 
@@ -186,7 +193,9 @@ def test_ragged_mask_hides_padding():
     k[0, 1] = k[0, 1] * 0.05 + 1.0  # head 1 uninformative -> fewer rows, padded
     v = rng.normal(size=(B, H, N, D)).astype(np.float32)
     c = _cache(32)
-    c.update_and_fetch(mx.array(k), mx.array(v))
+    c.update_and_fetch(mx.array(k[:, :, :N - 1]), mx.array(v[:, :, :N - 1]))
+    c.update_and_fetch(mx.array(k[:, :, N - 1:]), mx.array(v[:, :, N - 1:]))  # the prompt's last token
+    c.observe_queries(mx.array(k[:, :, N - 1:]))  # compress right after it
     kn, vn = rng.normal(size=(2, B, H, 1, D)).astype(np.float32)
     K, V = c.update_and_fetch(mx.array(kn), mx.array(vn))
     assert c.is_ragged
@@ -240,9 +249,9 @@ def test_stream_generate_chunked_prefill_kept_set_identical():
         for c in caches:
             assert c.evictions == 1 and c.is_ragged and c.offset == 600 + len(t)
             kept = np.array(c.kept_per_head())
-            # mlx-lm feeds the last prompt token alone: compression runs over the first 599, then every
-            # single-token row is appended (unbounded in decode)
-            assert (kept.sum(-1) == 2 * 40 + 2 * (c.offset - 599)).all()
+            # mlx-lm feeds the last prompt token alone: compression runs right after it, over all 600,
+            # then every decode row is appended (unbounded in decode)
+            assert (kept.sum(-1) == 2 * 40 + 2 * (c.offset - 600)).all()
     ref = [np.array(c.kept_positions()) for c in runs[0][0]]
     for caches, _, _ in runs[1:]:
         for r, c in zip(ref, caches):

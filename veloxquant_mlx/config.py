@@ -22,8 +22,8 @@ _CORE_FIELDS = ("budget", "n_sink", "recent", "seed")
 ALLOCATIONS = ("uniform", "ada")
 
 # When eviction runs while the prompt is read (see docs/architecture.md "When eviction runs"):
-# "end": hold the prompt, compress once when it ends (the first single-token step; under
-#        mlx_lm.generate the prompt's last token), then evict through decode. The paper's prefill +
+# "end": hold the prompt, compress once when it ends (right after the first single-token step; under
+#        mlx_lm.generate the prompt's last token, which attends to everything), then evict through decode. The paper's prefill +
 #        decode setting: the question is in the window before anything is scored. Peak = the prompt's KV.
 # "stream": also evict at every prompt chunk (mlx_lm.generate: every prefill_step_size tokens), scored
 #        before the question has arrived. Peak = budget + one chunk + headroom per layer.

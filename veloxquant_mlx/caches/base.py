@@ -90,6 +90,7 @@ class EvictionCache(_BaseCache):
         self._window_q = None
         self._saw_decode = False
         self._prompt_open = False  # prompt text arrived since the last single-token step
+        self._ending = False  # this single-token step ends the prompt: compress after its attention
         self._rng = mx.random.key(config.seed + layer_idx)
         self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
         # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
@@ -196,14 +197,15 @@ class EvictionCache(_BaseCache):
             self._saw_decode = False
         if S == 1 and self.offset > 0:
             self._saw_decode = True
-        if S > 1:
-            self._prompt_open = True  # new prompt text: the step after it ends the prompt
-        elif self._prompt_open:
-            self._prompt_open = False  # the prompt ended (mlx_lm.generate: its last token)
-            if self._compresses_at_prompt_end() and self._rows > self.budget:
-                self._evict()  # the one-shot compression over the whole prompt
-        if self._evicts_during(S) and self._rows > self.evict_threshold():
+        if self._ending:
+            self._end_prompt()  # the prompt's last step got no queries (no tap): compress now
+        if S == 1 and self._prompt_open and self._compresses_at_prompt_end():
+            # The prompt's last token (mlx_lm.generate feeds it alone): it attends to the whole prompt,
+            # its query joins the window, then the one-shot compression runs (in _observe).
+            self._ending = True
+        elif self._evicts_during(S) and self._rows > self.evict_threshold():
             self._evict()  # queries never arrived for the last append (no tap): evict now
+        self._prompt_open = S > 1  # prompt text: the next single-token step ends the prompt
         self._append(keys, values)
         fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
         self._fetched_positions = self.positions[:, :, :self._rows]
@@ -239,7 +241,16 @@ class EvictionCache(_BaseCache):
         self.scale = scale
         self.queries_observed += 1
         self.on_queries(queries)
-        if self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
+        if self._ending:
+            self._end_prompt()
+        elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
+            self._evict()
+
+    def _end_prompt(self) -> None:
+        """After the prompt's last step: the one-shot compression (prefill-only methods, and every
+        method under prompt_eviction="end")."""
+        self._ending = False
+        if self._rows > self.budget:
             self._evict()
 
     # -- prompt-time policy (config.prompt_eviction) ------------------------------------------
@@ -572,6 +583,7 @@ class EvictionCache(_BaseCache):
             "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
             "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
             "scale": self.scale, "saw_decode": self._saw_decode, "prompt_open": self._prompt_open,
+            "ending": self._ending,
             "ragged": self.is_ragged, "evict_floor": self._evict_floor,
         }, sort_keys=True)
 
@@ -594,6 +606,7 @@ class EvictionCache(_BaseCache):
         self.scale = meta["scale"]
         self._saw_decode = meta["saw_decode"]
         self._prompt_open = meta["prompt_open"]
+        self._ending = meta.get("ending", False)
         self._ragged = meta["ragged"]
         self._evict_floor = meta.get("evict_floor", 0)
 

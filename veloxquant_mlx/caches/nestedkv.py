@@ -81,8 +81,9 @@ class NestedKVKVCache(EvictionCache):
         """(B, H, N) final scores of the given rows (compacted: valid rows first)."""
         valid = positions != PAD_POSITION
         forced = valid & (positions < self.n_sink)
-        if self.recent:
-            forced = forced | (valid & (positions >= self.offset - self.recent))
+        # The newest row (the prompt's last token: the compression runs right after it) is always
+        # kept, like every other method's recent window; recent=0 by default otherwise.
+        forced = forced | (valid & (positions >= self.offset - max(self.recent, 1)))
         o = self.options
         N = keys.shape[2]
         return nestedkv_scores(keys, valid, forced, window=o.window, block=episodic_block_size(N),
