@@ -1,7 +1,7 @@
 """NestedKV-adapted: multi-scale, key-only, one-shot prefill eviction (spec: docs/sources/nestedkv_method.txt).
 
 Inspired by Chen et al., "NestedKV" (arXiv:2605.26678, unpublished preprint): an adaptation, not a
-faithful port. When the prompt ends (first single-token call after multi-token input) every head's
+faithful port. When the prompt ends (right after the first single-token step after multi-token input) every head's
 keys are scored against three anchors (stable / episodic / current), the three min-max normalized
 anomalies are blended per head (log-prior (0.4, 0.4, 0.2) + beta * top/bottom-10% gap, softmax) and
 routed per token toward the strongest scale by a surprise gate (sigmoid(kappa * (u - tau)) on the

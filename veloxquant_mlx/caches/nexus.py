@@ -1,7 +1,8 @@
 """Nexus Sampling (Duong et al.): walk-augmented block scores + n-averaged weighted reservoir selection.
 
-One eviction step (§2, Fig. 2), run lazily once the stored rows exceed ``budget + block_size``,
-during prefill chunks and decode alike:
+One eviction step (§2, Fig. 2): once right after the prompt's last token (default
+``prompt_eviction="end"``; also at every prompt chunk under ``"stream"``), then lazily in decode once
+the stored rows exceed ``budget + block_size``:
 
 1. S_hat = rownorm(BlockSum_b(softmax(Q Kᵀ · scale))) over the last W observed queries, causal
    by absolute position, blocks of b stored rows (Eq. 1).
