@@ -112,8 +112,7 @@ class BatchEvictionCache(_BaseCache):
             row = copy.deepcopy(c)
             # Merging is an explicit continuation (the server's multi-turn reuse), not the
             # "one shared cache list for every generate()" mistake the base class warns about.
-            if hasattr(row, "_saw_decode"):
-                row._saw_decode = False
+            row.continue_on_purpose()
             rows.append(row)
         return cls(rows)
 
@@ -199,7 +198,7 @@ class BatchEvictionCache(_BaseCache):
             ks.append(k)
             vs.append(v)
             counts.append(k.shape[2])
-            ragged = ragged or row._fetched_ragged
+            ragged = ragged or row.fetched_ragged
         self._step = (spans, counts, ragged)
         if B == 1:
             return ks[0], vs[0]
@@ -250,10 +249,10 @@ class BatchEvictionCache(_BaseCache):
         from .caches.base import PAD_POSITION
 
         S, R = queries.shape[2], max(counts)
-        H = next(r._fetched_positions.shape[1] for r, c in zip(self.rows, counts) if c)
+        H = next(r.fetched_positions.shape[1] for r, c in zip(self.rows, counts) if c)
         pos = []
         for row, c in zip(self.rows, counts):
-            p = row._fetched_positions if c else mx.zeros((1, H, 0), mx.int32)
+            p = row.fetched_positions if c else mx.zeros((1, H, 0), mx.int32)
             if c < R:
                 p = mx.concatenate([mx.full((1, H, R - c), PAD_POSITION, mx.int32), p], axis=2)
             pos.append(p)

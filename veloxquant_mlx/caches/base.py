@@ -1,9 +1,10 @@
 """EvictionCache: the machinery every eviction method shares.
 
 A subclass supplies ``scores()`` (higher = keep) or, where its selection is special,
-``select_rows()``. Everything else lives here: preallocated storage, logical ``offset`` versus
-stored rows, kept absolute positions per (batch, head), the observed-query window, lazy amortized
-eviction, masks, state round trips and byte accounting.
+``select_rows()``. Everything else is shared: this file holds the mlx-lm protocol, the observed-query
+window, the prompt-time policy, amortized eviction and masks; its mixins hold the row storage
+(``storage.py``: buffers with exact headroom, kept absolute positions per (batch, head), ragged
+width), byte accounting (``accounting.py``) and state round trips (``state.py``).
 
 Contract with mlx-lm (see docs/architecture.md): models call ``update_and_fetch`` with keys already
 rotated at ``offset``; we return the kept rows followed by the new rows, so the string mask
@@ -13,7 +14,6 @@ all sizes are Python ints derived from shapes, all data work is lazy MLX.
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import mlx.core as mx
@@ -21,31 +21,16 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from ..config import KVCacheConfig, NoOptions
-from ..distributed import group_max
 from ..ops import gather_rows, keep_top_rows
 from ..ops.allocation import ada_keep
+from .accounting import Accounting
+from .state import StateRoundTrip
+from .storage import PAD_POSITION, RowStorage, with_headroom
 
-# Position stored for padding rows (ragged per-head storage); larger than any real position so a
-# causal "key position <= query position" test hides it.
-PAD_POSITION = 2**31 - 1
-_FORMAT_VERSION = 2  # 2: "prompt_open" replaced "compressed"; nbytes counts every held array
 _warned_ada_no_tap: set = set()
 
 
-def _with_headroom(rows: mx.array, extra: int, fill=0) -> mx.array:
-    """A NEW contiguous buffer: ``rows`` followed by ``extra`` rows of ``fill`` along axis 2.
-
-    Every storage change goes through here, so a buffer is never a view that pins a larger array
-    and its capacity is exactly what the caller asked for (allocation follows the kept rows)."""
-    if extra <= 0:
-        return mx.contiguous(rows)
-    shape = list(rows.shape)
-    shape[2] = extra
-    pad = mx.full(shape, fill, rows.dtype) if fill else mx.zeros(shape, rows.dtype)
-    return mx.concatenate([rows, pad], axis=2)
-
-
-class EvictionCache(_BaseCache):
+class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
@@ -229,6 +214,22 @@ class EvictionCache(_BaseCache):
                              f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
         self._observe(queries, D ** -0.5 if scale is None else float(scale))
 
+    @property
+    def fetched_positions(self):
+        """(B, H, rows) positions of the rows the last ``update_and_fetch`` returned (PAD_POSITION for
+        padding), or None before the first one: a mask for this step must describe these rows even
+        when an eviction ran right after the fetch."""
+        return self._fetched_positions
+
+    @property
+    def fetched_ragged(self) -> bool:
+        """Whether the rows the last ``update_and_fetch`` returned held padding (ragged heads)."""
+        return self._fetched_ragged
+
+    def continue_on_purpose(self) -> None:
+        """The next prompt continues this cache deliberately (multi-turn reuse): no reuse warning."""
+        self._saw_decode = False
+
     def step_state(self) -> list:
         """Arrays a step updates that attention does not read (positions, per-row scores, the query
         window): the query tap makes the layer's output depend on them (``mx.depends``), so they are
@@ -299,114 +300,7 @@ class EvictionCache(_BaseCache):
             return create_causal_mask(N, offset=self._rows)
         return "causal"
 
-    @property
-    def is_ragged(self) -> bool:
-        """True when heads keep different numbers of rows (padding present)."""
-        return bool(getattr(self, "_ragged", False))
-
-    def size(self) -> int:
-        return self._rows
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def trim(self, n):
-        raise NotImplementedError("eviction caches cannot be trimmed: evicted rows are gone")
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this cache really holds: the allocated capacity (not just the kept rows) of the
-        key/value buffers plus everything kept beside them (positions, per-row method state, the
-        observed-query window, method state arrays)."""
-        if self.keys is None:
-            return 0
-        held = [self.keys, self.values, self.positions, *self.row_extras.values(), self._window_q,
-                *self.extra_state().values()]
-        return sum(a.nbytes for a in held if isinstance(a, mx.array))
-
-    # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
-    # veloxquant_mlx.batching.BatchEvictionCache holding one single-row cache per sequence, so every
-    # row keeps its own eviction state; filter/extend/extract live there. `merge` exists only on
-    # caches that can batch (the server probes hasattr(c, "merge")), never KVCache.merge.
-    from ..batching import BatchMerge as _BatchMerge
-    merge = _BatchMerge()
-    del _BatchMerge
-
-    # -- storage ------------------------------------------------------------------------------
-    def _check_kv(self, keys, values):
-        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-            raise TypeError("keys and values must be mx.array")
-        if keys.ndim != 4 or values.ndim != 4:
-            raise ValueError(f"keys/values must be 4-D (B, H_kv, S, D), got {keys.shape} and {values.shape}")
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, H_kv, S)")
-        if keys.shape[2] == 0:
-            raise ValueError("update_and_fetch needs at least one new token")
-        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
-            raise TypeError(f"keys/values must be floating point, got {keys.dtype} and {values.dtype}")
-        hd = self.config.head_dim
-        if hd is not None and keys.shape[-1] != hd:
-            raise ValueError(f"config.head_dim={hd} but the model sends keys with head_dim={keys.shape[-1]}")
-        if self.keys is not None:
-            B, H, _, Dk = self.keys.shape
-            if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, self.values.shape[3]):
-                raise ValueError(f"new keys {keys.shape}/values {values.shape} do not match the stored "
-                                 f"(B={B}, H_kv={H}, D_k={Dk}, D_v={self.values.shape[3]})")
-            if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
-                raise TypeError(f"dtype changed: stored {self.keys.dtype}/{self.values.dtype}, "
-                                f"new {keys.dtype}/{values.dtype}")
-
-    def _append(self, keys, values):
-        B, H, S, _ = keys.shape
-        prev, need = self._rows, self._rows + S
-        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
-        fields = self.extra_row_fields()
-        if self.keys is None or need > self.keys.shape[2]:
-            # Prompt text held to the end of the prompt grows like mlx-lm's KVCache (steps of ``step``);
-            # a chunk evicted right after this step gets exactly its rows; a single token that does not
-            # fit (unbounded decode) adds ``decode_step`` rows. New buffers, never views.
-            if S == 1:
-                cap = need + self.decode_step
-            elif self._evicts_during(S):
-                cap = need
-            else:
-                cap = -(-need // self.step) * self.step
-            extra = cap - need
-
-            def grown(old, new, fill):
-                rows = new if old is None or not prev else mx.concatenate([old[:, :, :prev], new], axis=2)
-                return _with_headroom(rows, extra, fill)
-
-            self.keys = grown(self.keys, keys, 0)
-            self.values = grown(self.values, values, 0)
-            self.positions = grown(self.positions, pos, PAD_POSITION)
-            for name, fill in fields.items():
-                self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
-        else:
-            self.keys[:, :, prev:need] = keys
-            self.values[:, :, prev:need] = values
-            self.positions[:, :, prev:need] = pos
-            for name, fill in fields.items():
-                self.row_extras[name][:, :, prev:need] = fill
-        self._rows = need
-        self.offset += S
-
-    def _fetch(self):
-        r = self._rows
-        if r == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[:, :, :r], self.values[:, :, :r]
-
-    def stored(self, name: str = "keys") -> mx.array:
-        """The stored rows of ``keys``, ``values``, ``positions`` or a row extra (no padding trim)."""
-        arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
-        if arr is None:
-            arr = self.row_extras[name]
-        return arr[:, :, :self._rows]
-
+    # -- eviction ---------------------------------------------------------------------------
     def next_key(self) -> mx.array:
         """A fresh PRNG key for one eviction step (same seed -> same sequence of keys)."""
         k = mx.random.split(self._rng)
@@ -425,40 +319,19 @@ class EvictionCache(_BaseCache):
         # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
         # buffers (row indices are < rows) keeps the flattening free.
         extra = self.headroom_after_eviction(K)
-        self.keys = _with_headroom(gather_rows(self.keys, idx), extra)
-        self.values = _with_headroom(gather_rows(self.values, idx), extra)
+        self.keys = with_headroom(gather_rows(self.keys, idx), extra)
+        self.values = with_headroom(gather_rows(self.values, idx), extra)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
         self._ragged = real is not None
-        self.positions = _with_headroom(pos, extra, PAD_POSITION)
+        self.positions = with_headroom(pos, extra, PAD_POSITION)
         for name in self.row_extras:
-            self.row_extras[name] = _with_headroom(gather_rows(self.row_extras[name], idx), extra)
+            self.row_extras[name] = with_headroom(gather_rows(self.row_extras[name], idx), extra)
         self._rows = K
         self._evict_floor = K
         self.evictions += 1
         self.on_evicted(idx)
-
-    def headroom_after_eviction(self, kept: int) -> int:
-        """Rows allocated beyond the ``kept`` ones: what the method needs before its next eviction
-        step (decode-bounded: up to the threshold plus the one token that crosses it), or one
-        ``decode_step`` for prefill-only methods, whose decode appends."""
-        if self.prefill_only:
-            return self.decode_step
-        return max(self.budget, kept) + self.slack + 1 - kept
-
-    def trim_ragged(self, idx: mx.array, real: mx.array):
-        """Cut ragged storage to the largest head actually kept (real rows first in every head).
-
-        The width is data: reading it back is a host sync, paid once per ragged eviction step (once
-        per prompt for NestedKV, once per ``slack`` decode tokens for Ada-KV), never per token."""
-        width = max(self.ragged_width(real.sum(axis=-1)), 1)
-        return idx[..., :width], real[..., :width]
-
-    def ragged_width(self, counts: mx.array) -> int:
-        """The largest of the (B, H) per-head kept counts, read back to size ragged storage (the one
-        host sync of ragged storage; under tensor parallelism the widest head of the whole group)."""
-        return group_max(self, counts.max())
 
     def on_evicted(self, idx: mx.array) -> None:
         """Hook after an eviction step (idx: the kept old row indices)."""
@@ -470,154 +343,10 @@ class EvictionCache(_BaseCache):
         W = self._window_q.shape[2]
         return self._window_q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
 
-    # -- accounting -----------------------------------------------------------------------------
-    # Reporting only, never called from update_and_fetch: with ragged storage the kept counts are
-    # data, so tokens_kept / kept_bytes read them back from the device (a host sync).
-    def _row_bytes(self) -> int:
-        return self.keys.shape[3] * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
-
-    def kept_per_head(self) -> mx.array:
-        """(B, H) number of real kept rows per batch row and KV head."""
-        if self.keys is None:
-            return mx.zeros((0, 0), mx.int32)
-        return (self.stored("positions") != PAD_POSITION).sum(axis=-1)
-
-    def kept_positions(self) -> mx.array:
-        """(B, H, rows) absolute positions of the kept rows, -1 for padding."""
-        if self.keys is None:
-            return mx.zeros((0, 0, 0), mx.int32)
-        pos = self.stored("positions")
-        return mx.where(pos == PAD_POSITION, -1, pos)
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.offset
-
-    @property
-    def tokens_kept(self) -> float:
-        """Kept rows per KV head (mean over batch rows and heads when ragged)."""
-        if self.keys is None:
-            return 0
-        if not self.is_ragged:
-            return self._rows
-        return self.kept_per_head().astype(mx.float32).mean().item()
-
-    @property
-    def kept_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        B, H = self.keys.shape[:2]
-        n = B * H * self._rows if not self.is_ragged else int(self.kept_per_head().sum().item())
-        return n * self._row_bytes()
-
-    @property
-    def full_seq_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        B, H = self.keys.shape[:2]
-        return B * H * self.offset * self._row_bytes()
-
-    @property
-    def compression_ratio(self) -> float:
-        kept = self.kept_bytes
-        return self.full_seq_bytes / kept if kept else 1.0
-
-    def byte_report(self) -> dict:
-        """Allocated bytes (what the process holds for this layer), the bytes of the kept rows and
-        of the full sequence; ``allocated_fraction`` = allocated / full is the memory a user sees."""
-        full, alloc = self.full_seq_bytes, self.nbytes
-        return {"method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
-                "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
-                "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,
-                "compression_ratio": self.compression_ratio, "evictions": self.evictions}
-
-    # -- state ------------------------------------------------------------------------------------
-    def extra_state(self) -> dict:
-        """Non-row arrays a method needs to resume exactly (row extras are saved automatically)."""
-        return {}
-
-    def set_extra_state(self, state: dict) -> None:
-        pass
-
-    @property
-    def state(self):
-        if self.keys is None:
-            return {}
-        st = {"keys": self.stored("keys"), "values": self.stored("values"),
-              "positions": self.stored("positions"), "rng": self._rng}
-        for name in self.row_extras:
-            st["row." + name] = self.stored(name)
-        if self._window_q is not None:
-            st["window_q"] = self._window_q
-        st.update({"extra." + k: v for k, v in self.extra_state().items()})
-        return st
-
-    @state.setter
-    def state(self, st):
-        if not st:
-            self.keys = self.values = self.positions = None
-            self.row_extras = {}
-            return
-        required = {"keys", "values", "positions", "rng"}
-        if not required <= set(st):
-            raise ValueError(f"{type(self).__name__} state is missing {sorted(required - set(st))}")
-        self.keys, self.values, self.positions = st["keys"], st["values"], st["positions"]
-        self._rng = st["rng"]
-        self.row_extras = {k[4:]: v for k, v in st.items() if k.startswith("row.")}
-        want = set(self.extra_row_fields())
-        if set(self.row_extras) != want:
-            raise ValueError(f"{type(self).__name__} state has row fields {sorted(self.row_extras)}, "
-                             f"expected {sorted(want)}")
-        self._window_q = st.get("window_q")
-        self.set_extra_state({k[6:]: v for k, v in st.items() if k.startswith("extra.")})
-        rows = self.keys.shape[2]
-        if self.values.shape[2] != rows or self.positions.shape != self.keys.shape[:3]:
-            raise ValueError("inconsistent cache state: keys/values/positions row counts differ")
-        self._rows = rows
-
-    @property
-    def meta_state(self):
-        return json.dumps({
-            "format": _FORMAT_VERSION, "class": type(self).__name__, "config": self.config.to_dict(),
-            "layer_idx": self.layer_idx, "n_layers": self.n_layers, "offset": self.offset,
-            "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
-            "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
-            "scale": self.scale, "saw_decode": self._saw_decode, "prompt_open": self._prompt_open,
-            "ending": self._ending,
-            "ragged": self.is_ragged, "evict_floor": self._evict_floor,
-        }, sort_keys=True)
-
-    @meta_state.setter
-    def meta_state(self, text):
-        try:
-            meta = json.loads(text)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"corrupted cache metadata: {e}") from None
-        if meta.get("format") != _FORMAT_VERSION or meta.get("class") != type(self).__name__:
-            raise ValueError(f"cache metadata is for {meta.get('class')!r} format {meta.get('format')!r}, "
-                             f"not {type(self).__name__} format {_FORMAT_VERSION}")
-        if meta["rows"] != self._rows:
-            raise ValueError(f"cache metadata says {meta['rows']} rows but the arrays hold {self._rows}")
-        self.offset = meta["offset"]
-        self.evictions = meta["evictions"]
-        self.queries_observed = meta["queries_observed"]
-        self.queries_from_keys = meta["queries_from_keys"]
-        self.tap_active = meta["tap_active"]
-        self.scale = meta["scale"]
-        self._saw_decode = meta["saw_decode"]
-        self._prompt_open = meta["prompt_open"]
-        self._ending = meta.get("ending", False)
-        self._ragged = meta["ragged"]
-        self._evict_floor = meta.get("evict_floor", 0)
-
-    @classmethod
-    def from_state(cls, state, meta_state):
-        try:
-            meta = json.loads(meta_state)
-            config = KVCacheConfig.from_dict(meta["config"])
-        except (TypeError, ValueError, KeyError) as e:
-            raise ValueError(f"corrupted cache metadata: {e}") from None
-        obj = cls(config, layer_idx=meta["layer_idx"], n_layers=meta["n_layers"])
-        obj.state = state
-        obj.meta_state = meta_state
-        return obj
+    # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
+    # veloxquant_mlx.batching.BatchEvictionCache holding one single-row cache per sequence, so every
+    # row keeps its own eviction state; filter/extend/extract live there. `merge` exists only on
+    # caches that can batch (the server probes hasattr(c, "merge")), never KVCache.merge.
+    from ..batching import BatchMerge as _BatchMerge
+    merge = _BatchMerge()
+    del _BatchMerge

@@ -1,0 +1,82 @@
+"""Byte accounting of an eviction cache: what it allocates, keeps, and would hold uncompressed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .storage import PAD_POSITION
+
+
+class Accounting:
+    """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: allocated / kept / full bytes."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache really holds: the allocated capacity (not just the kept rows) of the
+        key/value buffers plus everything kept beside them (positions, per-row method state, the
+        observed-query window, method state arrays)."""
+        if self.keys is None:
+            return 0
+        held = [self.keys, self.values, self.positions, *self.row_extras.values(), self._window_q,
+                *self.extra_state().values()]
+        return sum(a.nbytes for a in held if isinstance(a, mx.array))
+
+    # Reporting only, never called from update_and_fetch: with ragged storage the kept counts are
+    # data, so tokens_kept / kept_bytes read them back from the device (a host sync).
+    def _row_bytes(self) -> int:
+        return self.keys.shape[3] * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
+
+    def kept_per_head(self) -> mx.array:
+        """(B, H) number of real kept rows per batch row and KV head."""
+        if self.keys is None:
+            return mx.zeros((0, 0), mx.int32)
+        return (self.stored("positions") != PAD_POSITION).sum(axis=-1)
+
+    def kept_positions(self) -> mx.array:
+        """(B, H, rows) absolute positions of the kept rows, -1 for padding."""
+        if self.keys is None:
+            return mx.zeros((0, 0, 0), mx.int32)
+        pos = self.stored("positions")
+        return mx.where(pos == PAD_POSITION, -1, pos)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.offset
+
+    @property
+    def tokens_kept(self) -> float:
+        """Kept rows per KV head (mean over batch rows and heads when ragged)."""
+        if self.keys is None:
+            return 0
+        if not self.is_ragged:
+            return self._rows
+        return self.kept_per_head().astype(mx.float32).mean().item()
+
+    @property
+    def kept_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H = self.keys.shape[:2]
+        n = B * H * self._rows if not self.is_ragged else int(self.kept_per_head().sum().item())
+        return n * self._row_bytes()
+
+    @property
+    def full_seq_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H = self.keys.shape[:2]
+        return B * H * self.offset * self._row_bytes()
+
+    @property
+    def compression_ratio(self) -> float:
+        kept = self.kept_bytes
+        return self.full_seq_bytes / kept if kept else 1.0
+
+    def byte_report(self) -> dict:
+        """Allocated bytes (what the process holds for this layer), the bytes of the kept rows and
+        of the full sequence; ``allocated_fraction`` = allocated / full is the memory a user sees."""
+        full, alloc = self.full_seq_bytes, self.nbytes
+        return {"method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
+                "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
+                "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,
+                "compression_ratio": self.compression_ratio, "evictions": self.evictions}

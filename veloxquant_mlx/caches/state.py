@@ -1,0 +1,103 @@
+"""State round trips of an eviction cache (mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``)."""
+
+from __future__ import annotations
+
+import json
+
+from ..config import KVCacheConfig
+
+_FORMAT_VERSION = 2  # 2: "prompt_open" replaced "compressed"; nbytes counts every held array
+
+
+class StateRoundTrip:
+    """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: ``state``, ``meta_state``, ``from_state``."""
+
+    def extra_state(self) -> dict:
+        """Non-row arrays a method needs to resume exactly (row extras are saved automatically)."""
+        return {}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return {}
+        st = {"keys": self.stored("keys"), "values": self.stored("values"),
+              "positions": self.stored("positions"), "rng": self._rng}
+        for name in self.row_extras:
+            st["row." + name] = self.stored(name)
+        if self._window_q is not None:
+            st["window_q"] = self._window_q
+        st.update({"extra." + k: v for k, v in self.extra_state().items()})
+        return st
+
+    @state.setter
+    def state(self, st):
+        if not st:
+            self.keys = self.values = self.positions = None
+            self.row_extras = {}
+            return
+        required = {"keys", "values", "positions", "rng"}
+        if not required <= set(st):
+            raise ValueError(f"{type(self).__name__} state is missing {sorted(required - set(st))}")
+        self.keys, self.values, self.positions = st["keys"], st["values"], st["positions"]
+        self._rng = st["rng"]
+        self.row_extras = {k[4:]: v for k, v in st.items() if k.startswith("row.")}
+        want = set(self.extra_row_fields())
+        if set(self.row_extras) != want:
+            raise ValueError(f"{type(self).__name__} state has row fields {sorted(self.row_extras)}, "
+                             f"expected {sorted(want)}")
+        self._window_q = st.get("window_q")
+        self.set_extra_state({k[6:]: v for k, v in st.items() if k.startswith("extra.")})
+        rows = self.keys.shape[2]
+        if self.values.shape[2] != rows or self.positions.shape != self.keys.shape[:3]:
+            raise ValueError("inconsistent cache state: keys/values/positions row counts differ")
+        self._rows = rows
+
+    @property
+    def meta_state(self):
+        return json.dumps({
+            "format": _FORMAT_VERSION, "class": type(self).__name__, "config": self.config.to_dict(),
+            "layer_idx": self.layer_idx, "n_layers": self.n_layers, "offset": self.offset,
+            "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
+            "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
+            "scale": self.scale, "saw_decode": self._saw_decode, "prompt_open": self._prompt_open,
+            "ending": self._ending,
+            "ragged": self.is_ragged, "evict_floor": self._evict_floor,
+        }, sort_keys=True)
+
+    @meta_state.setter
+    def meta_state(self, text):
+        try:
+            meta = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"corrupted cache metadata: {e}") from None
+        if meta.get("format") != _FORMAT_VERSION or meta.get("class") != type(self).__name__:
+            raise ValueError(f"cache metadata is for {meta.get('class')!r} format {meta.get('format')!r}, "
+                             f"not {type(self).__name__} format {_FORMAT_VERSION}")
+        if meta["rows"] != self._rows:
+            raise ValueError(f"cache metadata says {meta['rows']} rows but the arrays hold {self._rows}")
+        self.offset = meta["offset"]
+        self.evictions = meta["evictions"]
+        self.queries_observed = meta["queries_observed"]
+        self.queries_from_keys = meta["queries_from_keys"]
+        self.tap_active = meta["tap_active"]
+        self.scale = meta["scale"]
+        self._saw_decode = meta["saw_decode"]
+        self._prompt_open = meta["prompt_open"]
+        self._ending = meta.get("ending", False)
+        self._ragged = meta["ragged"]
+        self._evict_floor = meta.get("evict_floor", 0)
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        try:
+            meta = json.loads(meta_state)
+            config = KVCacheConfig.from_dict(meta["config"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"corrupted cache metadata: {e}") from None
+        obj = cls(config, layer_idx=meta["layer_idx"], n_layers=meta["n_layers"])
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj

@@ -1,0 +1,142 @@
+"""Row storage of an eviction cache: buffers that hold the kept rows plus exact headroom.
+
+Every buffer change builds a NEW contiguous array (``with_headroom``), so a buffer never pins a larger
+one and the allocated bytes follow the kept rows. Prompt text held until the prompt ends grows in
+steps like mlx-lm's KVCache; ragged per-head storage is cut to the widest head actually kept.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..distributed import group_max
+
+# Position stored for padding rows (ragged per-head storage); larger than any real position so a
+# causal "key position <= query position" test hides it.
+PAD_POSITION = 2**31 - 1
+
+
+def with_headroom(rows: mx.array, extra: int, fill=0) -> mx.array:
+    """A NEW contiguous buffer: ``rows`` followed by ``extra`` rows of ``fill`` along axis 2.
+
+    Every storage change goes through here, so a buffer is never a view that pins a larger array
+    and its capacity is exactly what the caller asked for (allocation follows the kept rows)."""
+    if extra <= 0:
+        return mx.contiguous(rows)
+    shape = list(rows.shape)
+    shape[2] = extra
+    pad = mx.full(shape, fill, rows.dtype) if fill else mx.zeros(shape, rows.dtype)
+    return mx.concatenate([rows, pad], axis=2)
+
+
+class RowStorage:
+    """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: append, fetch and size the rows."""
+
+    @property
+    def is_ragged(self) -> bool:
+        """True when heads keep different numbers of rows (padding present)."""
+        return bool(getattr(self, "_ragged", False))
+
+    def size(self) -> int:
+        return self._rows
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n):
+        raise NotImplementedError("eviction caches cannot be trimmed: evicted rows are gone")
+
+    def _check_kv(self, keys, values):
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError("keys and values must be mx.array")
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(f"keys/values must be 4-D (B, H_kv, S, D), got {keys.shape} and {values.shape}")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, H_kv, S)")
+        if keys.shape[2] == 0:
+            raise ValueError("update_and_fetch needs at least one new token")
+        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+            raise TypeError(f"keys/values must be floating point, got {keys.dtype} and {values.dtype}")
+        hd = self.config.head_dim
+        if hd is not None and keys.shape[-1] != hd:
+            raise ValueError(f"config.head_dim={hd} but the model sends keys with head_dim={keys.shape[-1]}")
+        if self.keys is not None:
+            B, H, _, Dk = self.keys.shape
+            if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, self.values.shape[3]):
+                raise ValueError(f"new keys {keys.shape}/values {values.shape} do not match the stored "
+                                 f"(B={B}, H_kv={H}, D_k={Dk}, D_v={self.values.shape[3]})")
+            if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+                raise TypeError(f"dtype changed: stored {self.keys.dtype}/{self.values.dtype}, "
+                                f"new {keys.dtype}/{values.dtype}")
+
+    def _append(self, keys, values):
+        B, H, S, _ = keys.shape
+        prev, need = self._rows, self._rows + S
+        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
+        fields = self.extra_row_fields()
+        if self.keys is None or need > self.keys.shape[2]:
+            # Prompt text held to the end of the prompt grows like mlx-lm's KVCache (steps of ``step``);
+            # a chunk evicted right after this step gets exactly its rows; a single token that does not
+            # fit (unbounded decode) adds ``decode_step`` rows. New buffers, never views.
+            if S == 1:
+                cap = need + self.decode_step
+            elif self._evicts_during(S):
+                cap = need
+            else:
+                cap = -(-need // self.step) * self.step
+            extra = cap - need
+
+            def grown(old, new, fill):
+                rows = new if old is None or not prev else mx.concatenate([old[:, :, :prev], new], axis=2)
+                return with_headroom(rows, extra, fill)
+
+            self.keys = grown(self.keys, keys, 0)
+            self.values = grown(self.values, values, 0)
+            self.positions = grown(self.positions, pos, PAD_POSITION)
+            for name, fill in fields.items():
+                self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
+        else:
+            self.keys[:, :, prev:need] = keys
+            self.values[:, :, prev:need] = values
+            self.positions[:, :, prev:need] = pos
+            for name, fill in fields.items():
+                self.row_extras[name][:, :, prev:need] = fill
+        self._rows = need
+        self.offset += S
+
+    def _fetch(self):
+        r = self._rows
+        if r == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[:, :, :r], self.values[:, :, :r]
+
+    def stored(self, name: str = "keys") -> mx.array:
+        """The stored rows of ``keys``, ``values``, ``positions`` or a row extra (no padding trim)."""
+        arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
+        if arr is None:
+            arr = self.row_extras[name]
+        return arr[:, :, :self._rows]
+
+    def headroom_after_eviction(self, kept: int) -> int:
+        """Rows allocated beyond the ``kept`` ones: what the method needs before its next eviction
+        step (decode-bounded: up to the threshold plus the one token that crosses it), or one
+        ``decode_step`` for prefill-only methods, whose decode appends."""
+        if self.prefill_only:
+            return self.decode_step
+        return max(self.budget, kept) + self.slack + 1 - kept
+
+    def trim_ragged(self, idx: mx.array, real: mx.array):
+        """Cut ragged storage to the largest head actually kept (real rows first in every head).
+
+        The width is data: reading it back is a host sync, paid once per ragged eviction step (once
+        per prompt for NestedKV, once per ``slack`` decode tokens for Ada-KV), never per token."""
+        width = max(self.ragged_width(real.sum(axis=-1)), 1)
+        return idx[..., :width], real[..., :width]
+
+    def ragged_width(self, counts: mx.array) -> int:
+        """The largest of the (B, H) per-head kept counts, read back to size ragged storage (the one
+        host sync of ragged storage; under tensor parallelism the widest head of the whole group)."""
+        return group_max(self, counts.max())
