@@ -80,6 +80,7 @@ def cases(kind: str, arch: str):
     out += [("nexus-per-head", KVCacheConfig("nexus", nexus_per_head=True, **small, **opts["nexus"])),
             ("nexus-vectors", KVCacheConfig("nexus", nexus_head_average="vectors", **small, **opts["nexus"])),
             ("nexus-topk", KVCacheConfig("nexus", nexus_n_samples=None, **small, **opts["nexus"])),
+            ("nexus-prior", KVCacheConfig("nexus", nexus_key_prior=0.5, **small, **opts["nexus"])),
             ("nestedkv-end", KVCacheConfig("nestedkv", budget=48, seed=3, nestedkv_window=16))]
     return out
 

@@ -31,7 +31,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 PREFILL_ONLY = {"nestedkv", "snapkv", "pyramidkv"}
 PER_HEAD = ("h2o", "snapkv", "pyramidkv", "morphkv", "streaming", "random", "nexus-per-head")
 COMBINING = ("nexus", "nestedkv", "nexus-ada", "h2o-ada", "snapkv-ada", "pyramidkv-ada", "morphkv-ada",
-             "nexus-vectors", "nexus-topk", "nestedkv-end")
+             "nexus-vectors", "nexus-topk", "nestedkv-end", "nexus-prior")
 
 
 def _launcher():
@@ -50,7 +50,10 @@ def ranks(tmp_path_factory):
     port = random.randint(20000, 60000)  # other runs on this machine may hold the default ports
     cmd = [exe, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--python", sys.executable,
            WORKER, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    # the ranks import this checkout, whatever the environment's install of the package points at
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, env=env)
     if proc.returncode != 0:
         pytest.fail(f"mlx.launch failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -573,3 +573,50 @@ def test_neighbour_smoothing_option():
     assert cache.evictions == 1 and cache.size() <= 160
     with pytest.raises(ValueError):
         _config(budget=160, nexus_smooth_blocks=-1)
+
+
+def test_block_max_takes_the_largest_row_of_each_block_partial_last():
+    from veloxquant_mlx.ops.nexus import block_max
+
+    rows = mx.array([[0.1, 0.7, 0.2, 0.0, 0.4, 0.3, 0.9]])
+    np.testing.assert_allclose(_np(block_max(rows, 3))[0], [0.7, 0.4, 0.9], rtol=1e-6)
+
+
+def _anomaly_prompt(N=400, D=16, b=32, anomalous_block=5, seed=0):
+    """Keys along one direction plus noise, one block along another; queries look the other way
+    from that block, so attention alone never favours it (a needle no question has asked for yet)."""
+    rng = np.random.default_rng(seed)
+    base, odd = np.zeros(D, np.float32), np.zeros(D, np.float32)
+    base[0], odd[1] = 1.0, 1.0
+    keys = base + 0.05 * rng.normal(size=(1, 2, N, D)).astype(np.float32)
+    lo, hi = anomalous_block * b, (anomalous_block + 1) * b
+    keys[:, :, lo:hi] = odd + 0.05 * rng.normal(size=(1, 2, hi - lo, D))
+    q = np.broadcast_to(3.0 * base - 3.0 * odd, (1, 4, N, D)).astype(np.float32)
+    return mx.array(keys), mx.array(q), (lo, hi)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_key_prior_keeps_an_anomalous_block_attention_ignores(per_head):
+    keys, q, (lo, hi) = _anomaly_prompt()
+    kept = {}
+    for gamma in (0.0, 0.5):
+        cfg = _config(budget=160, nexus_n_samples=None, nexus_key_prior=gamma, nexus_per_head=per_head)
+        cache = NexusKVCache(cfg)
+        cache.update_and_fetch(keys, keys)
+        if gamma:
+            p = _np(cache.key_prior_weights(1 if not per_head else 2))
+            assert p.shape == (1, 1 if not per_head else 2, 13)
+            np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
+            assert np.all(p.argmax(-1) == lo // 32)  # the odd block is the most anomalous
+        cache.observe_queries(q)
+        assert cache.evictions == 1 and cache.size() <= 160
+        pos = _np(cache.kept_positions())
+        kept[gamma] = bool(((pos >= lo) & (pos < hi)).any())
+    assert kept == {0.0: False, 0.5: True}
+
+
+def test_key_prior_validation():
+    with pytest.raises(ValueError):
+        _config(budget=160, nexus_key_prior=1.5)
+    with pytest.raises(ValueError, match="ada"):
+        _config(budget=160, nexus_key_prior=0.5, allocation="ada")

@@ -31,10 +31,15 @@ import mlx.core as mx
 
 from ..config import option
 from ..distributed import head_means, shard_of, shared_block_weights
-from ..ops.nexus import (ada_select_blocks, block_distribution, block_priority, block_rows, forced_blocks,
-                         log_reservoir_priority, n_blocks, nexus_weights, select_blocks, top_blocks)
+from ..ops.nestedkv import episodic_block_size, nestedkv_scores
+from ..ops.nexus import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows,
+                         forced_blocks, log_reservoir_priority, n_blocks, nexus_weights, select_blocks,
+                         top_blocks)
 from ..registry import register
 from .base import PAD_POSITION, EvictionCache
+from .nestedkv import NestedKVOptions
+
+_ANOMALY = NestedKVOptions()  # the key prior scores rows with NestedKV's defaults
 
 
 @dataclasses.dataclass
@@ -59,6 +64,13 @@ class NexusOptions:
                                               "(each block takes the largest w within r blocks, SnapKV's "
                                               "pooling at block level) so a needle straddling a block "
                                               "boundary keeps both blocks' odds; 0 = off (the paper)")
+
+    key_prior: float = option(0.0, low=0.0, high=1.0,
+                              doc="γ: weight of a question-agnostic key-anomaly prior mixed into the block "
+                                  "weights, w <- (1-γ) w/Σw + γ p, p = NestedKV's multi-scale key-anomaly "
+                                  "score, block max, averaged over the heads sharing a selection; aims at "
+                                  "needles evicted while a long prompt streams, before any question; 0 = off "
+                                  "(the paper)")
 
     def check(self):
         if self.walk_depth > self.window:
@@ -101,6 +113,9 @@ class NexusKVCache(EvictionCache):
     @classmethod
     def check_config(cls, config):
         o = config.options
+        if o.key_prior and config.allocation == "ada":
+            raise ValueError("nexus key_prior is not supported with allocation='ada' (the anomaly score "
+                             "needs each head's rows compacted; Ada-Nexus storage is ragged by blocks)")
         need = min_budget(o.block_size, config.n_sink, config.recent)
         if config.budget < need:
             raise ValueError(
@@ -152,6 +167,24 @@ class NexusKVCache(EvictionCache):
             s_hat = block_distribution(q_mean, k_mean, q_pos, pos[:, :1], scale, o.block_size)
         return nexus_weights(s_hat, o.walk_depth, o.lam, o.eps_tie)
 
+    def key_prior_weights(self, n_groups: int) -> mx.array:
+        """p (B, n_groups, N_k): NestedKV's multi-scale key-anomaly score of every stored row (needs no
+        query, so it is the same whatever question follows), max over each block, averaged over the
+        heads that share a selection (all of them when n_groups == 1), normalised to sum 1."""
+        keys, pos = self.stored("keys"), self.stored("positions")
+        valid = pos != PAD_POSITION
+        # forced rows (sinks, the recent window) are kept anyway: keep them out of the normalisation
+        forced = valid & ((pos < self.n_sink) | (pos >= self.offset - max(self.recent, 1)))
+        o = _ANOMALY
+        s = nestedkv_scores(keys, valid, forced, window=o.window, block=episodic_block_size(keys.shape[2]),
+                            prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
+        p = block_max(mx.where(mx.isfinite(s), s, 0.0), self.options.block_size)  # (B, H, N_k)
+        if n_groups == 1:
+            d = shard_of(self)  # tensor parallel: every rank's heads (one all_sum of N_k floats)
+            p = p.sum(axis=1, keepdims=True)
+            p = p if d is None else d.all_sum(p)
+        return p / mx.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
+
     def _trim_ada_blocks(self, blocks, real, n_lead, n_trail):
         """Drop the padding blocks no head needs: the layout is lead | selected + padding | trailing,
         so keep the lead, the largest head's selected count and the trailing blocks (one read-back
@@ -175,6 +208,9 @@ class NexusKVCache(EvictionCache):
         n_free = max((self.budget - forced_rows) // b, 0)
         n_keep = n_forced + n_free
         w = self.block_weights()
+        if o.key_prior:
+            w = ((1.0 - o.key_prior) * w / mx.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
+                 + o.key_prior * self.key_prior_weights(w.shape[1]))
         if o.smooth_blocks:
             w = neighbour_max(w, o.smooth_blocks, mask)
         key = self.next_key() if o.n_samples is not None else None

@@ -33,6 +33,7 @@ ABLATIONS = {
 # Opt-in Nexus options (only when named with --methods): remedies for the needle's block-boundary cut.
 OPT_IN_ABLATIONS = {
     "nexus-smooth": ("nexus", {"smooth_blocks": 1}),
+    "nexus-prior": ("nexus", {"key_prior": 0.5}),
 }
 DEFAULT_OUT_DIR = "figures/eval"
 DEFAULT_RESULTS_MD = "docs/results.md"
@@ -382,7 +383,7 @@ def _err_cells(data):
 
 
 def _order(names, spec_order=None):
-    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "nexus-smooth", "h2o", "snapkv", "pyramidkv", "morphkv",
+    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "nexus-smooth", "nexus-prior", "h2o", "snapkv", "pyramidkv", "morphkv",
             "nestedkv", "streaming", "random"]
     def rank(n):
         base = _ada_base(n)  # an Ada variant sits right after its method
@@ -406,7 +407,7 @@ def _ada_base(name) -> str:
 _REGIME_NAME = {"prefill": "prefill-only", "decode": "prefill + decode"}
 
 _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
-            "streaming", "random", "kvcache", "rotating", "nexus-smooth"]
+            "streaming", "random", "kvcache", "rotating", "nexus-smooth", "nexus-prior"]
 
 
 def _style(name) -> dict:

@@ -100,6 +100,17 @@ def _weights_from_parts(a, walk_rows, lam: float, eps_tie: float):
     return s + eps_tie * r  # w = s + ε_tie r  (Eq. 5)
 
 
+def block_max(row_scores: mx.array, block_size: int) -> mx.array:
+    """(..., N) per-row scores -> (..., N_k) the largest score in each block of ``block_size`` rows
+    (the last block may be partial; pad rows never win because scores are >= 0 there)."""
+    N = row_scores.shape[-1]
+    nk = -(-N // block_size)
+    pad = nk * block_size - N
+    if pad:
+        row_scores = mx.concatenate([row_scores, mx.zeros((*row_scores.shape[:-1], pad), row_scores.dtype)], axis=-1)
+    return row_scores.reshape(*row_scores.shape[:-1], nk, block_size).max(axis=-1)
+
+
 def nexus_weights(s_hat: mx.array, walk_depth: int = 3, lam: float = 0.5, eps_tie: float = 1e-6) -> mx.array:
     """Per-block sampling weight w (Eq. 2-5) from S_hat (..., W, N_k); returns (..., N_k).
 
