@@ -12,6 +12,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from veloxquant_mlx.cli import main  # noqa: E402
+from veloxquant_mlx.evaluation import report  # noqa: E402
 from veloxquant_mlx.evaluation import results as R  # noqa: E402
 from veloxquant_mlx.evaluation.perplexity import streaming_nll  # noqa: E402
 from veloxquant_mlx.evaluation.retrieval import make_keys, make_prompt, prose_paragraphs  # noqa: E402
@@ -235,7 +236,7 @@ def test_reading_compares_methods_only_where_all_of_them_ran(tmp_path):
         put("nexus", "grass", 2048, depth, depth == 0.1)  # 50% at 2K
     put("snapkv-ada", "grass", 1024, 0.1, False)  # opt-in Ada row on one prompt only
     (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
-    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    text = report.write_report(tmp_path, tmp_path / "r.md").read_text()
     line = next(x for x in text.splitlines() if "Passkey, prefill-only, 10% density" in x)
     assert "grass 2K; 2 prompts" in line and "best eviction nexus at 50.0%" in line
     # 1 prompt only Nexus got right, none only SnapKV: the reading reports it and calls no winner.
@@ -264,7 +265,7 @@ def test_decode_reading_ranks_only_methods_that_evict_during_the_prompt(tmp_path
         put("h2o", "prefill", depth, False, False)
         put("h2o", "decode", depth, False, False)  # 0%
     (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
-    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    text = report.write_report(tmp_path, tmp_path / "r.md").read_text()
     line = next(x for x in text.splitlines() if "Passkey, prefill + decode, 20% density" in x)
     assert "best eviction nexus at 50.0%" in line and "(not snapkv:" in line
     nexus_line = text.splitlines()[text.splitlines().index(line) + 1]
@@ -307,7 +308,7 @@ def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
         put("h2o", i, False, 0.3)
         put("snapkv", i, 2 <= i < 12)  # 10/12 on other prompts: 2 discordant each way
     (tmp_path / "passkey.json").write_text(json.dumps({"cells": cells, "grid": {}, "meta": {}}))
-    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    text = report.write_report(tmp_path, tmp_path / "r.md").read_text()
     assert "ahead of h2o and behind none" in text
     assert "vs h2o 10/0, p = 0.002" in text and "vs snapkv 2/2, p = 1.00" in text
     assert "full cache 100.0% [75.8–100.0]" in text and "nexus, snapkv at 83.3% [55.2–95.3]" in text
@@ -320,5 +321,5 @@ def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
     per = {n: {"p_whole_mean_over_layers": p, "layers_keeping_whole_frac_sd_over_seeds": 0.05}
            for n, p in (("1", 0.47), ("topk", 0.7))}
     (tmp_path / "nexus_seed_n.json").write_text(json.dumps({"seeds": 10, "prompts": {"grass:0.5": {"per_n": per}}}))
-    text = R.write_report(tmp_path, tmp_path / "r.md").read_text()
+    text = report.write_report(tmp_path, tmp_path / "r.md").read_text()
     assert "| grass:0.5 | 47 ± 5 | 70 ± 5 |" in text

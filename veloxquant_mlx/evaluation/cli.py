@@ -53,7 +53,7 @@ def _cmd(module_name):
     def handler(args):
         import importlib
 
-        from .results import write_report
+        from .report import write_report
 
         mod = importlib.import_module(f"veloxquant_mlx.evaluation.{module_name}")
         rc = mod.run(args)
@@ -65,7 +65,7 @@ def _cmd(module_name):
 
 
 def _report(args):
-    from .results import write_report
+    from .report import write_report
 
     path = write_report(args.out_dir, _md_path(args))
     print(f"wrote {path}")
