@@ -1,4 +1,4 @@
-"""Real-model loaders (bundled SmolLM2-135M GGUF and other llama GGUFs) for mlx-lm."""
+"""Real-model loaders (bundled SmolLM2-135M GGUF, Gemma 3 270M, other llama/gemma3 GGUFs) for mlx-lm."""
 
 from .gguf_llama import (
     BUNDLED_GGUF_FILENAME,
@@ -6,6 +6,7 @@ from .gguf_llama import (
     convert_gguf,
     default_cache_dir,
     find_bundled_gguf,
+    load_gemma3_270m,
     load_gguf_model,
     load_model,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "convert_gguf",
     "default_cache_dir",
     "find_bundled_gguf",
+    "load_gemma3_270m",
     "load_gguf_model",
     "load_model",
 ]
