@@ -185,8 +185,10 @@ def test_byte_report_shows_allocated_beside_kept_and_full():
 
     rep = kv_report(caches)
     assert rep["allocated_bytes"] == sum(c.nbytes for c in caches)
+    assert rep["other_allocated_bytes"] == 0  # every layer is ours
     full = make_prompt_cache(model)
     _generate(model, random_prompt(600, seed=7), full, max_tokens=4)
     frep = kv_report(full)
     assert frep["allocated_bytes"] == sum(c.nbytes for c in full) >= frep["full_bytes"]
+    assert frep["other_allocated_bytes"] == frep["allocated_bytes"]  # all mlx-lm's own
     assert np.isclose(frep["fraction"], frep["allocated_bytes"] / frep["full_bytes"])

@@ -102,10 +102,13 @@ def _flags(extra):
 def kv_report(caches) -> dict:
     """KV memory over all layers, ours and mlx-lm's caches alike: ``allocated_bytes`` (``c.nbytes``:
     what the buffers really hold, capacity included), ``kept_bytes`` (the kept rows' K/V) and
-    ``full_bytes`` (K/V of every token seen). ``fraction`` = allocated / full is what a user sees."""
-    alloc = kept = full = 0
+    ``full_bytes`` (K/V of every token seen). ``fraction`` = allocated / full is what a user sees.
+    ``other_allocated_bytes``: the part held by the model's own caches (e.g. the RotatingKVCache of
+    sliding-window layers, which preallocate up to their window whatever the prompt length)."""
+    alloc = kept = full = other = 0
     for c in caches:
-        alloc += c.nbytes if getattr(c, "keys", None) is not None else 0
+        held = c.nbytes if getattr(c, "keys", None) is not None else 0
+        alloc += held
         if hasattr(c, "kept_bytes"):
             kept += c.kept_bytes
             full += c.full_seq_bytes
@@ -114,8 +117,9 @@ def kv_report(caches) -> dict:
             row = k.shape[0] * k.shape[1] * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
             kept += row * min(c.offset, k.shape[2])
             full += row * c.offset
+            other += held
     return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full,
-            "fraction": alloc / full if full else 0.0}
+            "fraction": alloc / full if full else 0.0, "other_allocated_bytes": other}
 
 
 def _prompt_tokens(tokenizer, prompt: str, use_chat: bool):
@@ -201,6 +205,9 @@ def cmd_generate(args):
     print(f"KV cache: allocated {_fmt_bytes(out['allocated_bytes'])} = {out['fraction']:.2f}x of the full "
           f"cache's {_fmt_bytes(out['full_bytes'])} (kept rows {_fmt_bytes(out['kept_bytes'])}); "
           f"process peak memory {out['peak_memory_gb']:.3f} GB")
+    if config is not None and out["other_allocated_bytes"]:
+        print(f"  of which the model's own caches (layers without eviction, e.g. sliding-window "
+              f"RotatingKVCache): {_fmt_bytes(out['other_allocated_bytes'])}")
     _blas_footer()
     return 0
 

@@ -55,7 +55,7 @@ def _err_cells(data):
 
 
 def _order(names, spec_order=None):
-    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "nexus-smooth", "nexus-prior", "nexus-b16", "h2o", "snapkv", "pyramidkv", "morphkv",
+    pref = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "nexus-smooth", "nexus-prior", "nexus-prior1", "nexus-b16", "h2o", "snapkv", "pyramidkv", "morphkv",
             "nestedkv", "streaming", "random"]
     def rank(n):
         base = _ada_base(n)  # an Ada variant sits right after its method
@@ -68,7 +68,7 @@ _REGIME_NAME = {"prefill": "prefill-only", "decode": "prefill + decode"}
 
 
 _PALETTE = [FULL, "nexus", "nexus-topk", "nexus-nowalk", "h2o", "snapkv", "pyramidkv", "morphkv", "nestedkv",
-            "streaming", "random", "kvcache", "rotating", "nexus-smooth", "nexus-prior", "nexus-b16"]
+            "streaming", "random", "kvcache", "rotating", "nexus-smooth", "nexus-prior", "nexus-prior1", "nexus-b16"]
 
 
 def _style(name) -> dict:

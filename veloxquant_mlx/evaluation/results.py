@@ -36,6 +36,7 @@ ABLATIONS = {
 OPT_IN_ABLATIONS = {
     "nexus-smooth": ("nexus", {"smooth_blocks": 1}),
     "nexus-prior": ("nexus", {"key_prior": 0.5}),
+    "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
 }
 
