@@ -76,6 +76,7 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self._saw_decode = False
         self._prompt_open = False  # prompt text arrived since the last single-token step
         self._ending = False  # this single-token step ends the prompt: compress after its attention
+        self.compressing_prompt = False  # True only inside the one-shot compression's eviction step
         self._rng = mx.random.key(config.seed + layer_idx)
         self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
         # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
@@ -252,7 +253,11 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         method under prompt_eviction="end")."""
         self._ending = False
         if self._rows > self.budget:
-            self._evict()
+            self.compressing_prompt = True  # a method may select differently at the one-shot step
+            try:
+                self._evict()
+            finally:
+                self.compressing_prompt = False
 
     # -- prompt-time policy (config.prompt_eviction) ------------------------------------------
     def _compresses_at_prompt_end(self) -> bool:

@@ -60,6 +60,11 @@ class NexusOptions:
                                    "the per-head block distributions S_hat; 'vectors' averages the query and "
                                    "key vectors before one softmax (literal reading; measurably worse)")
 
+    prompt_top_k: bool = option(False, doc="deterministic top-K by w (the n→∞ limit) at the one-shot "
+                                           "compression when the prompt ends, the reservoir (n_samples) for "
+                                           "decode evictions: the survival argument (§4, Lemma 4.1) is about "
+                                           "repeated eviction steps, which the one-shot step is not; False = "
+                                           "the reservoir everywhere (the paper)")
     smooth_blocks: int = option(0, low=0, doc="r: neighbour smoothing of the block weights before selection "
                                               "(each block takes the largest w within r blocks, SnapKV's "
                                               "pooling at block level) so a needle straddling a block "
@@ -213,7 +218,8 @@ class NexusKVCache(EvictionCache):
                  + o.key_prior * self.key_prior_weights(w.shape[1]))
         if o.smooth_blocks:
             w = neighbour_max(w, o.smooth_blocks, mask)
-        key = self.next_key() if o.n_samples is not None else None
+        n = None if (o.prompt_top_k and self.compressing_prompt) else o.n_samples
+        key = self.next_key() if n is not None else None
         d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
         if self.use_ada():
             # Ada-Nexus: per-head budgets K_h over whole blocks; padding blocks are never candidates.
@@ -221,7 +227,7 @@ class NexusKVCache(EvictionCache):
             valid = self.stored("positions")[..., ::b] != PAD_POSITION  # a block is all real or all padding
 
             def ada(w, valid):
-                blocks, real = ada_select_blocks(block_priority(w, o.n_samples, key), valid, n_lead,
+                blocks, real = ada_select_blocks(block_priority(w, n, key), valid, n_lead,
                                                  n_forced - n_lead, n_free, self.config.floor_alpha)
                 return self._trim_ada_blocks(blocks, real, n_lead, n_forced - n_lead)
 
@@ -229,11 +235,11 @@ class NexusKVCache(EvictionCache):
             blocks, real = ada(w, valid) if d is None else d.across_heads(ada, w, valid)
             idx = block_rows(blocks, b, N)
             return idx, mx.repeat(real, b, axis=-1)[..., :idx.shape[-1]]
-        if d is not None and o.per_head and o.n_samples is not None:
+        if d is not None and o.per_head and n is not None:
             # per-head draws for the global head layout, sliced to this rank's heads (no traffic)
-            u = d.uniform(key, (o.n_samples, *w.shape), axis=2)
+            u = d.uniform(key, (n, *w.shape), axis=2)
             blocks = top_blocks(log_reservoir_priority(w, u), mask, n_keep)
         else:
-            blocks = select_blocks(w, mask, n_keep, o.n_samples, key)
+            blocks = select_blocks(w, mask, n_keep, n, key)
         idx = block_rows(blocks, b, N)
         return mx.broadcast_to(idx, (B, H, idx.shape[-1]))
