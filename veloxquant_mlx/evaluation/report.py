@@ -40,6 +40,17 @@ def _meta_block(name, data, lines):
     lines.append("\n</details>\n")
 
 
+_ABLATION_NAMES = {"nexus-topk": "top-K", "nexus-nowalk": "no-walk", "nexus-smooth": "neighbour-smoothed blocks",
+                   "nexus-b16": "16-token blocks", "nexus-prior": "key-anomaly prior γ=0.5",
+                   "nexus-prior1": "key-anomaly prior alone"}
+
+
+def _ablation_note(rows) -> str:
+    """The Nexus ablations that ran on these prompts, with their accuracy."""
+    got = [f"{name} ({m}) {_pct(rows[m])}%" for m, name in _ABLATION_NAMES.items() if rows.get(m) is not None]
+    return ("Ablations on the same prompts: " + ", ".join(got) + ".") if got else ""
+
+
 def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
     """Computed, not hand-written: facts and target checks that follow from the numbers."""
     lines.append("\n## Reading (generated from the numbers above)\n")
@@ -96,13 +107,8 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
                                                       for m, r in pr.items()) +
                          f". At the 5% level Nexus is ahead of {', '.join(sig_a) or 'none'} and behind "
                          f"{', '.join(sig_b) or 'none'}; against {', '.join(rest) or 'none'} these prompts "
-                         "cannot tell the difference (no correction for the number of comparisons). "
-                         f"Ablations on the same prompts: top-K {_pct(rows.get('nexus-topk'))}%, no-walk "
-                         f"{_pct(rows.get('nexus-nowalk'))}%" +
-                         (f", neighbour-smoothed blocks (nexus-smooth) {_pct(rows['nexus-smooth'])}%"
-                          if "nexus-smooth" in rows else "") +
-                         (f", key-anomaly prior (nexus-prior) {_pct(rows['nexus-prior'])}%"
-                          if "nexus-prior" in rows else "") + ".")
+                         "cannot tell the difference (no correction for the number of comparisons). " +
+                         _ablation_note(rows))
     for k, v in pk.items():
         if k[0] == "ada" and v:
             facts.append(f"**Ada-KV allocation** ({_REGIME_NAME[k[1]]}, "
