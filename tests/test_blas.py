@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from veloxquant_mlx import blas
+from veloxquant_mlx import blas, blas_locate
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD / ELF: Linux only")
 
@@ -51,10 +51,10 @@ def test_elf_needed_reads_dynamic_dependencies():
     import mlx.core as mx
 
     lib = os.path.join(os.path.dirname(mx.__file__), "lib", "libmlx.so")
-    needed = blas._elf_needed(lib)
+    needed = blas_locate._elf_needed(lib)
     assert needed is not None and "libc.so.6" in needed and "libstdc++.so.6" in needed
     assert any(n.startswith("libblas") for n in needed)  # MLX's bundled reference BLAS
-    assert blas._elf_needed(__file__) is None  # not an ELF file
+    assert blas_locate._elf_needed(__file__) is None  # not an ELF file
 
 
 @pytest.mark.skipif(not HAS_CMEEL, reason="cmeel-openblas (the fast-cpu extra) not installed")
@@ -62,7 +62,7 @@ def test_pip_openblas_is_found_first_with_its_gfortran():
     lib = blas.find_blas()
     assert lib is not None and lib.source == "cmeel-openblas", lib
     assert os.path.isfile(lib.path) and lib.path.endswith(os.path.join("cmeel.prefix", "lib", "libopenblas.so.0"))
-    assert "libgfortran.so.5" in (blas._elf_needed(lib.path) or [])
+    assert "libgfortran.so.5" in (blas_locate._elf_needed(lib.path) or [])
     # a wheel-bundled copy (hashed soname; mlx-cpu ships one), preloaded by path and linked under the
     # plain soname, even where the system has one: the environment then does not depend on the distro
     assert len(lib.deps) == 1 and os.path.isfile(lib.deps[0]) and "libgfortran-" in lib.deps[0]
@@ -85,7 +85,7 @@ def test_preload_env_puts_dependencies_first_and_keeps_user_threads(tmp_path):
             assert os.path.samefile(os.path.join(link_dir, soname), target)
 
 
-@pytest.mark.skipif(not HAS_CMEEL or blas._system_resolves("libgfortran.so.5"),
+@pytest.mark.skipif(not HAS_CMEEL or blas_locate._system_resolves("libgfortran.so.5"),
                     reason="needs cmeel-openblas on a machine without a system libgfortran.so.5")
 def test_probe_rejects_a_preload_whose_dependencies_do_not_resolve():
     # Preloading cmeel's libopenblas alone kills every process started with it (libgfortran.so.5
@@ -140,6 +140,7 @@ def test_nothing_happens_on_macos(monkeypatch):
 def test_hint_without_any_openblas_names_the_pip_extra(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(blas, "_candidates", lambda: [])
+    monkeypatch.setattr(blas_locate, "_candidates", lambda: [])
     monkeypatch.setattr(blas, "_preloaded", lambda markers: False)
     monkeypatch.setattr(blas, "_mlx_on_cpu", lambda: True)
     hint = blas.blas_hint()
@@ -151,6 +152,7 @@ def test_cli_fast_blas_without_openblas_says_so_before_the_work(monkeypatch, cap
 
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(blas, "_candidates", lambda: [])
+    monkeypatch.setattr(blas_locate, "_candidates", lambda: [])
     monkeypatch.setattr(blas, "_preloaded", lambda markers: False)
     monkeypatch.setattr(blas, "openblas_preloaded", lambda: False)
     monkeypatch.setattr(blas, "_mlx_on_cpu", lambda: True)
