@@ -42,7 +42,7 @@ def _meta_block(name, data, lines):
 
 _ABLATION_NAMES = {"nexus-topk": "top-K", "nexus-nowalk": "no-walk", "nexus-smooth": "neighbour-smoothed blocks",
                    "nexus-b16": "16-token blocks", "nexus-prior": "key-anomaly prior γ=0.5",
-                   "nexus-prior1": "key-anomaly prior alone"}
+                   "nexus-prior1": "key-anomaly prior alone", "nexus-prompt-topk": "top-K at the one-shot step"}
 
 
 def _ablation_note(rows) -> str:

@@ -38,6 +38,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior": ("nexus", {"key_prior": 0.5}),
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
+    "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
 }
 
 
