@@ -191,6 +191,47 @@ def _dequantize(tensors: Dict[str, mx.array], base: str) -> mx.array:
     )
 
 
+def hf_tensor_name(gguf_name: str, global_names: Dict[str, str], block_names: Dict[str, str],
+                   suffixes: Tuple[str, ...] = ("weight", "bias")) -> Optional[str]:
+    """Map a GGUF tensor name (``blk.3.attn_q.weight``) to its mlx-lm/HF name through an
+    architecture's name tables; None for a tensor with no counterpart."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in suffixes:
+        return None
+    if base in global_names:
+        return f"{global_names[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
+    return None
+
+
+def convert_tensors(tensors: Dict[str, mx.array], hf_name: Callable[[str], Optional[str]],
+                    fix: Callable[[str, mx.array], mx.array], dtype: mx.Dtype) -> Dict[str, mx.array]:
+    """Every GGUF tensor that ``hf_name`` maps, dequantized to float32, passed through
+    ``fix(gguf_name, value)`` (the architecture's llama.cpp storage conventions), cast to ``dtype``
+    and evaluated one at a time (the float32 copies never all exist at once)."""
+    out: Dict[str, mx.array] = {}
+    skipped: List[str] = []
+    for name in sorted(tensors):
+        if name.endswith((".scales", ".biases")):
+            continue  # consumed together with their ".weight"
+        hf = hf_name(name)
+        if hf is None:
+            skipped.append(name)
+            continue
+        if name.endswith(".weight"):
+            value = _dequantize(tensors, name[: -len(".weight")])
+        else:
+            value = tensors[name].astype(mx.float32)
+        value = fix(name, value).astype(dtype)
+        mx.eval(value)
+        out[hf] = value
+    if skipped:
+        logger.info("ignored GGUF tensors without an mlx-lm counterpart: %s", skipped)
+    return out
+
+
 def _normalize_dtype(dtype: Union[str, mx.Dtype]) -> Tuple[str, mx.Dtype]:
     if isinstance(dtype, mx.Dtype):
         for name, value in _DTYPES.items():

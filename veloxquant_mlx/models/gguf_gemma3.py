@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 
 from .gguf_common import (
     ModelNotAvailableError,
-    _dequantize,
     _locate_in_package,
     _meta,
     _special_token_ids,
     assemble_chunks,
+    convert_tensors,
+    hf_tensor_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,15 +69,7 @@ _ROPE_LOCAL_BASE_FREQ = 10000.0  # RoPE base of the sliding-window layers (globa
 
 def _hf_name(gguf_name: str) -> Optional[str]:
     """Map a GGUF tensor name (``blk.3.post_ffw_norm.weight``) to its mlx-lm gemma3_text name."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if suffix != "weight":
-        return None
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
-    return None
+    return hf_tensor_name(gguf_name, _GLOBAL_NAMES, _BLOCK_NAMES, suffixes=("weight",))
 
 
 def model_config(meta: Dict[str, Any], tensors: Dict[str, mx.array], dtype_name: str) -> dict:
@@ -123,23 +116,10 @@ def model_config(meta: Dict[str, Any], tensors: Dict[str, mx.array], dtype_name:
 
 
 def convert_weights(tensors: Dict[str, mx.array], config: dict, dtype: mx.Dtype) -> Dict[str, mx.array]:
-    out: Dict[str, mx.array] = {}
-    skipped: List[str] = []
-    for name in sorted(tensors):
-        if name.endswith((".scales", ".biases")):
-            continue  # consumed together with their ".weight"
-        hf = _hf_name(name)
-        if hf is None:
-            skipped.append(name)
-            continue
-        value = _dequantize(tensors, name[: -len(".weight")])
-        if name.endswith("norm.weight"):
-            value = value - 1.0  # llama.cpp stored 1 + w; mlx-lm adds the 1 itself
-        value = value.astype(dtype)
-        mx.eval(value)
-        out[hf] = value
-    if skipped:
-        logger.info("ignored GGUF tensors without an mlx-lm counterpart: %s", skipped)
+    def fix(name, value):  # llama.cpp stored 1 + w; mlx-lm's RMSNorm adds the 1 itself
+        return value - 1.0 if name.endswith("norm.weight") else value
+
+    out = convert_tensors(tensors, _hf_name, fix, dtype)
     expected = 2 + 13 * config["num_hidden_layers"] + (0 if config["tie_word_embeddings"] else 1)
     if len(out) != expected:
         raise ValueError(f"GGUF has {len(out)} of the {expected} expected gemma3 weight tensors")

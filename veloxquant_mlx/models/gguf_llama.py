@@ -30,7 +30,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
@@ -39,13 +39,14 @@ from .gguf_common import (  # noqa: F401  (_MARKER_FILE, _build_tokenizer: this 
     _MARKER_FILE,
     ModelNotAvailableError,
     _build_tokenizer,
-    _dequantize,
     _locate_in_package,
     _meta,
     _normalize_dtype,
     _special_token_ids,
     default_cache_dir,
+    convert_tensors,
     ensure_converted,
+    hf_tensor_name,
     read_gguf,
     write_model_folder,
 )
@@ -175,15 +176,7 @@ _GLOBAL_NAMES = {
 
 def _hf_name(gguf_name: str) -> Optional[str]:
     """Map a GGUF tensor name (``blk.3.attn_q.weight``) to its mlx-lm/HF name."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
-    return None
+    return hf_tensor_name(gguf_name, _GLOBAL_NAMES, _BLOCK_NAMES)
 
 
 def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
@@ -206,28 +199,15 @@ def _convert_weights(
 ) -> Dict[str, mx.array]:
     n_heads = config["num_attention_heads"]
     n_kv = config["num_key_value_heads"]
-    out: Dict[str, mx.array] = {}
-    skipped: List[str] = []
-    for name in sorted(tensors):
-        if name.endswith((".scales", ".biases")):
-            continue  # consumed together with their ".weight"
-        hf = _hf_name(name)
-        if hf is None:
-            skipped.append(name)
-            continue
-        if name.endswith(".weight"):
-            value = _dequantize(tensors, name[: -len(".weight")])
-        else:
-            value = tensors[name].astype(mx.float32)
+
+    def fix(name, value):  # llama.cpp permuted the Q/K rows for GGML's interleaved RoPE
         if ".attn_q." in name:
-            value = _unpermute_rows(value, n_heads)
-        elif ".attn_k." in name:
-            value = _unpermute_rows(value, n_kv)
-        value = value.astype(dtype)
-        mx.eval(value)
-        out[hf] = value
-    if skipped:
-        logger.info("ignored GGUF tensors without an mlx-lm counterpart: %s", skipped)
+            return _unpermute_rows(value, n_heads)
+        if ".attn_k." in name:
+            return _unpermute_rows(value, n_kv)
+        return value
+
+    out = convert_tensors(tensors, _hf_name, fix, dtype)
     expected = 2 + 9 * config["num_hidden_layers"] + (0 if config["tie_word_embeddings"] else 1)
     missing = expected - sum(1 for k in out if k.endswith(".weight"))
     if missing:
