@@ -14,25 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
+from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
+from veloxquant_mlx.evaluation.report_passkey import _passkey_index
 from veloxquant_mlx.evaluation.stats import fmt_p, paired, wilson
 
 DEFAULT_RUNS = (("SmolLM2-135M", "figures/eval/passkey.json"), ("Gemma-3-270M", "figures/eval/gemma3/passkey.json"))
 
 
 def outcomes(path: str, density: float) -> dict:
-    """method -> {prompt: correct} for the prefill-only cells at ``density`` (the full cache at any)."""
-    cells = json.loads(Path(path).read_text())["cells"].values()
-    out = defaultdict(dict)
-    for c in cells:
-        if "error" in c or c.get("regime") != "prefill" or c.get("seed", 0) != 0:
-            continue
-        if c["method"] != "full" and abs(c["density"] - density) > 1e-9:
-            continue
-        out[c["method"]][(c["haystack"], c["context"], c["depth"], c["key"])] = bool(c["correct"])
-    return out
+    """method -> {prompt: correct} for the prefill-only cells at ``density`` (the full cache at any),
+    indexed as the report indexes them (seed 0, errors left out)."""
+    res, _, _ = _passkey_index(json.loads(Path(path).read_text()))
+    columns = sorted({(k[3], k[4]) for k in res})
+    methods = {k[2] for k in res if k[0] == "prefill" and k[1] == density}
+    return {m: _paired_outcomes(res, "prefill", density, m, columns) for m in methods}
 
 
 def common_prompts(res: dict, methods) -> list:
@@ -53,7 +50,7 @@ def main(argv=None) -> int:
     order = ["full", "nexus"] + sorted(m for m in shared if m not in ("full", "nexus"))
     methods = [m for m in order if m in shared]
     table = {}
-    print(f"| Method | " + " | ".join(f"{n}: accuracy [95% CI] (k/n) | vs Nexus: only Nexus / only other, p"
+    print("| Method | " + " | ".join(f"{n}: accuracy [95% CI] (k/n) | vs Nexus: only Nexus / only other, p"
                                      for n, _ in runs) + " |")
     print("|---|" + "---|---|" * len(runs))
     for name, res in runs:
