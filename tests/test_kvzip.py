@@ -279,3 +279,30 @@ def test_bad_kvzip_options_are_named():
         kvzip(kvzip_chunk=0)
     with pytest.raises(TypeError, match="kvzip_bogus"):
         kvzip(kvzip_bogus=1)
+
+
+def test_cli_compress_once_then_ask_twice(tmp_path, capsys):
+    from test_distributed import _save_model
+
+    from veloxquant_mlx.cli import main
+
+    _save_model(tmp_path / "model")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"t{i}" for i in np.random.default_rng(3).integers(0, VOCAB, size=90)))
+    out = tmp_path / "doc.safetensors"
+    common = ["--model", str(tmp_path / "model"), "--ignore-chat-template"]
+    assert main(["compress", *common, "--prompt-file", str(doc), "--out", str(out), "--budget", "24",
+                 "--kvzip-chunk", "32", "--prefill-step-size", "16"]) == 0
+    assert "Compressed 90 tokens with kvzip (budget 24/head)" in capsys.readouterr().out
+    loaded = load_prompt_cache(out)
+    assert all(c.size() == 24 and c.offset == 90 and c.zip_passes == 1 for c in loaded)
+
+    def ask(q):
+        assert main(["generate", *common, "--prompt-cache", str(out), "--prompt", q, "--max-tokens", "8"]) == 0
+        return capsys.readouterr().out.split("==========")[0].strip().splitlines()[-1]
+
+    a, b = "t5 t9 t11 t40", "t77 t3 t100"
+    first = ask(a)
+    assert ask(a) == first  # a fresh copy of the file every time: the same answer
+    assert ask(b) != first
+    assert load_prompt_cache(out)[0].offset == 90  # the file itself never changes

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import time
 
-from . import distributed
+from . import cli_compress, distributed
 from .config import KVCacheConfig
 from .registry import get_method, methods
 
@@ -129,7 +129,7 @@ def _prompt_tokens(tokenizer, prompt: str, use_chat: bool):
 
 
 def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
-                   prefill_step_size=2048, on_text=None) -> dict:
+                   prefill_step_size=2048, on_text=None, caches=None) -> dict:
     """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
@@ -139,7 +139,9 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
     from .builder import KVCacheBuilder
 
     mx.random.seed(seed)
-    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
+    if caches is None:
+        caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(
+            model, config, tokenizer=tokenizer)
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
@@ -190,14 +192,19 @@ def cmd_generate(args):
         hay, ctx, depth, key = args.passkey
         tokens, pos = make_prompt(tokenizer, hay, ctx, depth, key)
         print(f"Passkey prompt: {hay} haystack, {len(tokens)} tokens, key {key} at token {pos}")
+    elif args.prompt_cache:  # a compressed document (`compress`): a fresh copy, continued by the question
+        caches, meta = cli_compress.load_for_question(model, tokenizer, args.prompt_cache)
+        tokens = cli_compress.question_tokens(tokenizer, meta, args.prompt)
+        print(f"Prompt cache: {args.prompt_cache} ({meta['tokens']} document tokens)")
     else:
         tokens = _prompt_tokens(tokenizer, args.prompt, not args.ignore_chat_template)
-    config = _config_from_args(args, len(tokens))
+    config = None if args.prompt_cache else _config_from_args(args, len(tokens))
     out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
-                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
+                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
+                         caches=caches if args.prompt_cache else None)
     print()
     print("=" * 10)
-    label = FULL if config is None else (f"{config.method} (budget {config.budget}/head, "
+    label = (f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL) if config is None else (f"{config.method} (budget {config.budget}/head, "
                                          f"prompt_eviction={config.prompt_eviction})")
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
@@ -208,6 +215,27 @@ def cmd_generate(args):
     if config is not None and out["other_allocated_bytes"]:
         print(f"  of which the model's own caches (layers without eviction, e.g. sliding-window "
               f"RotatingKVCache): {_fmt_bytes(out['other_allocated_bytes'])}")
+    _blas_footer()
+    return 0
+
+
+def cmd_compress(args):
+    with open(args.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    if args.density is None:
+        _config_from_args(args, 0)  # reject bad flags before the (slow) model load
+    model, tokenizer = _load(args.model)
+    distributed.setup_cli(model)
+    n = len(cli_compress._split_template(tokenizer, text, not args.ignore_chat_template)[0])
+    config = _config_from_args(args, n)
+    if config is None:
+        raise CLIError(f"compress needs an eviction method, not --method {FULL}")
+    r = cli_compress.compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
+                                       not args.ignore_chat_template, args.model)
+    print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "
+          f"{r['seconds']:.2f} s: KV allocated {_fmt_bytes(r['allocated_bytes'])} "
+          f"({kv_report(r['caches'])['fraction']:.2f}x of the full cache); wrote {args.out} "
+          f"({_fmt_bytes(r['file_bytes'])})")
     _blas_footer()
     return 0
 
@@ -351,8 +379,19 @@ def build_parser():
     g.add_argument("--passkey", type=_passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",
                    help="instead of --prompt: the passkey evaluation's prompt, e.g. grass:1024:0.5:68043 "
                         "(haystack grass or text), to rerun one published cell")
+    g.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="continue a document compressed by `compress` with --prompt (a fresh copy each run)")
     _add_cache_args(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("compress", help="compress a document into a prompt-cache file (compress once, ask many)")
+    c.add_argument("--model", default="bundled")
+    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text)")
+    c.add_argument("--out", required=True, help="the .safetensors file to write")
+    c.add_argument("--prefill-step-size", type=int, default=2048)
+    c.add_argument("--ignore-chat-template", action="store_true", help="feed the document as raw text")
+    _add_cache_args(c, default_method="kvzip")
+    c.set_defaults(func=cmd_compress)
 
     m = sub.add_parser("methods", help="list the registered eviction methods")
     m.set_defaults(func=cmd_methods)
