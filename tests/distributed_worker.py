@@ -66,13 +66,14 @@ def cases(kind: str, arch: str):
         "morphkv": dict(morphkv_window=8, morphkv_evict_every=8),
         "streaming": dict(streaming_evict_every=8),
         "random": dict(random_evict_every=8),
+        "kvzip": dict(kvzip_chunk=24),  # 3 reconstruction chunks over the 64-token prompt
     }
     out = [("full", None), ("nexus-no-eviction", KVCacheConfig("nexus", budget=512, seed=3, **opts["nexus"]))]
     for m in methods():
         out.append((m, KVCacheConfig(m, **small, **opts[m])))
     if kind == "pipeline":
         return [c for c in out if c[0] in ("full", "nexus", "pyramidkv", "random", "h2o")]
-    ada = ("nexus", "h2o", "snapkv", "pyramidkv", "morphkv") if arch == "llama" else ("nexus",)
+    ada = ("nexus", "h2o", "snapkv", "pyramidkv", "morphkv", "kvzip") if arch == "llama" else ("nexus",)
     for m in ada:
         out.append((m + "-ada", KVCacheConfig(m, allocation="ada", **small, **opts[m])))
     if arch != "llama":
@@ -193,7 +194,7 @@ def batched_checks(group) -> dict:
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (56, 40)]
     out = {}
     for name, config in cases("tensor", "llama"):
-        if name not in ("nexus", "h2o-ada"):
+        if name not in ("nexus", "h2o-ada", "kvzip-ada"):
             continue
         alone = [generate(ref_model, p, KVCacheBuilder.for_model(ref_model, config, group=False))[0][:8]
                  for p in prompts]

@@ -28,9 +28,9 @@ from veloxquant_mlx.ops.nexus import nexus_weights
 from conftest import make_tiny_model
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
-PREFILL_ONLY = {"nestedkv", "snapkv", "pyramidkv"}
-PER_HEAD = ("h2o", "snapkv", "pyramidkv", "morphkv", "streaming", "random", "nexus-per-head")
-COMBINING = ("nexus", "nestedkv", "nexus-ada", "h2o-ada", "snapkv-ada", "pyramidkv-ada", "morphkv-ada",
+PREFILL_ONLY = {"nestedkv", "snapkv", "pyramidkv", "kvzip"}
+PER_HEAD = ("h2o", "snapkv", "pyramidkv", "morphkv", "streaming", "random", "nexus-per-head", "kvzip")
+COMBINING = ("nexus", "nestedkv", "nexus-ada", "h2o-ada", "snapkv-ada", "pyramidkv-ada", "morphkv-ada", "kvzip-ada",
              "nexus-vectors", "nexus-topk", "nestedkv-end", "nexus-prior")
 
 
@@ -77,7 +77,7 @@ def test_tokens_and_kept_rows_equal_one_process(ranks, run):
     if run.startswith("tensor"):
         assert set(methods()) <= names  # every registry method
     if run == "tensor/llama":
-        assert {m + "-ada" for m in ("nexus", "h2o", "snapkv", "pyramidkv", "morphkv")} <= names
+        assert {m + "-ada" for m in ("nexus", "h2o", "snapkv", "pyramidkv", "morphkv", "kvzip")} <= names
     bad = [(rank, name) for rank, name, c in _cases(ranks, run)
            if c["tokens"] != c["ref_tokens"] or c.get("kept_equal") is False]
     assert not bad, f"{run}: 2 ranks differ from one process for {bad}"
@@ -153,7 +153,7 @@ def test_batched_generation_on_the_split_model(ranks):
     for r in ranks:
         b = r["runs"]["batched"]
         assert "error" not in b, b.get("error")
-        assert set(b) == {"nexus", "h2o-ada"}
+        assert set(b) == {"nexus", "h2o-ada", "kvzip-ada"}
         for name, v in b.items():
             assert v["batched"] == v["alone"], (r["rank"], name)
 

@@ -82,6 +82,12 @@ def install_model_pass(model, tokenizer=None) -> None:
         object.__setattr__(model, _DRIVER, PassPrompt(tokenizer))
 
 
+def set_pass_tokenizer(model, tokenizer) -> None:
+    """Remember the tokenizer of the repeat prompt for a later ``for_model`` that is given none (an
+    evaluation harness loads the model and tokenizer once, then builds caches many times)."""
+    object.__setattr__(model, _DRIVER, PassPrompt(tokenizer))
+
+
 def remove_model_pass(model) -> bool:
     """Undo :func:`install_model_pass`. Returns True when it was installed."""
     cls = type(model)
