@@ -18,8 +18,8 @@ import mlx.core as mx
 from .attention import group_queries, window_attention_probs
 
 
-@mx.compile
 def _block_max(q, ctx, own, col_limit):
+    # Not mx.compile'd: every chunk length is a new shape, and recompiling cost more than it saved.
     # q (B, H, G, s, D) scaled; ctx (B, H, C, D); own (B, H, S, D); col_limit (s,): the last own-key
     # column each query may see (causal inside the reconstruction input) -> (B, H, C) float32
     k = mx.concatenate([ctx, own], axis=2).astype(mx.float32)
