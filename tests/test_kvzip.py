@@ -306,3 +306,51 @@ def test_cli_compress_once_then_ask_twice(tmp_path, capsys):
     assert ask(a) == first  # a fresh copy of the file every time: the same answer
     assert ask(b) != first
     assert load_prompt_cache(out)[0].offset == 90  # the file itself never changes
+
+
+def test_sliding_layers_of_gemma3_are_not_touched_by_the_pass():
+    """Gemma 3: eviction caches on the global layers only; the pass runs the sliding layers on copies,
+    so their RotatingKVCache holds exactly what a plain prefill leaves."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import gemma3_text
+    from mlx_lm.models.cache import RotatingKVCache
+
+    mx.random.seed(0)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=96,
+        num_attention_heads=2, head_dim=32, num_key_value_heads=1, vocab_size=VOCAB,
+        sliding_window=16, sliding_window_pattern=3, query_pre_attn_scalar=32)
+    model = gemma3_text.Model(args)
+    model.update(tree_map(lambda p: p * 4.0, model.parameters()))
+    mx.eval(model.parameters())
+    x = mx.array([random_prompt(80, seed=11)])
+    plain = model.make_cache()
+    caches = build(model, kvzip(budget=24, kvzip_chunk=32))
+    for cs in (plain, caches):
+        for s in range(0, 79, 16):
+            model(x[:, s:min(s + 16, 79)], cache=cs)
+        model(x[:, 79:], cache=cs)
+        mx.eval([c.state for c in cs])
+    for i, (a, b) in enumerate(zip(plain, caches)):
+        if isinstance(b, RotatingKVCache):
+            assert a.offset == b.offset == 80
+            assert all(mx.array_equal(p, q) for p, q in zip(a.state, b.state)), i
+        else:
+            assert isinstance(b, KVzipCache) and b.zip_passes == 1 and b.size() == 24 and b.offset == 80
+    KVCacheBuilder.uninstall(model)
+
+
+def test_the_pass_forces_no_host_sync():
+    from conftest import forbid_host_sync
+
+    model = make_tiny_model("llama")
+    caches = build(model, kvzip(budget=24, kvzip_chunk=32))
+    x = mx.array([random_prompt(100, seed=12)])
+    with forbid_host_sync():
+        for s in range(0, 99, 32):
+            model(x[:, s:min(s + 32, 99)], cache=caches)
+        out = model(x[:, 99:], cache=caches)  # the prompt's end: the reconstruction pass and evictions
+        for t in range(3):
+            out = model(x[:, t:t + 1], cache=caches)
+    mx.eval(out, [c.state for c in caches])
+    assert all(c.zip_passes == 1 and c.size() == 24 + 3 for c in caches)

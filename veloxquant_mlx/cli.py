@@ -204,7 +204,8 @@ def cmd_generate(args):
                          caches=caches if args.prompt_cache else None)
     print()
     print("=" * 10)
-    label = (f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL) if config is None else (f"{config.method} (budget {config.budget}/head, "
+    loaded = f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL
+    label = loaded if config is None else (f"{config.method} (budget {config.budget}/head, "
                                          f"prompt_eviction={config.prompt_eviction})")
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")

@@ -9,8 +9,8 @@ instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_st
 2. runs the original forward (lazily, as always); a KVzip cache whose compression falls due in it
    (the prompt's end) defers it;
 3. after the forward, when some cache deferred: the reconstruction pass of that sequence, in chunks
-   (paper Sec. 3.3: ``repeat prompt + chunk``, about 2K tokens), through the same model with the
-   KVzip caches in scoring mode (the pass's own K/V are never stored) and fresh copies of every
+   (paper Sec. 3, chunked scoring: ``repeat prompt + chunk``, about 2K tokens), through the same
+   model with the KVzip caches in scoring mode (the pass's own K/V are never stored) and fresh copies of every
    other cache (e.g. Gemma 3's sliding RotatingKVCache is never mutated); then every KVzip cache
    of the sequence evicts. A batch (``BatchEvictionCache``) runs one pass per sequence.
 
@@ -32,7 +32,7 @@ from .caches.kvzip import KVzipCache, feeding
 _DRIVER = "_veloxquant_model_pass"
 _SUBCLASSES: dict = {}
 
-# The repeat prompts of the reconstruction input (paper Sec. 3.2 / Fig. 2: "Repeat the previous
+# The repeat prompts of the reconstruction input (paper Sec. 3, Fig. 2: "Repeat the previous
 # context"); later chunks quote the previous chunk's last tokens so the model knows where to resume.
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -165,7 +165,7 @@ def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
     def tokens(lst):
         return mx.broadcast_to(mx.array(lst, dtype=mx.int32)[None], (B, len(lst)))
 
-    for lo in range(0, n, m):  # Sec. 3.3: chunks of the context, each with its own repeat prompt
+    for lo in range(0, n, m):  # Sec. 3 (chunked scoring): each chunk with its own repeat prompt
         hi = min(lo + m, n)
         parts = [tokens(prompt.first)] if lo == 0 else [tokens(prompt.next), ids[:, max(lo - overlap, 0):lo]]
         parts += [tokens(prompt.suffix), ids[:, lo:hi]]

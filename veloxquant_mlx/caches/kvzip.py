@@ -4,9 +4,10 @@ own context.
 When the prompt ends, the model re-reads its context through a reconstruction pass ("Repeat the
 previous context exactly." followed by the context tokens) with the prompt's cache as the past. Every
 stored row is scored by the maximum attention it receives in that pass, per KV head, over the GQA
-group and the reconstruction positions (Sec. 3.2); the context is reconstructed in chunks of about 2K
-tokens (Sec. 3.3). Each head keeps its top rows plus the sinks and the recent window (Ada-KV head
-budgets with ``allocation="ada"``, the paper's non-uniform head budget within a layer).
+group and the reconstruction positions (Sec. 3, importance scoring); the context is reconstructed
+in chunks of about 2K tokens (Sec. 3, chunked scoring). Each head keeps its top rows plus the
+sinks and the recent window (Ada-KV head budgets with ``allocation="ada"``: the paper's non-uniform
+head budget, within a layer).
 
 A cache cannot call the model: the builder wraps the model (``veloxquant_mlx.model_pass``), which
 records the token ids each forward feeds (this file stores them per row, ``zip_ids``) and, right
@@ -39,7 +40,7 @@ from .storage import with_headroom
 
 @dataclasses.dataclass
 class KVzipOptions:
-    # Sec. 3.3: the context is reconstructed in chunks of m = 2K tokens (bounded pass memory).
+    # Sec. 3 (chunked scoring): the context is reconstructed in chunks of 2K tokens (bounded memory).
     chunk: int = option(2048, low=1, doc="context tokens reconstructed per forward pass of the scoring pass")
     overlap: int = option(8, low=0, doc="tokens of the previous chunk quoted in the next chunk's repeat prompt")
     q_block: int = option(512, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")

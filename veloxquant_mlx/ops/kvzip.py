@@ -1,11 +1,11 @@
-"""KVzip's importance score (Kim et al., NeurIPS 2025, arXiv 2505.23416, Sec. 3.2-3.3).
+"""KVzip's importance score (Kim et al., NeurIPS 2025, arXiv 2505.23416, Sec. 3).
 
 While the model reconstructs its context ("Repeat the previous context" + the context tokens, fed
 with the prompt's cache as the past), every stored KV row gets the MAXIMUM softmax attention it
-receives, over the reconstruction queries and over the query heads of its GQA group (Sec. 3.2).
-Chunked scoring (Sec. 3.3): a chunk's queries are scored against the chunk's own context rows, the
-leading sink rows and the reconstruction input's own keys (causal), so the probability tensor is
-(heads x queries x (chunk + input)) whatever the context length.
+receives, over the reconstruction queries and over the query heads of its GQA group (Sec. 3,
+importance scoring). Chunked scoring (Sec. 3): a chunk's queries are scored against the chunk's
+own context rows, the leading sink rows and the reconstruction input's own keys (causal), so the
+probability tensor is (heads x queries x (chunk + input)) whatever the context length.
 
 Pure MLX; the only Python loop is over a few query sub-blocks of a chunk (bounds the tensor to
 ``q_block`` queries at a time; the max over blocks is the same max).
