@@ -28,6 +28,8 @@ import mlx.core as mx
 
 from .batching import BatchEvictionCache
 from .caches.kvzip import KVzipCache, feeding
+from .caches.storage import PAD_POSITION
+from .ops.kvzip import layer_winner_counts
 
 _DRIVER = "_veloxquant_model_pass"
 _SUBCLASSES: dict = {}
@@ -179,3 +181,36 @@ def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
                 z.end_chunk()
     for z in zips:
         z.finish_pass()
+    shares = _global_shares(zips) if first.options.layers == "global" else None
+    for i, z in enumerate(zips):
+        z.compress(None if shares is None else shares[i])
+
+
+_warned_global: set = set()
+
+
+def _global_shares(zips: list):
+    """Per-layer budgets from one ranking over every layer's rows (kvzip ``layers="global"``), or
+    None where that is not possible here (then every layer keeps its own budget)."""
+    first = zips[0]
+    why = None
+    if first.keys.shape[0] != 1:
+        why = "a batch of several sequences in one cache"
+    elif any(z.dist is not None for z in zips):
+        why = "tensor parallelism"
+    if why is not None:
+        if why not in _warned_global:
+            _warned_global.add(why)
+            warnings.warn(f"kvzip layers='global' is not supported with {why}: each layer keeps its own "
+                          "budget", stacklevel=3)
+        return None
+    F = first.n_sink + first.recent
+    scores, cands = [], []
+    for z in zips:
+        pos = z.stored("positions")
+        forced = (pos < z.n_sink) | (pos >= z.offset - z.recent)
+        scores.append(z.stored("zip_score"))
+        cands.append((pos != PAD_POSITION) & ~forced)
+    n_total = sum(z.keys.shape[1] for z in zips) * (first.budget - F)
+    counts = layer_winner_counts(scores, cands, n_total).tolist()  # the one host read of a global pass
+    return [F + int(round(c / z.keys.shape[1])) for c, z in zip(counts, zips)]

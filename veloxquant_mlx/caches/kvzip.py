@@ -45,6 +45,10 @@ class KVzipOptions:
     overlap: int = option(8, low=0, doc="tokens of the previous chunk quoted in the next chunk's repeat prompt")
     q_block: int = option(512, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")
     window: int = option(16, low=1, doc="fallback only (no model pass): last prompt queries that score the rows")
+    # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
+    # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
+    # the total stays layers x heads x budget. Reads the L shares back once per pass.
+    layers: str = option("each", choices=("each", "global"), doc="budget across layers: each | global")
 
 
 # -- what the model wrapper tells the caches during one forward (one thread = one generation) -------
@@ -176,18 +180,32 @@ class KVzipCache(EvictionCache):
         self._chunk = self._own = None
 
     def finish_pass(self) -> None:
-        """Every chunk scored: store the pending rows' scores; evict if a compression was due."""
+        """Every chunk scored: store the pending rows' scores (then ``compress``)."""
         parts, self._parts = self._parts, []
         if parts:
             self._set_pending_scores(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
             self.zip_passes += 1
-        if self._zip_due and self.pending == 0:
-            self._zip_due = False
-            self.compressing_prompt = True
-            try:
-                super()._evict()
-            finally:
-                self.compressing_prompt = False
+
+    def compress(self, budget: int | None = None) -> None:
+        """The deferred compression, to ``budget`` rows per head (default: the configured one)."""
+        if not (self._zip_due and self.pending == 0):
+            return
+        self._zip_due = False
+        keep, self.budget = self.budget, (self.budget if budget is None else budget)
+        self.compressing_prompt = True
+        try:
+            super()._evict()
+        finally:
+            self.compressing_prompt = False
+            self.budget = keep
+
+    def _end_prompt(self):
+        # "global": a layer below its own budget may still have to give rows to another layer.
+        if self.options.layers == "global" and self.pending and self.offset > self.budget >= self._rows:
+            self._ending = False
+            self._evict()
+            return
+        super()._end_prompt()
 
     def update_and_fetch(self, keys, values):
         if self._chunk is None:
