@@ -354,3 +354,31 @@ def test_the_pass_forces_no_host_sync():
             out = model(x[:, t:t + 1], cache=caches)
     mx.eval(out, [c.state for c in caches])
     assert all(c.zip_passes == 1 and c.size() == 24 + 3 for c in caches)
+
+
+def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monkeypatch):
+    model = make_tiny_model("llama", layers=4)
+    prompt = random_prompt(100, seed=13)
+    seen = []
+    original = KVzipCache.compress
+
+    def spy(self, budget=None):  # the scores every layer holds when the shares are decided
+        seen.append((np.array(self.stored("zip_score")[0]), np.array(self.stored("positions")[0]), budget))
+        return original(self, budget)
+
+    monkeypatch.setattr(KVzipCache, "compress", spy)
+    each = build(model, kvzip(budget=32, kvzip_chunk=40))
+    steps(model, prompt, each, 1)
+    assert [c.size() for c in each] == [33] * 4 and [b for _, _, b in seen] == [None] * 4
+    seen.clear()
+    glob = build(model, kvzip(budget=32, kvzip_chunk=40, kvzip_layers="global"))
+    steps(model, prompt, glob, 1)
+    sizes = [c.size() - 1 for c in glob]  # minus the one decoded row
+    assert len(set(sizes)) > 1 and abs(sum(sizes) - 4 * 32) <= 2  # shares differ, the total is kept
+    # One ranking over every layer's candidate rows (not sinks, not the recent window): layer l's share
+    # is n_sink + recent + its winners / heads.
+    cand = [np.where((p >= 4) & (p < 100 - 4), s, -np.inf) for s, p, _ in seen]
+    flat = np.concatenate([c.ravel() for c in cand])
+    thr = np.sort(flat)[::-1][4 * 2 * (32 - 8) - 1]
+    want = [8 + int(round((c >= thr).sum() / 2)) for c in cand]
+    assert [b for _, _, b in seen] == want == sizes
