@@ -382,3 +382,13 @@ def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monke
     thr = np.sort(flat)[::-1][4 * 2 * (32 - 8) - 1]
     want = [8 + int(round((c >= thr).sum() / 2)) for c in cand]
     assert [b for _, _, b in seen] == want == sizes
+
+
+def test_evaluation_labels():
+    from veloxquant_mlx.evaluation.results import make_caches, method_specs
+
+    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-global"])}
+    assert (specs["kvzip"].method, specs["kvzip"].prefill_only) == ("kvzip", True)
+    assert specs["kvzip-ada"].allocation == "ada" and specs["kvzip-global"].opts == {"layers": "global"}
+    model = make_tiny_model("llama")
+    assert all(isinstance(c, KVzipCache) for c in make_caches(model, specs["kvzip-global"], 16))

@@ -39,6 +39,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
     "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
+    "kvzip-global": ("kvzip", {"layers": "global"}),  # KVzip's budget shared across layers (the paper's default)
 }
 
 
