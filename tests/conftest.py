@@ -119,7 +119,7 @@ def pytest_configure(config):
 
     if os.environ.get("VELOXQUANT_NO_FAST_BLAS"):
         return
-    from veloxquant_mlx import blas
+    from veloxquant_mlx import _blas as blas
 
     if blas.openblas_preloaded() or blas.find_blas() is None:
         return

@@ -211,7 +211,7 @@ def batched_checks(group) -> dict:
 def top_k_checks(group) -> dict:
     """HeadShard.top_k_mask over 2 ranks against one process's stable argsort ranking of all heads,
     on scores with many ties (and -0.0 next to 0.0), an int k and a per-batch-row k."""
-    from veloxquant_mlx.distributed import HeadShard
+    from veloxquant_mlx.caches.shard import HeadShard
 
     d, rng, bad, n = HeadShard(group), np.random.default_rng(11), [], 0
     for trial in range(6):

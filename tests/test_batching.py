@@ -14,7 +14,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.batching import BatchEvictionCache
+from veloxquant_mlx.caches.batch import BatchEvictionCache
 
 from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer
 from test_contract import EXTRA_KWARGS

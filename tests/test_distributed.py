@@ -5,7 +5,7 @@ qwen3 models (8 query / 4 KV heads: 2 KV heads per rank) and pipeline parallel o
 per rank), for every registry method and the Ada-KV variants, at a budget that evicts during the
 prompt (``prompt_eviction="stream"``, 32-token chunks) and during decode. The single-process
 reference runs on each rank with an unsplit copy of the same model; the tests compare.
-Single-process pieces of veloxquant_mlx.distributed are tested at the bottom without a launch.
+Single-process pieces of veloxquant_mlx.caches.shard / veloxquant_mlx.distributed are tested at the bottom without a launch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.distributed import HeadShard, layer_span, resolve_group, shard_for_world, shared_block_weights
+from veloxquant_mlx.caches.shard import HeadShard, shared_block_weights
+from veloxquant_mlx.distributed import layer_span, resolve_group, shard_for_world
 from veloxquant_mlx.ops.nexus import nexus_weights
 
 from conftest import make_tiny_model

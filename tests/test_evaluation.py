@@ -15,7 +15,8 @@ from veloxquant_mlx.cli import main  # noqa: E402
 from veloxquant_mlx.evaluation import report  # noqa: E402
 from veloxquant_mlx.evaluation import results as R  # noqa: E402
 from veloxquant_mlx.evaluation.perplexity import streaming_nll  # noqa: E402
-from veloxquant_mlx.evaluation.retrieval import make_keys, make_prompt, prose_paragraphs  # noqa: E402
+from veloxquant_mlx.evaluation.passkey import prose_paragraphs  # noqa: E402
+from veloxquant_mlx.evaluation.retrieval import make_keys, make_prompt  # noqa: E402
 from veloxquant_mlx.evaluation.speed import greedy_generate  # noqa: E402
 
 
@@ -275,15 +276,16 @@ def test_decode_reading_ranks_only_methods_that_evict_during_the_prompt(tmp_path
     assert "best eviction snapkv, nexus at 100.0%" in pre or "best eviction nexus, snapkv at 100.0%" in pre
 
 
-def test_generate_passkey_spec_names_one_evaluation_prompt():
+def test_generatepasskey_spec_names_one_evaluation_prompt():
     import argparse
 
-    from veloxquant_mlx.cli import _passkey_spec, build_parser
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.generate import passkey_spec
 
-    assert _passkey_spec("text:2048:0.9:40718") == ("text", 2048, 0.9, "40718")
+    assert passkey_spec("text:2048:0.9:40718") == ("text", 2048, 0.9, "40718")
     for bad in ("grass:1024:0.5", "hay:1024:0.5:1", "grass:10:0.5:1", "grass:1024:1.5:1", "grass:1024:0.5:x1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _passkey_spec(bad)
+            passkey_spec(bad)
     args = build_parser().parse_args(["generate", "--passkey", "grass:640:0.5:12345", "--method", "nexus"])
     assert args.passkey == ("grass", 640, 0.5, "12345")
 

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, install_query_tap, remove_query_tap
 from veloxquant_mlx.caches.streaming import StreamingKVCache
-from veloxquant_mlx.mlx_lm_compat import query_tap_installed
+from veloxquant_mlx.tap import query_tap_installed
 
 from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer
 
@@ -194,7 +194,7 @@ def test_changing_shapes_or_dtype_is_refused():
 def test_batch_merge_is_ours_not_kvcache_merge():
     """KVCache.merge would drop eviction state; ours batches one single-row cache per sequence
     (tests/test_batching.py checks it row by row)."""
-    from veloxquant_mlx.batching import BatchEvictionCache
+    from veloxquant_mlx.caches.batch import BatchEvictionCache
 
     batch = StreamingKVCache.merge([])
     assert type(batch) is BatchEvictionCache and batch.rows == []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import option
+from ..options import option
 from ..ops.h2o import attention_mass
 from ..registry import register
 from .base import EvictionCache

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import option
+from ..options import option
 from ..ops.window_scores import window_scores
 from ..registry import register
 from .snapkv import _WindowScoreCache

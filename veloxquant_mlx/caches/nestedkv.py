@@ -26,8 +26,8 @@ import math
 
 import mlx.core as mx
 
-from ..config import option
-from ..distributed import shard_of
+from ..options import option
+from .shard import shard_of
 from ..ops import gather_rows, keep_top_rows
 from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
                             rows_from_mask)

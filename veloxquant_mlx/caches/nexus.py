@@ -29,8 +29,8 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
-from ..distributed import head_means, shard_of, shared_block_weights
+from ..options import option
+from .shard import head_means, shard_of, shared_block_weights
 from ..ops.nestedkv import episodic_block_size, nestedkv_scores
 from ..ops.nexus import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows,
                          forced_blocks, log_reservoir_priority, n_blocks, nexus_weights, select_blocks,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import option
+from ..options import option
 from ..registry import register
 from .snapkv import SnapKVCache
 

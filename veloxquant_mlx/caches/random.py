@@ -10,8 +10,8 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
-from ..distributed import shard_of
+from ..options import option
+from .shard import shard_of
 from ..registry import register
 from .base import EvictionCache
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
+from ..options import option
 from ..ops.window_scores import snapkv_scores
 from ..registry import register
 from .base import EvictionCache

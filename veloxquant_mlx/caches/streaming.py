@@ -6,7 +6,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
+from ..options import option
 from ..registry import register
 from .base import EvictionCache
 

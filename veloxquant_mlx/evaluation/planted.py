@@ -716,7 +716,7 @@ def strip_ms(x):
 def blas_preloaded() -> bool:
     """Whether an optimized OpenBLAS was preloaded into this process (LD_PRELOAD)."""
     try:
-        from ..blas import openblas_preloaded
+        from .._blas import openblas_preloaded
 
         return bool(openblas_preloaded())
     except Exception:  # noqa: BLE001 - the helper module is optional
