@@ -11,7 +11,6 @@ import ast
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

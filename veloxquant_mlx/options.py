@@ -10,16 +10,18 @@ import math
 
 
 def option(default, *, kind=None, low=None, high=None, low_open=False, choices=None, allow_none=False,
-           doc=""):
+           doc="", small=None):
     """A validated dataclass field.
 
     kind: int / float / bool / str / tuple; low/high: inclusive bounds (``low_open`` makes low
-    exclusive); choices: allowed values; allow_none: ``None`` is valid (e.g. n=None means n=inf).
+    exclusive); choices: allowed values; allow_none: ``None`` is valid (e.g. n=None means n=inf);
+    small: the value for tiny shapes (budget 32 tokens, prompts of ~40: the tests and the behaviour
+    fingerprint), where the default does not fit or would never evict (see :func:`small_options`).
     """
     if kind is None:
         kind = type(default) if default is not None else float
     meta = dict(kind=kind, low=low, high=high, low_open=low_open, choices=choices,
-                allow_none=allow_none, doc=doc)
+                allow_none=allow_none, doc=doc, small=small)
     if isinstance(default, (list, dict)):
         raise TypeError("option defaults must be immutable")
     return dataclasses.field(default=default, metadata=meta)
@@ -70,6 +72,14 @@ def validate_options(opts) -> None:
     check = getattr(opts, "check", None)
     if check is not None:
         check()
+
+
+def small_options(options_cls) -> dict:
+    """``{field: small value}`` of an options dataclass: the options that make a method evict on
+    tiny shapes (budget 32). Tests build every registered method with these, so a new method only
+    declares ``small=`` on its own options."""
+    return {f.name: f.metadata["small"] for f in dataclasses.fields(options_cls)
+            if f.metadata.get("small") is not None}
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """Save / load of prompt caches holding our classes and mlx-lm's, in one ``.safetensors`` file.
 
-Loaded caches are rebuilt from their state (``EvictionCache.from_state``); only classes of this
-package or ``mlx_lm.models.cache`` are loaded.
+Loaded caches are rebuilt from their state (``EvictionCache.from_state``); only registered methods
+and classes of this package or ``mlx_lm.models.cache`` are loaded.
 """
 
 from __future__ import annotations
@@ -11,10 +11,19 @@ import json
 
 import mlx.core as mx
 
+from .caches.base import EvictionCache
+from .registry import get_method, methods
+
 _FILE_FORMAT = "veloxquant-prompt-cache/1"
 
 
 def _cache_class(qualname: str):
+    """The class a file names: a registered method's (wherever it was defined), one of this package
+    or of ``mlx_lm.models.cache``; nothing else is imported."""
+    for name in methods():
+        cls = get_method(name)
+        if f"{cls.__module__}.{cls.__qualname__}" == qualname:
+            return cls
     module, _, name = qualname.rpartition(".")
     if not module.startswith(("veloxquant_mlx.", "mlx_lm.models.cache")):
         raise ValueError(f"refusing to load cache class {qualname!r} from an unknown module")
@@ -72,7 +81,7 @@ def load_prompt_cache(path: str, return_metadata: bool = False):
             state = data
         else:
             state = [data[str(j)] for j in range(len(data))]
-        if hasattr(cls, "from_state") and "veloxquant_mlx" in cls.__module__:
+        if issubclass(cls, EvictionCache):
             caches.append(cls.from_state(state, layer["meta_state"]))
         else:
             obj = cls.__new__(cls)

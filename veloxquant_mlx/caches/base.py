@@ -120,8 +120,9 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         return self.config.budget
 
     def eviction_slack(self) -> int:
-        """Rows allowed above the budget before an eviction step runs (amortizes the cost)."""
-        return getattr(self.options, "evict_every", None) or getattr(self.options, "block_size", None) or 32
+        """Rows allowed above the budget before an eviction step runs (amortizes the cost): the
+        method's ``evict_every`` option when it has one, else 32. A method with its own unit overrides."""
+        return getattr(self.options, "evict_every", None) or 32
 
     def extra_row_fields(self) -> dict:
         """Per-row state to keep aligned with the rows: name -> fill value for new rows."""

@@ -14,7 +14,7 @@ from .base import EvictionCache
 @dataclasses.dataclass
 class StreamingOptions:
     # Evict once this many rows past the budget have accumulated (amortized; exact StreamingLLM is 1).
-    evict_every: int = option(32, low=1)
+    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
 
 
 @register("streaming")
