@@ -26,7 +26,7 @@ import warnings
 
 import mlx.core as mx
 
-from .batching import BatchEvictionCache
+from .caches.batch import BatchEvictionCache
 from .caches.kvzip import KVzipCache, feeding
 from .caches.storage import PAD_POSITION
 from .ops.kvzip import layer_winner_counts

@@ -31,7 +31,7 @@ import threading
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from ..config import option
+from ..options import option
 from ..ops.kvzip import reconstruction_scores, window_max_scores
 from ..registry import register
 from .base import EvictionCache
@@ -41,10 +41,10 @@ from .storage import with_headroom
 @dataclasses.dataclass
 class KVzipOptions:
     # Sec. 3 (chunked scoring): the context is reconstructed in chunks of 2K tokens (bounded memory).
-    chunk: int = option(2048, low=1, doc="context tokens reconstructed per forward pass of the scoring pass")
-    overlap: int = option(8, low=0, doc="tokens of the previous chunk quoted in the next chunk's repeat prompt")
+    chunk: int = option(2048, low=1, small=24, doc="context tokens reconstructed per forward of the pass")
+    overlap: int = option(8, low=0, doc="previous chunk's last tokens quoted in the next repeat prompt")
     q_block: int = option(512, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")
-    window: int = option(16, low=1, doc="fallback only (no model pass): last prompt queries that score the rows")
+    window: int = option(16, low=1, small=8, doc="fallback only (no model pass): last queries that score")
     # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
     # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
     # the total stays layers x heads x budget. Reads the L shares back once per pass.

@@ -1,4 +1,4 @@
-"""Compress once, ask many: ``python -m veloxquant_mlx compress`` and ``generate --prompt-cache``.
+"""``python -m veloxquant_mlx compress``: compress once, ask many (``generate --prompt-cache``).
 
 ``compress`` reads a document, feeds it through the model exactly as ``mlx_lm.generate`` would
 (all but the last token in prefill chunks, then the last token alone: the prompt's end, where KVzip
@@ -8,7 +8,7 @@ of that file each time and continues it with the question, so one compressed doc
 number of questions. With a chat template the document opens a user turn and the question closes it
 (the template's tail is stored in the file's metadata).
 
-This module imports nothing of ``cli.py`` (which dispatches to it).
+Loading the file for a question lives in ``cli.args`` (shared with ``generate``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ from __future__ import annotations
 import os
 import time
 
-FORMAT = "veloxquant-compressed-document/1"
+from .. import distributed
+from ..caches.accounting import kv_report
+from ..registry import FULL
+from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, config_from_args, fmt_bytes,
+                   load_model_for_cli)
+
 _MARK = "\x00VQ-DOCUMENT-END\x00"
 
 
-def _split_template(tokenizer, text: str, use_chat: bool):
+def split_template(tokenizer, text: str, use_chat: bool):
     """(document token ids, text that closes the turn after the question)."""
     if use_chat and getattr(tokenizer, "has_chat_template", False):
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text + _MARK}], tokenize=False,
@@ -36,10 +41,10 @@ def compress_document(model, tokenizer, text: str, config, out: str, prefill_ste
     """Feed ``text`` through ``config``'s caches, compress at its end, save to ``out``."""
     import mlx.core as mx
 
-    from .builder import KVCacheBuilder
-    from .mlx_lm_compat import save_prompt_cache
+    from ..builder import KVCacheBuilder
+    from ..prompt_cache import save_prompt_cache
 
-    tokens, tail = _split_template(tokenizer, text, use_chat)
+    tokens, tail = split_template(tokenizer, text, use_chat)
     if len(tokens) < 2:
         raise ValueError(f"the document is {len(tokens)} token(s): nothing to compress")
     caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)
@@ -52,7 +57,7 @@ def compress_document(model, tokenizer, text: str, config, out: str, prefill_ste
     model(x[:, n - 1:], cache=caches)  # the prompt's end: the compression (KVzip: its pass) runs here
     mx.eval([c.state for c in caches])
     seconds = time.perf_counter() - t0
-    meta = {"format": FORMAT, "tokens": n, "turn_tail": tail, "model": model_spec,
+    meta = {"format": DOCUMENT_FORMAT, "tokens": n, "turn_tail": tail, "model": model_spec,
             "config": config.to_json(), "compress_s": round(seconds, 3)}
     save_prompt_cache(out, caches, meta)
     held = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
@@ -60,26 +65,33 @@ def compress_document(model, tokenizer, text: str, config, out: str, prefill_ste
             "caches": caches}
 
 
-def load_for_question(model, tokenizer, path: str):
-    """A fresh copy of the compressed caches, ready to continue (query tap and model pass installed),
-    and the file's metadata."""
-    from .distributed import attach, resolve_group
-    from .mlx_lm_compat import install_query_tap, load_prompt_cache
-    from .model_pass import install_model_pass
+def cmd_compress(args):
+    with open(args.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    if args.density is None:
+        config_from_args(args, 0)  # reject bad flags before the (slow) model load
+    model, tokenizer = load_model_for_cli(args.model)
+    distributed.setup_cli(model)
+    n = len(split_template(tokenizer, text, not args.ignore_chat_template)[0])
+    config = config_from_args(args, n)
+    if config is None:
+        raise CLIError(f"compress needs an eviction method, not --method {FULL}")
+    r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
+                          not args.ignore_chat_template, args.model)
+    print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "
+          f"{r['seconds']:.2f} s: KV allocated {fmt_bytes(r['allocated_bytes'])} "
+          f"({kv_report(r['caches'])['fraction']:.2f}x of the full cache); wrote {args.out} "
+          f"({fmt_bytes(r['file_bytes'])})")
+    return 0
 
-    caches, meta = load_prompt_cache(path, return_metadata=True)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path!r} was not written by `compress` (format {meta.get('format')!r})")
-    install_query_tap(model)
-    if any(getattr(c, "needs_model_pass", False) for c in caches):
-        install_model_pass(model, tokenizer)
-    attach(caches, resolve_group(model, None))
-    for c in caches:
-        if hasattr(c, "continue_on_purpose"):
-            c.continue_on_purpose()  # continuing the document is the point
-    return caches, meta
 
-
-def question_tokens(tokenizer, meta: dict, question: str) -> list:
-    """The question as the continuation of the document's turn (no second BOS)."""
-    return list(tokenizer.encode("\n\n" + question + meta.get("turn_tail", ""), add_special_tokens=False))
+def add_parser(sub):
+    c = sub.add_parser("compress", help="compress a document into a prompt-cache file (compress once, ask many)")
+    c.add_argument("--model", default="bundled")
+    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text)")
+    c.add_argument("--out", required=True, help="the .safetensors file to write")
+    c.add_argument("--prefill-step-size", type=int, default=2048)
+    c.add_argument("--ignore-chat-template", action="store_true", help="feed the document as raw text")
+    add_cache_args(c, default_method="kvzip")
+    c.set_defaults(func=cmd_compress)
+    return c
