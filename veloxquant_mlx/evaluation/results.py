@@ -56,6 +56,7 @@ class MethodSpec:
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
     allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
+    floor_alpha: float | None = None  # Ada-KV's per-head floor (None: the config's default)
 
     @property
     def opts(self) -> dict:
@@ -93,6 +94,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
     if ablations and "nexus" in specs:
         for label, (m, opts) in OPT_IN_ABLATIONS.items():
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
+    if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
+        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
+                                                   allocation="ada", floor_alpha=0.0))
     out = []
     for n in names:
         if n not in specs:
@@ -112,7 +116,8 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_evic
     from ..config import KVCacheConfig
 
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation, prompt_eviction=prompt_eviction)
+                           allocation=spec.allocation, prompt_eviction=prompt_eviction,
+                           **({} if spec.floor_alpha is None else {"floor_alpha": spec.floor_alpha}))
     return KVCacheBuilder.for_model(model, config)
 
 
