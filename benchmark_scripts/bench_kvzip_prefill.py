@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="reconstruction chunk sizes whose pass peak is measured at the longest context")
+    p.add_argument("--chunk-context", type=int, default=None, help="context of the chunk sweep (default: longest)")
     p.add_argument("--no-fast-blas", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "prefill_cost.json"))
@@ -107,10 +108,10 @@ def main(argv=None):
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
 
     rows = []
+    feed(model, all_tokens[:contexts[0]], make_prompt_cache(model), step)  # warm-up (compiles, allocator)
+    feed(model, all_tokens[:contexts[0]], kvzip_caches(contexts[0]), step)
     for n in contexts:
         tokens = all_tokens[:n]
-        feed(model, tokens, make_prompt_cache(model), step)  # warm-up (compiles, allocator)
-        feed(model, tokens, kvzip_caches(n), step)
         runs = {"plain": [], "kvzip": []}
         for r in range(args.rounds):
             order = ("plain", "kvzip") if r % 2 == 0 else ("kvzip", "plain")
@@ -130,7 +131,7 @@ def main(argv=None):
               f"kvzip {med['kvzip']['last_step_peak_mib']:.0f} MiB; prefill peak plain "
               f"{med['plain']['peak_mib']:.0f} / kvzip {med['kvzip']['peak_mib']:.0f} MiB", flush=True)
 
-    n = max(contexts)
+    n = args.chunk_context or max(contexts)
     chunk_peaks = []
     for chunk in ([32, 64, 128, 256] if args.quick else args.chunks):
         r = feed(model, all_tokens[:n], kvzip_caches(n, chunk), step)
