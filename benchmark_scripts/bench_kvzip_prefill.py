@@ -107,9 +107,25 @@ def main(argv=None):
         cfg = KVCacheConfig("kvzip", budget=max(int(round(args.density * n)), 16), kvzip_chunk=chunk)
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
 
-    rows = []
-    feed(model, all_tokens[:contexts[0]], make_prompt_cache(model), step)  # warm-up (compiles, allocator)
-    feed(model, all_tokens[:contexts[0]], kvzip_caches(contexts[0]), step)
+    rows, chunk_peaks = [], []
+    path = Path(args.out)
+
+    def write(sweep_at=None):  # after every context: a partial run still leaves its numbers
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip())
+        out = {"experiment": "kvzip prefill cost", "model": desc, "density": args.density,
+               "prefill_step_size": step, "reconstruction_chunk": chunk_default, "rows": rows,
+               "chunk_peaks_at": sweep_at, "chunk_peaks": chunk_peaks,
+               "provenance": {"commit": commit, "dirty": dirty, "command": " ".join([sys.executable] + sys.argv),
+                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                              "load_average_at_end": os.getloadavg(), "mlx": mx.__version__, **blas_info()}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+
+    warm = min(256, contexts[0])  # warm-up (first-call costs), short: the machine is shared
+    feed(model, all_tokens[:warm], make_prompt_cache(model), step)
+    feed(model, all_tokens[:warm], kvzip_caches(warm), step)
     for n in contexts:
         tokens = all_tokens[:n]
         runs = {"plain": [], "kvzip": []}
@@ -130,28 +146,16 @@ def main(argv=None):
               f"(x{row['ratio_total']:.2f}); last step peak plain {med['plain']['last_step_peak_mib']:.0f} MiB, "
               f"kvzip {med['kvzip']['last_step_peak_mib']:.0f} MiB; prefill peak plain "
               f"{med['plain']['peak_mib']:.0f} / kvzip {med['kvzip']['peak_mib']:.0f} MiB", flush=True)
+        write()
 
     n = args.chunk_context or max(contexts)
-    chunk_peaks = []
     for chunk in ([32, 64, 128, 256] if args.quick else args.chunks):
         r = feed(model, all_tokens[:n], kvzip_caches(n, chunk), step)
         chunk_peaks.append({"chunk": chunk, "last_step_peak_mib": r["last_step_peak_mib"],
                             "last_step_s": r["last_step_s"]})
         print(f"  {n} tokens, reconstruction chunk {chunk}: pass step peak {r['last_step_peak_mib']:.0f} MiB, "
               f"{r['last_step_s']:.2f} s", flush=True)
-
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip())
-    out = {"experiment": "kvzip prefill cost", "model": desc, "density": args.density,
-           "prefill_step_size": step, "reconstruction_chunk": chunk_default, "rows": rows,
-           "chunk_peaks_at": n, "chunk_peaks": chunk_peaks,
-           "provenance": {"commit": commit, "dirty": dirty, "command": " ".join([sys.executable] + sys.argv),
-                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "load_average_at_end": os.getloadavg(), "mlx": mx.__version__, **blas_info()}}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+        write(n)
     print(f"wrote {path}")
     return 0
 

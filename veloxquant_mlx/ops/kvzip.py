@@ -21,14 +21,14 @@ from .attention import group_queries, window_attention_probs
 def _block_max(q, ctx, own, col_limit):
     # Not mx.compile'd: every chunk length is a new shape, and recompiling cost more than it saved.
     # q (B, H, G, s, D) scaled; ctx (B, H, C, D); own (B, H, S, D); col_limit (s,): the last own-key
-    # column each query may see (causal inside the reconstruction input) -> (B, H, C) float32
-    k = mx.concatenate([ctx, own], axis=2).astype(mx.float32)
-    logits = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # (B, H, G, s, C + S)
-    C = ctx.shape[2]
-    cols = mx.arange(k.shape[2])
-    visible = (cols[None, :] < C) | (cols[None, :] - C <= col_limit[:, None])
-    p = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
-    return p[..., :C].max(axis=(2, 3))
+    # column each query may see (causal inside the reconstruction input) -> (B, H, C) float32.
+    # max_q softmax = exp(max_q (logit - logsumexp_q)): one exp per context row instead of one per
+    # (query, row), and no mask over the context part (every context row precedes every query).
+    l_ctx = q @ mx.expand_dims(ctx, 2).swapaxes(-1, -2)  # (B, H, G, s, C)
+    l_own = q @ mx.expand_dims(own.astype(mx.float32), 2).swapaxes(-1, -2)  # (B, H, G, s, S')
+    visible = mx.arange(own.shape[2])[None, :] <= col_limit[:, None]
+    lse = mx.logaddexp(mx.logsumexp(l_ctx, axis=-1), mx.logsumexp(mx.where(visible, l_own, -mx.inf), axis=-1))
+    return mx.exp((l_ctx - mx.expand_dims(lse, -1)).max(axis=(2, 3)))
 
 
 def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, scale: float,
