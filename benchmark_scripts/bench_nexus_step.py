@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.caches.nexus import NexusKVCache  # noqa: E402
-from veloxquant_mlx.ops import gather_rows  # noqa: E402
+from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 from veloxquant_mlx.ops import gather_rows  # noqa: E402
 
 B, HQ, HKV, D = 1, 9, 3, 64  # SmolLM2-135M attention shapes
@@ -121,6 +121,7 @@ def main():
         "mlx_version": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "results": results,
     }
+    out["provenance"] = provenance(command_line(), ["nexus"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

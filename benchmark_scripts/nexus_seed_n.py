@@ -90,6 +90,7 @@ def main(argv=None):
         out["prompts"][p] = {"prompt_tokens": len(toks), "budget": budget, "key_spans": spans, "per_n": per_n}
         print(p, json.dumps(per_n), flush=True)
         out["wall_s"] = round(time.time() - t0, 1)
+        out["provenance"] = provenance(command_line(), ["nexus"])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))  # after every prompt: a cut run keeps its prompts
     print(f"wrote {args.out} ({out['wall_s']} s)")
