@@ -65,7 +65,7 @@ def check(root: Path, current: dict | None = None) -> dict:
     q = quotes(root, list(figs))
     failing = [(p, d, n) for p in stale for d, n, ok in q[p] if not ok]
     return {"fresh": {p: figs[p] for p in figs if p not in stale}, "stale": stale, "quotes": q,
-            "failing": failing, "current": current}
+            "failing": failing, "current": current, "provenance": figs}
 
 
 def report(res: dict) -> str:
@@ -77,8 +77,10 @@ def report(res: dict) -> str:
     lines.append("")
     lines.append(f"stale figures ({len(res['stale'])}):")
     for p, why in res["stale"].items():
-        reason = why["*"] if "*" in why else "; ".join(f"{m}: {w}" for m, w in why.items())
-        lines.append(f"  {p}: {reason}")
+        prov = res["provenance"].get(p) or {}
+        when = f" (measured {str(prov.get('date', '?'))[:10]} at {prov.get('commit', '?')})" if prov else ""
+        reason = why["*"] if "*" in why else "behaviour changed for " + ", ".join(why)
+        lines.append(f"  {p}: {reason}{when}")
         for d, n, ok in res["quotes"][p]:
             lines.append(f"      quoted by {d}:{n}" + (" (says stale)" if ok else "  <-- FAILS"))
     lines.append("")

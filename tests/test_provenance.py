@@ -117,3 +117,15 @@ def test_check_figures_main_exit_code(tmp_path, monkeypatch):
     assert check_figures.main(["--root", str(tmp_path)]) == 1
     _doc(tmp_path, "docs/x.md", "no quote\n")
     assert check_figures.main(["--root", str(tmp_path)]) == 0
+
+
+def test_generated_report_names_its_source_and_says_when_it_is_stale(tmp_path, fresh_cache):
+    from veloxquant_mlx.evaluation.report import _source_line
+
+    lines = []
+    _source_line(tmp_path, "speed", {"cells": {}}, lines)  # no provenance
+    fresh = {"provenance": {"commit": "abc", "date": "2026-12-01", "fingerprint": P.fingerprint(["streaming"])}}
+    _source_line(tmp_path, "passkey", fresh, lines)
+    path = (tmp_path / "speed.json").as_posix()
+    assert path in lines[0] and "stale" in lines[0]
+    assert (tmp_path / "passkey.json").as_posix() in lines[1] and "stale" not in lines[1]
