@@ -36,6 +36,7 @@ def main(argv=None):
     import numpy as np
 
     from veloxquant_mlx.evaluation.results import load_eval_model, make_caches, method_specs, quiet_cache_warnings
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import key_token_spans, make_keys, make_prompt
     from veloxquant_mlx.evaluation.speed import prefill
     from veloxquant_mlx.ops.nexus import forced_blocks, select_blocks
