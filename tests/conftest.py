@@ -19,7 +19,7 @@ from veloxquant_mlx.registry import get_method
 
 
 def _register_example_method():
-    """examples/add_a_method.py registers "keynorm" like a built-in method, so every registry-driven
+    """examples/add_a_method.py registers "tova" like a built-in method, so every registry-driven
     test (contract, batching, memory, save/load, distributed) runs it: a new method needs no test edits."""
     path = Path(__file__).resolve().parents[1] / "examples" / "add_a_method.py"
     spec = importlib.util.spec_from_file_location("add_a_method", path)

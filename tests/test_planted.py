@@ -122,7 +122,6 @@ def test_streaming_keeps_recency_and_loses_global_outlier(tiny_runs):
     assert _cell(a, "nested_global_N320", "streaming", 16)["retention_mean"] == 0.0
 
 
-@pytest.mark.skipif("h2o" not in methods(), reason="h2o not registered")
 def test_attention_method_keeps_heavy_hitters(tiny_runs):
     a, _ = tiny_runs
     assert _cell(a, "heavy_N1024", "h2o", 256)["retention_mean"] >= 0.99

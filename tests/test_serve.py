@@ -131,6 +131,7 @@ def template(served, messages):
     return served["tokenizer"].apply_chat_template(messages, add_generation_prompt=True)
 
 
+@pytest.mark.integration
 def test_concurrent_answers_equal_standalone_generations(served):
     conversations = [[{"role": "user", "content": words(n, seed)}] for n, seed in ((40, 1), (12, 2), (27, 3))]
     with ThreadPoolExecutor(len(conversations)) as pool:
@@ -147,6 +148,7 @@ def test_concurrent_answers_equal_standalone_generations(served):
     assert "KV allocated" in log  # each finished request logs its allocated KV bytes
 
 
+@pytest.mark.integration
 def test_streaming(served):
     messages = [{"role": "user", "content": words(21, 4)}]
     chunks = list(chat(served["client"], messages, stream=True))
@@ -156,6 +158,7 @@ def test_streaming(served):
     assert "".join(deltas) == standalone(served, template(served, messages))[0]
 
 
+@pytest.mark.integration
 def test_malformed_requests_get_http_errors_and_the_server_keeps_serving(served):
     with pytest.raises(openai.BadRequestError):
         chat(served["client"], [{"role": "user", "content": "t1 t2"}], top_p=3.0)
@@ -169,6 +172,7 @@ def test_malformed_requests_get_http_errors_and_the_server_keeps_serving(served)
         standalone(served, template(served, messages))[0]
 
 
+@pytest.mark.integration
 def test_client_disconnecting_mid_stream_leaves_the_server_serving(served):
     stream = served["client"].chat.completions.create(
         model="default_model", messages=[{"role": "user", "content": words(15, 6)}], temperature=0.0,
@@ -184,6 +188,7 @@ def test_client_disconnecting_mid_stream_leaves_the_server_serving(served):
         assert json.loads(r.read())["status"] == "ok"
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:.*earlier generation")  # the stand-alone second turn, on purpose
 def test_second_turn_continues_the_first_turns_cache(served):
     first = [{"role": "user", "content": words(30, 8)}]
@@ -202,6 +207,8 @@ def test_second_turn_continues_the_first_turns_cache(served):
 
 
 @pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.integration
 def test_bundled_model_serves_with_nexus(tmp_path):
     from veloxquant_mlx.models import load_model
 

@@ -62,12 +62,6 @@ def block_distribution(q: mx.array, k: mx.array, q_pos: mx.array, k_pos: mx.arra
 
 
 @mx.compile
-def direct_score(s_hat: mx.array) -> mx.array:
-    """a = (1/W) Σ_q a^(q)  (Eq. 3 / Eq. 1): (..., W, N_k) -> (..., N_k)."""
-    return s_hat.mean(axis=-2)
-
-
-@mx.compile
 def walk(rows: mx.array) -> mx.array:
     """The Nexus walk over the given rows in order (Eq. 4): rows (..., H, N_k) -> C^(H) (..., N_k).
 
