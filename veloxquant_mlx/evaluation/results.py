@@ -38,6 +38,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
     "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
+    "kvzip-global": ("kvzip", {"layers": "global"}),  # KVzip's budget shared across layers (the paper's default)
 }
 
 
@@ -55,6 +56,7 @@ class MethodSpec:
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
     allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
+    floor_alpha: float | None = None  # Ada-KV's per-head floor (None: the config's default)
 
     @property
     def opts(self) -> dict:
@@ -92,6 +94,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
     if ablations and "nexus" in specs:
         for label, (m, opts) in OPT_IN_ABLATIONS.items():
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
+    if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
+        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
+                                                   allocation="ada", floor_alpha=0.0))
     out = []
     for n in names:
         if n not in specs:
@@ -111,7 +116,8 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_evic
     from ..config import KVCacheConfig
 
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation, prompt_eviction=prompt_eviction)
+                           allocation=spec.allocation, prompt_eviction=prompt_eviction,
+                           **({} if spec.floor_alpha is None else {"floor_alpha": spec.floor_alpha}))
     return KVCacheBuilder.for_model(model, config)
 
 
@@ -151,10 +157,16 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
     """(model, tokenizer, description)."""
     if quick:
         m, t = tiny_model()
+        from ..model_pass import set_pass_tokenizer
+
+        set_pass_tokenizer(m, t)
         return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
     from ..models import load_model
 
+    from ..model_pass import set_pass_tokenizer
+
     m, t = load_model(None if spec in (None, "bundled") else spec)
+    set_pass_tokenizer(m, t)  # kvzip's repeat prompt, for caches built later by make_caches
     return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
 
 
