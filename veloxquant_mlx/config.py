@@ -197,7 +197,7 @@ class KVCacheConfig:
         self.prompt_eviction = _check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
                                             dict(kind=str, low=None, high=None, low_open=False,
                                                  choices=PROMPT_EVICTIONS, allow_none=False))
-        if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
             raise ValueError(f"kv_bits={kv_bits!r} is not supported: use None (full precision) or one of "
                              f"{list(KV_BITS)}")
         if not isinstance(kv_group_size, int) or isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
