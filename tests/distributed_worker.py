@@ -36,11 +36,14 @@ NAIVE = ("nestedkv", "random", "h2o-ada", "nexus-topk", "h2o")
 
 
 def make_model(arch: str, seed: int = 0):
-    """Tiny fp32 model: 8 query heads, 4 KV heads (GQA 2), head_dim 16, 2 layers."""
+    """Tiny fp32 model: 8 query heads, 4 KV heads (GQA 2), head_dim 16, 2 layers ("llama-hd32": head_dim
+    32, so quantized rows fit 32-element groups)."""
     mx.random.seed(seed)
     common = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=128, num_attention_heads=8,
                   num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096)
-    if arch == "llama":
+    if arch == "llama-hd32":
+        model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, head_dim=32, **common))
+    elif arch == "llama":
         model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **common))
     elif arch == "qwen3":
         model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", head_dim=16, rope_theta=10000.0,
@@ -67,6 +70,12 @@ def cases(kind: str, arch: str):
         "streaming": dict(streaming_evict_every=8),
         "random": dict(random_evict_every=8),
     }
+    if kind == "tensor-q4":  # 4-bit kept rows (config.kv_bits), every method and the Ada variants
+        q = dict(small, kv_bits=4, kv_group_size=32)
+        out = [(m, KVCacheConfig(m, **q, **opts[m])) for m in methods()]
+        out += [(m + "-ada", KVCacheConfig(m, allocation="ada", **q, **opts[m])) for m in ("nexus", "h2o")]
+        return out + [("nestedkv-end", KVCacheConfig("nestedkv", budget=48, seed=3, nestedkv_window=16,
+                                                     kv_bits=4, kv_group_size=32))]
     out = [("full", None), ("nexus-no-eviction", KVCacheConfig("nexus", budget=512, seed=3, **opts["nexus"]))]
     for m in methods():
         out.append((m, KVCacheConfig(m, **small, **opts[m])))
@@ -134,7 +143,7 @@ def build(model, config, group=None):
 def run(kind, arch, group):
     rank = group.rank()
     ref_model, model = make_model(arch), make_model(arch)
-    if kind == "tensor":
+    if kind.startswith("tensor"):
         model.shard(group)
     else:
         model.model.pipeline(group)
@@ -154,11 +163,11 @@ def run(kind, arch, group):
              "max_logprob_diff": float(np.abs(lps - ref_lps).max()), "traffic": traffic(caches)}
         if config is None:
             full_lps = lps
-        elif lps.shape == full_lps.shape:  # the split model with this cache vs with mlx-lm's KVCache
+        elif full_lps is not None and lps.shape == full_lps.shape:  # the split model with this cache vs with mlx-lm's KVCache
             r["logprob_diff_vs_kvcache"] = float(np.abs(lps - full_lps).max())
         if config is not None:
-            h_l = [c.keys.shape[1] for c in caches]
-            if kind == "tensor":  # this rank's heads of every layer
+            h_l = [c.positions.shape[1] for c in caches]
+            if kind.startswith("tensor"):  # this rank's heads of every layer
                 want = [k[rank * h:(rank + 1) * h] for k, h in zip(ref_kept, h_l)]
             else:  # this rank's layers, all heads
                 want = ref_kept[start:start + len(caches)]
@@ -236,7 +245,8 @@ def main():
     out_dir = sys.argv[1]
     group = mx.distributed.init()
     runs = {f"{kind}/{arch}": run(kind, arch, group)
-            for kind, arch in (("tensor", "llama"), ("tensor", "qwen3"), ("pipeline", "qwen2"))}
+            for kind, arch in (("tensor", "llama"), ("tensor", "qwen3"), ("pipeline", "qwen2"),
+                               ("tensor-q4", "llama-hd32"))}
     runs["top_k"] = top_k_checks(group)
     try:
         runs["batched"] = batched_checks(group)

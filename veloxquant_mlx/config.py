@@ -122,6 +122,12 @@ class KVCacheConfig:
             through decode; peak = the prompt's KV) or ``"stream"`` (evict at every prompt chunk too;
             peak = budget + one chunk). Prefill-only methods compress when the prompt ends either way;
             under ``"stream"`` they also compress at every chunk.
+        max_head_factor: ragged per-head budgets (NestedKV's cross-head pool, Ada-KV, Ada-Nexus) keep at
+            most ``max_head_factor x budget`` rows in one head, the layer's total unchanged (the other
+            heads take the rest). Storage is as wide as the widest head, so this keeps the allocated
+            bytes within ``max_head_factor`` x the kept rows (plus decode headroom). ``None``: the
+            specs' own bound (up to ``H x budget`` minus the floors: storage up to 1.6x the kept rows
+            was measured for NestedKV). Ignored by uniform allocations.
         kv_bits: ``None`` (rows stored in the model's dtype) or 4 / 8: kept rows stored quantized in
             mlx-lm's ``QuantizedKVCache`` layout (packed words + scales + biases), read by mlx-lm's own
             quantized attention. Eviction gathers packed rows, never requantizing them.
@@ -136,7 +142,7 @@ class KVCacheConfig:
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
                  options: Any = None, allocation: str = "uniform", floor_alpha: float = 0.2,
                  prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int = 64,
-                 **flat):
+                 max_head_factor: float | None = 1.1, **flat):
         cls = get_method(method)
         self.method = method
         core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
@@ -197,6 +203,9 @@ class KVCacheConfig:
         self.prompt_eviction = _check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
                                             dict(kind=str, low=None, high=None, low_open=False,
                                                  choices=PROMPT_EVICTIONS, allow_none=False))
+        self.max_head_factor = _check_value("KVCacheConfig", "max_head_factor", max_head_factor,
+                                            dict(kind=float, low=1.0, high=None, low_open=False, choices=None,
+                                                 allow_none=True))
         if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
             raise ValueError(f"kv_bits={kv_bits!r} is not supported: use None (full precision) or one of "
                              f"{list(KV_BITS)}")
@@ -229,6 +238,11 @@ class KVCacheConfig:
     def cache_class(self):
         return get_method(self.method)
 
+    def head_cap_rows(self, budget: int) -> int | None:
+        """Most rows one head may keep under ragged per-head budgets (None: no cap)."""
+        f = self.max_head_factor
+        return None if f is None else max(int(f * budget), budget)
+
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with some fields changed (options fields may be passed flat or via options=)."""
         d = self.to_dict()
@@ -246,7 +260,7 @@ class KVCacheConfig:
                 "recent": self.recent, "seed": self.seed, "head_dim": self.head_dim,
                 "allocation": self.allocation, "floor_alpha": self.floor_alpha,
                 "prompt_eviction": self.prompt_eviction, "kv_bits": self.kv_bits,
-                "kv_group_size": self.kv_group_size, "options": {k: (list(v) if isinstance(v, tuple) else v)
+                "kv_group_size": self.kv_group_size, "max_head_factor": self.max_head_factor, "options": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in dataclasses.asdict(self.options).items()}}
 
     @classmethod
@@ -266,4 +280,5 @@ class KVCacheConfig:
                 f"recent={self.recent}, seed={self.seed}, allocation={self.allocation!r}, "
                 f"floor_alpha={self.floor_alpha}, prompt_eviction={self.prompt_eviction!r}, "
                 f"kv_bits={self.kv_bits}, kv_group_size={self.kv_group_size}, "
+                f"max_head_factor={self.max_head_factor}, "
                 f"{self.method}=({opts}))")

@@ -177,7 +177,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         """(idx, real): Ada-KV allocation of this layer's H x budget rows over (B, H, rows) scores."""
         # Tensor parallel (self.dist): the layer-wide steps combine every rank's heads (radix top-k).
         return ada_keep(scores, self.stored("positions"), self.offset, self.budget, self.n_sink,
-                        self.recent, self.config.floor_alpha, PAD_POSITION, layer=self.dist)
+                        self.recent, self.config.floor_alpha, PAD_POSITION, layer=self.dist,
+                        cap=self.config.head_cap_rows(self.budget))
 
     def evict_threshold(self) -> int:
         """Stored rows above which a (decode-bounded) method runs an eviction step."""

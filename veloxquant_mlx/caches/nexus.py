@@ -229,8 +229,10 @@ class NexusKVCache(EvictionCache):
             valid = self.stored("positions")[..., ::b] != PAD_POSITION  # a block is all real or all padding
 
             def ada(w, valid):
+                f = self.config.max_head_factor  # per-head cap, in selectable blocks
+                cap = None if f is None else max(int(f * n_free), n_free)
                 blocks, real = ada_select_blocks(block_priority(w, n, key), valid, n_lead,
-                                                 n_forced - n_lead, n_free, self.config.floor_alpha)
+                                                 n_forced - n_lead, n_free, self.config.floor_alpha, cap=cap)
                 return self._trim_ada_blocks(blocks, real, n_lead, n_forced - n_lead)
 
             # Tensor parallel: every rank runs the layer-wide allocation over all heads (one all_gather).
