@@ -12,6 +12,7 @@ import sys
 import time
 
 from . import distributed
+from .caches.quant import buf_dtype, buf_shape, bytes_per_row, row_dim
 from .config import KVCacheConfig
 from .registry import get_method, methods
 
@@ -67,6 +68,11 @@ def _add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
                              "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help="store the kept rows quantized, 4 or 8 bits (mlx-lm's QuantizedKVCache layout, read by "
+                             "its quantized attention); with --method full: mlx-lm's QuantizedKVCache")
+    parser.add_argument("--kv-group-size", type=int, default=64,
+                        help="quantization group along head_dim: 32, 64 (default) or 128")
     _add_method_options(parser)
 
 
@@ -76,6 +82,7 @@ def _config_from_args(args, prompt_len: int):
     if args.method == FULL:
         if extra:
             raise CLIError(f"--method {FULL} takes no method options (got {_flags(extra)})")
+        _check_full_kv_bits(args)
         return None
     get_method(args.method)  # unknown method -> ValueError listing the known ones
     wrong = {k: v for k, v in extra.items() if k.split("__")[1] != args.method}
@@ -90,9 +97,22 @@ def _config_from_args(args, prompt_len: int):
         budget = max(int(round(args.density * prompt_len)), 1)
     options = {k.split("__")[2]: v for k, v in extra.items()}
     alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
-                               ("prompt_eviction", getattr(args, "prompt_eviction", None))) if v is not None}
+                               ("prompt_eviction", getattr(args, "prompt_eviction", None)),
+                               ("kv_bits", getattr(args, "kv_bits", None)),
+                               ("kv_group_size", getattr(args, "kv_group_size", None))) if v is not None}
     return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
                          seed=args.cache_seed, options=options, **alloc)
+
+
+def _check_full_kv_bits(args):
+    """--method full --kv-bits: mlx-lm's own QuantizedKVCache; same supported values as ours."""
+    from .config import KV_BITS, KV_GROUP_SIZES
+
+    bits = getattr(args, "kv_bits", None)
+    if bits is not None and bits not in KV_BITS:
+        raise CLIError(f"--kv-bits {bits} is not supported: use one of {list(KV_BITS)} (or leave it out)")
+    if getattr(args, "kv_group_size", 64) not in KV_GROUP_SIZES:
+        raise CLIError(f"--kv-group-size {args.kv_group_size} is not supported: use one of {list(KV_GROUP_SIZES)}")
 
 
 def _flags(extra):
@@ -113,10 +133,11 @@ def kv_report(caches) -> dict:
             kept += c.kept_bytes
             full += c.full_seq_bytes
         elif getattr(c, "keys", None) is not None:
-            k, v = c.keys, c.values
-            row = k.shape[0] * k.shape[1] * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
-            kept += row * min(c.offset, k.shape[2])
-            full += row * c.offset
+            k, v = c.keys, c.values  # mlx-lm's QuantizedKVCache holds (words, scales, biases) tuples
+            bits = getattr(c, "bits", None)
+            B, H, cap = buf_shape(k, bits)[:3]
+            kept += B * H * (bytes_per_row(k) + bytes_per_row(v)) * min(c.offset, cap)
+            full += B * H * (row_dim(k, bits) * buf_dtype(k).size + row_dim(v, bits) * buf_dtype(v).size) * c.offset
             other += held
     return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full,
             "fraction": alloc / full if full else 0.0, "other_allocated_bytes": other}
@@ -129,17 +150,24 @@ def _prompt_tokens(tokenizer, prompt: str, use_chat: bool):
 
 
 def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
-                   prefill_step_size=2048, on_text=None) -> dict:
-    """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache)."""
+                   prefill_step_size=2048, on_text=None, kv_bits=None, kv_group_size=64) -> dict:
+    """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache; with
+    ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     from .builder import KVCacheBuilder
 
     mx.random.seed(seed)
-    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
+    if config is not None:
+        caches = KVCacheBuilder.for_model(model, config)
+    else:
+        caches = make_prompt_cache(model)
+        if kv_bits is not None:
+            caches = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
+                      for c in caches]
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
@@ -194,11 +222,13 @@ def cmd_generate(args):
         tokens = _prompt_tokens(tokenizer, args.prompt, not args.ignore_chat_template)
     config = _config_from_args(args, len(tokens))
     out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
-                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
+                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
+                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     print()
     print("=" * 10)
-    label = FULL if config is None else (f"{config.method} (budget {config.budget}/head, "
-                                         f"prompt_eviction={config.prompt_eviction})")
+    bits = "" if args.kv_bits is None else f", {args.kv_bits}-bit rows (groups of {args.kv_group_size})"
+    label = (FULL + bits) if config is None else (f"{config.method} (budget {config.budget}/head, "
+                                                  f"prompt_eviction={config.prompt_eviction}{bits})")
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
