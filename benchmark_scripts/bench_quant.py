@@ -196,9 +196,114 @@ def run_speed(args):
                   f"{row['prefill_ratio_4bit_over_fp']:.3f}", flush=True)
 
 
+def replay_bytes(label: str, n_prompt: int, budget: int, decode_steps: int, shapes: dict, seed: int = 0) -> dict:
+    """The cache calls plain mlx_lm.generate makes (prompt[:-1] in chunks of 2048, the last prompt
+    token alone, then one token per decode step; queries through the tap after each fetch) on random
+    K/V / queries of the model's shapes, without the model. For uniform storage the allocated bytes
+    depend on shapes only, so they equal a real run's (checked against real runs in the JSON); ragged
+    storage (NestedKV, Ada) depends on the key values and needs the real model."""
+    import mlx.core as mx
+
+    from veloxquant_mlx import KVCacheConfig
+
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from veloxquant_mlx.cli import kv_report
+
+    method, extra = parse_label(label)
+    L, H, Hq, D = shapes["layers"], shapes["kv_heads"], shapes["q_heads"], shapes["head_dim"]
+    caches = []
+    for i in range(L):
+        if method == "kvcache":
+            c = QuantizedKVCache(group_size=64, bits=extra["kv_bits"]) if "kv_bits" in extra else KVCache()
+        else:
+            config = KVCacheConfig(method=method, budget=budget, **extra)
+            c = config.cache_class(config, layer_idx=i, n_layers=L)
+            c.tap_active = True
+        caches.append(c)
+    steps, left = [], n_prompt - 1
+    while left > 0:
+        steps.append(min(2048, left))
+        left -= steps[-1]
+    steps += [1] * (1 + decode_steps)
+    key = mx.random.key(seed)
+    for S in steps:
+        key, k1, k2 = mx.random.split(key, 3)
+        k = mx.random.normal((1, H, S, D), key=k1)
+        q = mx.random.normal((1, Hq, S, D), key=k2)
+        for c in caches:
+            c.update_and_fetch(k, k)
+            if hasattr(c, "observe_queries"):
+                c.observe_queries(q, D ** -0.5)
+        mx.eval([c.state for c in caches])
+    rep = kv_report(caches)
+    return {"label": label, "prompt_tokens": n_prompt, "budget": budget, "decode_steps": decode_steps,
+            "kv_allocated_bytes": rep["allocated_bytes"], "kv_kept_bytes": rep["kept_bytes"],
+            "kv_full_bytes": rep["full_bytes"], "offset": caches[0].offset,
+            "source": "replay (random K/V of the model's shapes through the calls generate makes)"}
+
+
+def run_replay(args):
+    real_runs = load(Path(args.out_memory))["runs"]  # the real generate runs (written by --part memory)
+    path = Path(args.out_memory).with_name("quant_replay.json")
+    res = load(path)
+    res.setdefault("provenance", []).append(provenance())
+    shapes = {"layers": 30, "kv_heads": 3, "q_heads": 9, "head_dim": 64}  # SmolLM2-135M
+    res["what"] = replay_bytes.__doc__.split("\n\n")[0].replace("\n", " ")
+    res.setdefault("replay", {})
+    for n in args.contexts:
+        budget = max(int(round(args.density * n)), 1)
+        for label in args.labels:
+            key = f"{n}|{label}"
+            r = replay_bytes(label, n, budget, args.max_tokens, shapes)
+            real = real_runs.get(key)
+            if real:
+                r["equals_real_run"] = r["kv_allocated_bytes"] == real["kv_allocated_bytes"]
+            base = res["replay"].get(f"{n}|kvcache")
+            if base:
+                r["allocated_vs_kvcache"] = r["kv_allocated_bytes"] / base["kv_allocated_bytes"]
+            res["replay"][key] = r
+            save(path, res)
+            print(f"replay {key}: {r['kv_allocated_bytes'] / MIB:.2f} MiB vs KVCache "
+                  f"{r.get('allocated_vs_kvcache', float('nan')):.4f} real-equal {r.get('equals_real_run')}", flush=True)
+
+
+def figure(args):
+    """Allocated KV / KVCache per method for fp, 8-bit and 4-bit rows, one panel per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = load(Path(args.out_memory))
+    runs = res["runs"]
+    ctxs = sorted({r["prompt_tokens"] for r in runs.values()})
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(7 * len(ctxs), 4.2), squeeze=False)
+    for ax, n in zip(axes[0], ctxs):
+        names = [m for m in ("kvcache", "nexus", "nestedkv", "nestedkv-nocap", "h2o", "snapkv", "pyramidkv",
+                             "streaming", "morphkv", "random") if f"{n}|{m}" in runs or f"{n}|{m}-4bit" in runs]
+        for j, (suffix, color) in enumerate((("", "tab:gray"), ("-8bit", "tab:blue"), ("-4bit", "tab:green"))):
+            xs, ys = [], []
+            for i, m in enumerate(names):
+                r = runs.get(f"{n}|{m}{suffix}")
+                if r and "allocated_vs_kvcache" in r:
+                    xs.append(i + (j - 1) * 0.27)
+                    ys.append(r["allocated_vs_kvcache"])
+            ax.bar(xs, ys, 0.27, color=color, label={"": "fp32 rows", "-8bit": "8-bit", "-4bit": "4-bit"}[suffix])
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.axhline(0.06, color="k", lw=0.6, ls="--")
+        ax.set_title(f"{n}-token prompt, budget 20 %: allocated KV / mlx-lm KVCache")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(args.out_memory).with_name("quant_memory.png")
+    fig.savefig(out, dpi=120)
+    print(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("memory", "speed"), required=True)
+    p.add_argument("--part", choices=("memory", "speed", "figure", "replay"), required=True)
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -215,7 +320,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-speed", default=str(ROOT / "figures" / "eval" / "quant_speed.json"))
     args = p.parse_args(argv)
-    (run_memory if args.part == "memory" else run_speed)(args)
+    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay}[args.part](args)
 
 
 if __name__ == "__main__":
