@@ -6,7 +6,7 @@ the model's own tensor-parallel all-reduces (2 ranks on one machine, ring backen
 The bundled SmolLM2-135M has 3 KV heads, which do not split over 2 ranks, so this uses a tiny
 RANDOM llama with 8 KV heads (16 query heads, head_dim 32, hidden 512, bf16): 4 KV heads per rank.
 Bytes are counted from shapes (no timing involved): ours by the caches' HeadShard counters
-(veloxquant_mlx.distributed), the model's by wrapping ``mx.distributed.all_sum`` / ``all_gather``
+(veloxquant_mlx.caches.shard), the model's by wrapping ``mx.distributed.all_sum`` / ``all_gather``
 during the run (ours subtracted). An ``all_sum`` counts its payload, an ``all_gather`` its gathered
 result. Decode-phase figures are per decoded token; "per eviction step" is per layer and step.
 
@@ -37,7 +37,9 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.distributed import HeadShard, traffic  # noqa: E402
+from veloxquant_mlx.caches.shard import HeadShard  # noqa: E402
+from veloxquant_mlx.distributed import traffic  # noqa: E402
+from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "figures", "distributed")
 SHAPE = dict(hidden_size=512, num_hidden_layers=2, intermediate_size=1024, num_attention_heads=16,
@@ -222,6 +224,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     if group.size() == 1:  # one process: the closed-shape projection for a Llama-3-8B-like model
         doc = projection(prompt_len=args.projection_prompt)
+        doc["provenance"] = provenance(command_line())  # every method and the full cache
         with open(os.path.join(OUT, "projection_llama3_8b_like.json"), "w") as f:
             json.dump(doc, f, indent=1)
         for name, m in doc["methods"].items():
@@ -252,7 +255,7 @@ def main():
                          **SHAPE, "prompt_tokens": args.prompt, "decode_tokens": args.decode,
                          "budget": args.budget, "prefill_step_size": args.prefill_step_size,
                          "prompt_eviction": "end (default)"},
-               "measured": results}
+               "measured": results, "provenance": provenance(command_line())}
         with open(os.path.join(OUT, "bench_distributed.json"), "w") as f:
             json.dump(doc, f, indent=1)
 

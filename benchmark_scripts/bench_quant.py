@@ -14,8 +14,8 @@ the same budget (``stream_generate``'s generation_tps), prompt 1K tokens, 20 %, 
 rounds alternating the order (fp first, then 4-bit first, ...). Only ratios measured side by side
 are meant to be quoted (a shared CPU).
 
-    python -m veloxquant_mlx.blas benchmark_scripts/bench_quant.py --part memory   # OpenBLAS preloaded
-    python -m veloxquant_mlx.blas benchmark_scripts/bench_quant.py --part speed
+    python -m veloxquant_mlx._blas benchmark_scripts/bench_quant.py --part memory   # OpenBLAS preloaded
+    python -m veloxquant_mlx._blas benchmark_scripts/bench_quant.py --part speed
 
 Results: figures/memory/quant.json, figures/eval/quant_speed.json (resumable: finished runs are kept),
 each with provenance (commit, command, date, machine, BLAS).
@@ -38,7 +38,7 @@ MIB = 2**20
 
 
 def provenance() -> dict:
-    from veloxquant_mlx.blas import blas_info
+    from veloxquant_mlx._blas import blas_info
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "veloxquant_mlx"], cwd=ROOT,
@@ -80,7 +80,7 @@ def measure_memory(model, prompt, label, budget, max_tokens) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from veloxquant_mlx.cli import kv_report
+    from veloxquant_mlx.caches.accounting import kv_report
 
     gc.collect()
     mx.clear_cache()
@@ -208,7 +208,7 @@ def replay_bytes(label: str, n_prompt: int, budget: int, decode_steps: int, shap
 
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    from veloxquant_mlx.cli import kv_report
+    from veloxquant_mlx.caches.accounting import kv_report
 
     method, extra = parse_label(label)
     L, H, Hq, D = shapes["layers"], shapes["kv_heads"], shapes["q_heads"], shapes["head_dim"]

@@ -135,14 +135,14 @@ def prompt_kv(caches_per_conv):
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
-        from veloxquant_mlx.blas import reexec_with_openblas
+        from veloxquant_mlx._blas import reexec_with_openblas
 
         reexec_with_openblas()  # returns when already preloaded or when none is installed
     import mlx.core as mx
     import mlx_lm
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, __version__ as vq_version
-    from veloxquant_mlx.blas import blas_info
+    from veloxquant_mlx._blas import blas_info
 
     model, tokenizer, model_name = load(args)
     n_max = max(args.concurrency)
@@ -212,7 +212,11 @@ def main(argv=None):
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, **blas_info()}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
+
+    prov = provenance(command_line(), ["full", *args.methods])
+    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "results": results, "provenance": prov},
+                                                       indent=1) + "\n")
     figure(results, meta, out / "bench_serving.png")
     for r in results:
         print(f"{r['cache']:>10s} n={r['concurrency']}: KV {r['kv_vs_kvcache']:.3f}x kvcache, "

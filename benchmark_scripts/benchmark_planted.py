@@ -25,6 +25,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from veloxquant_mlx.evaluation import planted as P  # noqa: E402
+from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 
 DOC_HEADER = """# Benchmarks
 
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
     bar.close()
     results["openblas_preloaded"] = P.blas_preloaded()
     results["preset"] = "quick" if args.quick else "full"
+    results["provenance"] = provenance(command_line(), sorted({v.method for v in variants} | {"full"}))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     if docs is None and not args.quick and not args.only:
         docs = os.path.join(ROOT, "docs", "benchmarks.md")
     if docs and docs != "none":
-        P.update_markdown(docs, P._round(results), header=DOC_HEADER)
+        P.update_markdown(docs, P.round_floats(results), header=DOC_HEADER)
         print(f"updated {docs}")
     if results["errors"]:
         print(f"{len(results['errors'])} cells raised:")

@@ -29,13 +29,14 @@ def main(argv=None):
     ap.add_argument("--out", default="figures/eval_v2/nexus_seed_n.json")
     args = ap.parse_args(argv)
 
-    from veloxquant_mlx.blas import describe, reexec_with_openblas
+    from veloxquant_mlx._blas import describe, reexec_with_openblas
 
     reexec_with_openblas()  # OpenBLAS (1 thread) preloaded; returns when already preloaded / none installed
     import mlx.core as mx
     import numpy as np
 
     from veloxquant_mlx.evaluation.results import load_eval_model, make_caches, method_specs, quiet_cache_warnings
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import key_token_spans, make_keys, make_prompt
     from veloxquant_mlx.evaluation.speed import prefill
     from veloxquant_mlx.ops.nexus import forced_blocks, select_blocks
@@ -90,6 +91,7 @@ def main(argv=None):
         out["prompts"][p] = {"prompt_tokens": len(toks), "budget": budget, "key_spans": spans, "per_n": per_n}
         print(p, json.dumps(per_n), flush=True)
         out["wall_s"] = round(time.time() - t0, 1)
+        out["provenance"] = provenance(command_line(), ["nexus"])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))  # after every prompt: a cut run keeps its prompts
     print(f"wrote {args.out} ({out['wall_s']} s)")

@@ -20,6 +20,7 @@ def _generated_text(out: str) -> str:
     return out.split("=" * 10)[0]
 
 
+@pytest.mark.model
 @needs_model
 def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
     args = ["generate", "--prompt", "List three colours of the rainbow.", "--max-tokens", "24",
@@ -73,6 +74,8 @@ def _demo_table(out: str) -> dict:
     return table
 
 
+@pytest.mark.slow  # ~15 s alone on 2 cores (4 real-model passes over a 1000-token prompt)
+@pytest.mark.model
 @needs_model
 def test_demo_passkey_at_20_percent(capsys):
     rc, out, _ = _run(capsys, "demo")  # the README's demo, defaults: 1K tokens, 20%, full / nexus / snapkv

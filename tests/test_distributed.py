@@ -5,7 +5,7 @@ qwen3 models (8 query / 4 KV heads: 2 KV heads per rank) and pipeline parallel o
 per rank), for every registry method and the Ada-KV variants, at a budget that evicts during the
 prompt (``prompt_eviction="stream"``, 32-token chunks) and during decode. The single-process
 reference runs on each rank with an unsplit copy of the same model; the tests compare.
-Single-process pieces of veloxquant_mlx.distributed are tested at the bottom without a launch.
+Single-process pieces of veloxquant_mlx.caches.shard / veloxquant_mlx.distributed are tested at the bottom without a launch.
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.distributed import HeadShard, layer_span, resolve_group, shard_for_world, shared_block_weights
+from veloxquant_mlx.caches.shard import HeadShard, shared_block_weights
+from veloxquant_mlx.distributed import layer_span, resolve_group, shard_for_world
 from veloxquant_mlx.ops.nexus import nexus_weights
+from veloxquant_mlx.registry import get_method
 
 from conftest import make_tiny_model
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
-PREFILL_ONLY = {"nestedkv", "snapkv", "pyramidkv"}
+PREFILL_ONLY = {m for m in methods() if get_method(m).prefill_only}
+ADA = {m + "-ada" for m in methods() if get_method(m).supports_allocation("ada")}  # layer-wide budgets
+# Selections known to read one head at a time (no traffic) or to combine heads (traffic); a method
+# in neither is still checked against one process by every other test.
 PER_HEAD = ("h2o", "snapkv", "pyramidkv", "morphkv", "streaming", "random", "nexus-per-head")
-COMBINING = ("nexus", "nestedkv", "nexus-ada", "h2o-ada", "snapkv-ada", "pyramidkv-ada", "morphkv-ada",
-             "nexus-vectors", "nexus-topk", "nestedkv-end", "nexus-prior")
+COMBINING = ("nexus", "nestedkv", "nexus-vectors", "nexus-topk", "nestedkv-end", "nexus-prior", *sorted(ADA))
 
 
 def _launcher():
@@ -71,13 +75,14 @@ def _cases(ranks, run):
 RUNS = ["tensor/llama", "tensor/qwen3", "pipeline/qwen2"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("run", RUNS)
 def test_tokens_and_kept_rows_equal_one_process(ranks, run):
     names = {name for _, name, _ in _cases(ranks, run)}
     if run.startswith("tensor"):
         assert set(methods()) <= names  # every registry method
     if run == "tensor/llama":
-        assert {m + "-ada" for m in ("nexus", "h2o", "snapkv", "pyramidkv", "morphkv")} <= names
+        assert ADA <= names
     bad = [(rank, name) for rank, name, c in _cases(ranks, run)
            if c["tokens"] != c["ref_tokens"] or c.get("kept_equal") is False]
     assert not bad, f"{run}: 2 ranks differ from one process for {bad}"
@@ -85,6 +90,7 @@ def test_tokens_and_kept_rows_equal_one_process(ranks, run):
         assert c["tokens"] == ranks[0]["runs"][run][name]["tokens"]
 
 
+@pytest.mark.integration
 def test_quantized_rows_two_ranks_equal_one_process(ranks):
     """4-bit kept rows (kv_bits=4, groups of 32): every method and the Ada variants keep exactly what one
     process keeps and generate the same tokens."""
@@ -99,6 +105,7 @@ def test_quantized_rows_two_ranks_equal_one_process(ranks):
         assert max(c["evictions"]) >= 1 and not c["kept_all"], (rank, name)  # PyramidKV: layer 0 holds more
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("run", RUNS)
 def test_budget_evicts_during_prompt_and_decode(ranks, run):
     for rank, name, c in _cases(ranks, run):
@@ -112,6 +119,7 @@ def test_budget_evicts_during_prompt_and_decode(ranks, run):
             assert not c["kept_all"], (run, name)
 
 
+@pytest.mark.integration
 def test_nothing_evicted_equals_kvcache(ranks):
     for run in ("tensor/llama", "tensor/qwen3"):
         for rank, name, c in _cases(ranks, run):
@@ -124,6 +132,7 @@ def test_nothing_evicted_equals_kvcache(ranks):
             assert c["traffic"]["bytes"] == 0
 
 
+@pytest.mark.integration
 def test_a_rank_that_ignores_the_others_is_caught(ranks):
     """The same comparison on caches built with group=False (each rank selects from its own heads
     only): every head-combining selection then differs from one process's; per-head H2O does not."""
@@ -137,6 +146,7 @@ def test_a_rank_that_ignores_the_others_is_caught(ranks):
     assert all(naive["h2o"])  # per-head: nothing to combine
 
 
+@pytest.mark.integration
 def test_traffic_only_where_heads_combine(ranks):
     for rank, name, c in _cases(ranks, "tensor/llama"):
         if name in PER_HEAD or name in ("full", "nexus-no-eviction"):
@@ -147,6 +157,7 @@ def test_traffic_only_where_heads_combine(ranks):
         assert c["traffic"]["bytes"] == 0
 
 
+@pytest.mark.integration
 def test_no_host_sync_in_the_sharded_hot_path(ranks):
     for r in ranks:
         for name, h in r["runs"]["tensor/llama"]["hot_path"].items():
@@ -155,12 +166,14 @@ def test_no_host_sync_in_the_sharded_hot_path(ranks):
         assert r["runs"]["tensor/llama"]["hot_path"]["nexus"]["traffic"]["bytes"] > 0
 
 
+@pytest.mark.integration
 def test_layer_wide_top_k_over_two_ranks_equals_one_argsort(ranks):
     """Ada-KV's layer-wide ranking without gathering the scores: radix select + tie counts."""
     for r in ranks:
         assert r["runs"]["top_k"]["checked"] == 12 and r["runs"]["top_k"]["bad"] == []
 
 
+@pytest.mark.integration
 def test_batched_generation_on_the_split_model(ranks):
     """batch_generate (per-row caches copied into a BatchEvictionCache) on 2 ranks == each prompt
     generated alone by one process."""
@@ -172,6 +185,7 @@ def test_batched_generation_on_the_split_model(ranks):
             assert v["batched"] == v["alone"], (r["rank"], name)
 
 
+@pytest.mark.integration
 def test_pipeline_ranks_keep_global_layer_numbers(ranks):
     got = {}
     for rank, name, c in _cases(ranks, "pipeline/qwen2"):

@@ -275,6 +275,7 @@ def test_small_budget_really_evicts_global_layers(tiny_gemma3):
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_real_gemma3_270m_answers_a_passkey(tmp_path_factory):
     if not HAS_GEMMA3:
         pytest.skip(f"Gemma 3 270M chunk packages are not installed ({gguf_gemma3.GEMMA3_270M_PIP})")

@@ -12,7 +12,7 @@ from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import QuantizedKVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
-from veloxquant_mlx.batching import BatchEvictionCache
+from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.caches.streaming import StreamingKVCache
 
 from conftest import forbid_host_sync, greedy, random_prompt

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..distributed import group_max
 from .quant import (buf_dtype, buf_shape, check_group, dequantize_rows, quantize_rows, row_dim, rows_map,
                     rows_zip)
+from .shard import group_max
 
 # Position stored for padding rows (ragged per-head storage); larger than any real position so a
 # causal "key position <= query position" test hides it.

@@ -21,8 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
-
-FULL = "full"
+from ..registry import FULL
 
 
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
@@ -190,7 +189,7 @@ _MODEL_DESCRIPTIONS = {
 def machine_info() -> dict:
     import mlx.core as mx
 
-    from ..blas import openblas_preloaded
+    from .._blas import openblas_preloaded
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),
@@ -274,6 +273,18 @@ class ResultStore:
             self._write(data)
             return True
 
+    def stamp(self):
+        """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
+        from .provenance import command_line, provenance, resumed
+
+        with self._locked():
+            data = self.load()
+            cells = [c for c in data["cells"].values() if isinstance(c, dict)]
+            labels = {c["method"] for c in cells if "method" in c} | {m for c in cells for m in c.get("caches", ())}
+            new = provenance(command_line(), sorted(labels) or None)
+            data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
+            self._write(data)
+
     def update_meta(self, meta: dict | None = None, grid: dict | None = None, run: dict | None = None):
         with self._locked():
             data = self.load()
@@ -356,6 +367,7 @@ def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
     res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
                     max_cells=args.max_cells, desc=store.experiment, progress=not args.no_progress)
     store.update_meta(run={"finished": now(), "shard": list(args.shard), **res})
+    store.stamp()
     print(f"{store.experiment}: {res}")
     return 0
 

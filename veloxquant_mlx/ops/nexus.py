@@ -62,12 +62,6 @@ def block_distribution(q: mx.array, k: mx.array, q_pos: mx.array, k_pos: mx.arra
 
 
 @mx.compile
-def direct_score(s_hat: mx.array) -> mx.array:
-    """a = (1/W) Σ_q a^(q)  (Eq. 3 / Eq. 1): (..., W, N_k) -> (..., N_k)."""
-    return s_hat.mean(axis=-2)
-
-
-@mx.compile
 def walk(rows: mx.array) -> mx.array:
     """The Nexus walk over the given rows in order (Eq. 4): rows (..., H, N_k) -> C^(H) (..., N_k).
 
@@ -125,7 +119,7 @@ def nexus_weights_from_parts(a: mx.array, walk_rows: mx.array, lam: float = 0.5,
                              eps_tie: float = 1e-6) -> mx.array:
     """w (Eq. 2-5) from the two things it reads of S_hat: the direct score a = mean over the window
     rows (..., N_k) and the walk rows (..., h, N_k), oldest first (any array when ``lam=0``). Used
-    where S_hat is averaged over heads held by different processes (veloxquant_mlx.distributed)."""
+    where S_hat is averaged over heads held by different processes (veloxquant_mlx.caches.shard)."""
     return _compiled_parts(a, walk_rows, float(lam), float(eps_tie))
 
 
