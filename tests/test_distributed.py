@@ -91,6 +91,21 @@ def test_tokens_and_kept_rows_equal_one_process(ranks, run):
 
 
 @pytest.mark.integration
+def test_quantized_rows_two_ranks_equal_one_process(ranks):
+    """4-bit kept rows (kv_bits=4, groups of 32): every method and the Ada variants keep exactly what one
+    process keeps and generate the same tokens."""
+    run = "tensor-q4/llama-hd32"
+    names = {name for _, name, _ in _cases(ranks, run)}
+    assert set(methods()) | {"nexus-ada", "h2o-ada", "nestedkv-end"} <= names
+    bad = [(rank, name) for rank, name, c in _cases(ranks, run)
+           if c["tokens"] != c["ref_tokens"] or not c["kept_equal"]]
+    assert not bad, f"quantized rows: 2 ranks differ from one process for {bad}"
+    for rank, name, c in _cases(ranks, run):
+        assert c["max_logprob_diff"] <= 1e-3, (rank, name, c["max_logprob_diff"])
+        assert max(c["evictions"]) >= 1 and not c["kept_all"], (rank, name)  # PyramidKV: layer 0 holds more
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("run", RUNS)
 def test_budget_evicts_during_prompt_and_decode(ranks, run):
     for rank, name, c in _cases(ranks, run):

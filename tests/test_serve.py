@@ -274,6 +274,44 @@ def test_model_provider_serves_our_caches_batched(config):
         KVCacheBuilder.uninstall(model)
 
 
+def test_model_provider_serves_quantized_rows_batched():
+    """--kv-bits on serve: our caches store 4-bit rows and still batch (mlx-lm's server alone would
+    serve kv_bits requests one at a time); the merged batch takes mlx-lm's quantized attention."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx.cli.serve import _model_provider_class, server_args
+    from test_quantized import make_model
+
+    model = make_model("llama")
+    config = KVCacheConfig(method="nexus", budget=48, kv_bits=4, nexus_block_size=4, nexus_window=8)
+    provider = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), config)
+    try:
+        provider.load("default_model")
+        assert provider.is_batchable
+        caches = make_prompt_cache(model)
+        assert caches[0].bits == 4 and caches[0].merge(caches[:1]).bits == 4
+    finally:
+        KVCacheBuilder.uninstall(model)
+
+
+def test_serve_kv_bits_flags(monkeypatch):
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli import serve as serve_mod
+
+    seen = {}
+    monkeypatch.setattr(serve_mod, "serve", lambda model, tok, config, model_name, **o: seen.update(config=config, **o))
+    monkeypatch.setattr(serve_mod, "load_model_for_cli", lambda spec: (None, None))
+    monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
+    args = build_parser().parse_args(["serve", "--method", "h2o", "--budget", "64", "--kv-bits", "4",
+                                      "--kv-group-size", "32"])
+    assert serve_mod.cmd_serve(args) == 0
+    assert (seen["config"].kv_bits, seen["config"].kv_group_size) == (4, 32)
+    assert "kv_bits" not in seen  # not handed to mlx-lm's server: requests stay batchable
+    args = build_parser().parse_args(["serve", "--method", "full", "--kv-bits", "8"])
+    assert serve_mod.cmd_serve(args) == 0
+    assert seen["config"] is None and seen["kv_bits"] == 8  # full cache: mlx-lm's own QuantizedKVCache
+
+
 def test_serve_flags():
     from veloxquant_mlx.cli import build_parser, main
     from veloxquant_mlx.cli.serve import _size, server_args

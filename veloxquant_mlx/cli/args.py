@@ -66,6 +66,11 @@ def add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
                              "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help="store the kept rows quantized, 4 or 8 bits (mlx-lm's QuantizedKVCache layout, read by "
+                             "its quantized attention); with --method full: mlx-lm's QuantizedKVCache")
+    parser.add_argument("--kv-group-size", type=int, default=64,
+                        help="quantization group along head_dim: 32, 64 (default) or 128")
     add_method_options(parser)
 
 
@@ -75,6 +80,7 @@ def config_from_args(args, prompt_len: int):
     if args.method == FULL:
         if extra:
             raise CLIError(f"--method {FULL} takes no method options (got {_flags(extra)})")
+        _check_full_kv_bits(args)
         return None
     get_method(args.method)  # unknown method -> ValueError listing the known ones
     wrong = {k: v for k, v in extra.items() if k.split("__")[1] != args.method}
@@ -89,9 +95,22 @@ def config_from_args(args, prompt_len: int):
         budget = max(int(round(args.density * prompt_len)), 1)
     options = {k.split("__")[2]: v for k, v in extra.items()}
     alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
-                               ("prompt_eviction", getattr(args, "prompt_eviction", None))) if v is not None}
+                               ("prompt_eviction", getattr(args, "prompt_eviction", None)),
+                               ("kv_bits", getattr(args, "kv_bits", None)),
+                               ("kv_group_size", getattr(args, "kv_group_size", None))) if v is not None}
     return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
                          seed=args.cache_seed, options=options, **alloc)
+
+
+def _check_full_kv_bits(args):
+    """--method full --kv-bits: mlx-lm's own QuantizedKVCache; same supported values as ours."""
+    from ..config import KV_BITS, KV_GROUP_SIZES
+
+    bits = getattr(args, "kv_bits", None)
+    if bits is not None and bits not in KV_BITS:
+        raise CLIError(f"--kv-bits {bits} is not supported: use one of {list(KV_BITS)} (or leave it out)")
+    if getattr(args, "kv_group_size", 64) not in KV_GROUP_SIZES:
+        raise CLIError(f"--kv-group-size {args.kv_group_size} is not supported: use one of {list(KV_GROUP_SIZES)}")
 
 
 def _flags(extra):

@@ -56,7 +56,14 @@ class MethodSpec:
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
     allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
-    floor_alpha: float | None = None  # Ada-KV's per-head floor (None: the config's default)
+    # Further KVCacheConfig fields, sorted (key, value) pairs: kv_bits (label suffix "-4bit" / "-8bit";
+    # for the full cache, mlx-lm's QuantizedKVCache), max_head_factor (label suffix "-nocap": None),
+    # floor_alpha (Ada-KV's per-head floor; kvzip-paper sets 0).
+    extra: tuple = ()
+
+    @property
+    def kv_bits(self):
+        return dict(self.extra).get("kv_bits")
 
     @property
     def opts(self) -> dict:
@@ -96,28 +103,41 @@ def method_specs(names=None, ablations: bool = True) -> list:
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
     if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
         specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
-                                                   allocation="ada", floor_alpha=0.0))
+                                                   allocation="ada", extra=(("floor_alpha", 0.0),)))
     out = []
     for n in names:
-        if n not in specs:
-            raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)}")
-        out.append(specs[n])
+        base, extra = n, {}
+        while base not in specs and base.endswith(tuple(_CONFIG_SUFFIXES)):
+            suffix = next(x for x in _CONFIG_SUFFIXES if base.endswith(x))
+            base, extra = base[:-len(suffix)], {**_CONFIG_SUFFIXES[suffix], **extra}
+        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits"}):
+            raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)} (each may end in "
+                             f"{', '.join(_CONFIG_SUFFIXES)})")
+        spec = specs[base]
+        out.append(dataclasses.replace(spec, name=n, extra=tuple(sorted({**dict(spec.extra), **extra}.items())))
+                   if extra else spec)
     return out
+
+
+# Label suffixes that set KVCacheConfig fields: quantized kept rows, and the specs' own per-head bound.
+_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None}}
 
 
 def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
     """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
     ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     if spec.method is None:
-        return make_prompt_cache(model)
+        caches = make_prompt_cache(model)
+        if spec.kv_bits is not None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
+            caches = [QuantizedKVCache(group_size=64, bits=spec.kv_bits) if type(c) is KVCache else c for c in caches]
+        return caches
     from ..builder import KVCacheBuilder
     from ..config import KVCacheConfig
 
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation, prompt_eviction=prompt_eviction,
-                           **({} if spec.floor_alpha is None else {"floor_alpha": spec.floor_alpha}))
+                           allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
     return KVCacheBuilder.for_model(model, config)
 
 
