@@ -41,6 +41,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
     "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
+    "kvzip-global": ("kvzip", {"layers": "global"}),  # KVzip's budget shared across layers (the paper's default)
 }
 
 
@@ -58,6 +59,7 @@ class MethodSpec:
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
     allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
+    floor_alpha: float | None = None  # Ada-KV's per-head floor (None: the config's default)
 
     @property
     def opts(self) -> dict:
@@ -91,6 +93,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
     if ablations and "nexus" in specs:
         for label, (m, opts) in OPT_IN_ABLATIONS.items():
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
+    if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
+        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
+                                                   allocation="ada", floor_alpha=0.0))
     out = []
     for n in names:
         if n not in specs:
@@ -107,7 +112,8 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_evic
     if spec.method is None:
         return make_prompt_cache(model)
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation, prompt_eviction=prompt_eviction)
+                           allocation=spec.allocation, prompt_eviction=prompt_eviction,
+                           **({} if spec.floor_alpha is None else {"floor_alpha": spec.floor_alpha}))
     return KVCacheBuilder.for_model(model, config)
 
 
@@ -147,10 +153,16 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
     """(model, tokenizer, description)."""
     if quick:
         m, t = tiny_model()
+        from ..model_pass import set_pass_tokenizer
+
+        set_pass_tokenizer(m, t)
         return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
     from ..models import load_model
 
+    from ..model_pass import set_pass_tokenizer
+
     m, t = load_model(None if spec in (None, "bundled") else spec)
+    set_pass_tokenizer(m, t)  # kvzip's repeat prompt, for caches built later by make_caches
     return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
 
 
@@ -246,6 +258,18 @@ class ResultStore:
             self._write(data)
             return True
 
+    def stamp(self):
+        """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
+        from .provenance import command_line, provenance, resumed
+
+        with self._locked():
+            data = self.load()
+            cells = [c for c in data["cells"].values() if isinstance(c, dict)]
+            labels = {c["method"] for c in cells if "method" in c} | {m for c in cells for m in c.get("caches", ())}
+            new = provenance(command_line(), sorted(labels) or None)
+            data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
+            self._write(data)
+
     def update_meta(self, meta: dict | None = None, grid: dict | None = None, run: dict | None = None):
         with self._locked():
             data = self.load()
@@ -328,6 +352,7 @@ def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
     res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
                     max_cells=args.max_cells, desc=store.experiment, progress=not args.no_progress)
     store.update_meta(run={"finished": now(), "shard": list(args.shard), **res})
+    store.stamp()
     print(f"{store.experiment}: {res}")
     return 0
 
