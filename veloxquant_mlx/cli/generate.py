@@ -7,6 +7,8 @@ import sys
 import time
 
 from .. import distributed
+from .._blas import blas_hint
+from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (add_cache_args, config_from_args, fmt_bytes, load_compressed_document, load_model_for_cli,
@@ -28,8 +30,6 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
-
-    from ..builder import KVCacheBuilder
 
     mx.random.seed(seed)
     if caches is None and config is not None:
@@ -58,8 +58,6 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
 
 
 def _blas_footer():
-    from .._blas import blas_hint
-
     hint = blas_hint()
     if hint:
         print(f"note: {hint}", file=sys.stderr)

@@ -24,6 +24,7 @@ import logging
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
+from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
@@ -141,8 +142,6 @@ def _prompt_cache_class():
 def _model_provider_class():
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import ModelProvider
-
-    from ..builder import KVCacheBuilder
 
     class EvictionModelProvider(ModelProvider):
         """Serves one already loaded model with ``config``'s eviction caches (None: mlx-lm's own)."""

@@ -21,7 +21,10 @@ import time
 import warnings
 from pathlib import Path
 
-from ..registry import FULL
+from .._blas import openblas_preloaded
+from ..builder import KVCacheBuilder
+from ..config import KVCacheConfig
+from ..registry import FULL, get_method, methods
 
 
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
@@ -75,8 +78,6 @@ class MethodSpec:
         then the prefill + decode regime is identical to the prefill-only one."""
         if self.method is None:
             return True
-        from ..registry import get_method
-
         return bool(getattr(get_method(self.method), "prefill_only", False))
 
 
@@ -85,8 +86,6 @@ def method_specs(names=None, ablations: bool = True) -> list:
 
     ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed; ``"<method>-ada"``
     is the method with Ada-KV allocation, for methods that support it; opt-in only)."""
-    from ..registry import get_method, methods
-
     specs = {FULL: MethodSpec(FULL, None)}
     for m in methods():
         specs[m] = MethodSpec(m, m)
@@ -133,9 +132,6 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_evic
         if spec.kv_bits is not None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
             caches = [QuantizedKVCache(group_size=64, bits=spec.kv_bits) if type(c) is KVCache else c for c in caches]
         return caches
-    from ..builder import KVCacheBuilder
-    from ..config import KVCacheConfig
-
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
                            allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
     return KVCacheBuilder.for_model(model, config)
@@ -199,8 +195,6 @@ _MODEL_DESCRIPTIONS = {
 
 def machine_info() -> dict:
     import mlx.core as mx
-
-    from .._blas import openblas_preloaded
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),
