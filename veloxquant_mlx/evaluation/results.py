@@ -280,13 +280,16 @@ class ResultStore:
 
     def stamp(self):
         """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
-        from .provenance import command_line, provenance, resumed
+        from .provenance import command_line, key_of, provenance, resumed
 
         with self._locked():
             data = self.load()
             cells = [c for c in data["cells"].values() if isinstance(c, dict)]
-            labels = {c["method"] for c in cells if "method" in c} | {m for c in cells for m in c.get("caches", ())}
-            new = provenance(command_line(), sorted(labels) or None)
+            # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
+            stream = {"decode": True, None: self.experiment == "perplexity"}
+            keys = {key_of(c["method"], "stream" if stream.get(c.get("regime"), False) else "end")
+                    for c in cells if "method" in c} | {key_of(m) for c in cells for m in c.get("caches", ())}
+            new = provenance(command_line(), sorted(keys) or None)
             data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
             self._write(data)
 
