@@ -21,6 +21,7 @@ import datetime as _dt
 import hashlib
 import json
 import subprocess
+import warnings
 from pathlib import Path
 
 FULL = "full"
@@ -99,13 +100,15 @@ def method_fingerprint(key: str) -> str:
     if setting not in _SETTINGS:
         raise ValueError(f"unknown fingerprint setting {setting!r} in {key!r}; known: {', '.join(_SETTINGS)}")
     model = _tiny_model()
-    if method == FULL:
-        record = _run(model, make_prompt_cache(model), 2048)
-    else:
-        cfg = _config(method, setting)
-        record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
-                                                       _SETTINGS[setting][1])
-        KVCacheBuilder.uninstall(model)
+    with warnings.catch_warnings():  # e.g. kvzip's note that a tiny model has no tokenizer: expected here
+        warnings.simplefilter("ignore")
+        if method == FULL:
+            record = _run(model, make_prompt_cache(model), 2048)
+        else:
+            cfg = _config(method, setting)
+            record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
+                                                           _SETTINGS[setting][1])
+            KVCacheBuilder.uninstall(model)
     _cache[key] = _digest(record)
     return _cache[key]
 
@@ -189,7 +192,7 @@ def stale_methods(stored: dict, current: dict | None = None) -> dict:
 
     A provenance without a fingerprint, or with a ``stale_reason``, is stale as a whole (key ``"*"``)."""
     if not isinstance(stored, dict):
-        return {"*": "no provenance"}
+        return {"*": "no provenance" if stored is None else "provenance without a fingerprint"}
     if stored.get("stale_reason"):
         return {"*": stored["stale_reason"]}
     fp = stored.get("fingerprint") or {}
