@@ -22,12 +22,10 @@ chunk?). OpenBLAS is preloaded (1 thread) unless ``--no-fast-blas``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,6 +90,7 @@ def main(argv=None):
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
     from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import prose_text
     from veloxquant_mlx.evaluation.results import load_eval_model
 
@@ -111,14 +110,10 @@ def main(argv=None):
     path = Path(args.out)
 
     def write(sweep_at=None):  # after every context: a partial run still leaves its numbers
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip())
         out = {"experiment": "kvzip prefill cost", "model": desc, "density": args.density,
                "prefill_step_size": step, "reconstruction_chunk": chunk_default, "rows": rows,
                "chunk_peaks_at": sweep_at, "chunk_peaks": chunk_peaks,
-               "provenance": {"commit": commit, "dirty": dirty, "command": " ".join([sys.executable] + sys.argv),
-                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "provenance": {**provenance(command_line(), labels=["full", "kvzip"]),
                               "load_average_at_end": os.getloadavg(), "mlx": mx.__version__, **blas_info()}}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))

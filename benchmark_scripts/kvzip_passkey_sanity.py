@@ -9,9 +9,7 @@ by the full cache and by kvzip (one shared prefill per prompt, as the evaluation
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ def main(argv=None):
 
     reexec_with_openblas(num_threads=1)
     from veloxquant_mlx.evaluation.passkey import extract_digits
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.results import load_eval_model, make_caches, method_specs
     from veloxquant_mlx.evaluation.retrieval import make_prompt, shared_prefill_generate
 
@@ -55,11 +54,9 @@ def main(argv=None):
         print(hay, depth, {k: (v["found"], v["text"][:30]) for k, v in row.items() if isinstance(v, dict)},
               flush=True)
     summary = {name: sum(r[name]["found"] for r in rows) for name in ["full"] + [s.name for s in specs]}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     res = {"experiment": "kvzip passkey sanity", "model": desc, "context": args.context, "density": args.density,
            "key": args.key, "rows": rows, "found": summary, "of": len(rows),
-           "provenance": {"commit": commit, "command": " ".join([sys.executable] + sys.argv),
-                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+           "provenance": provenance(command_line(), labels=["full"] + [s.name for s in specs])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print("found:", summary, "of", len(rows))
