@@ -85,6 +85,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
         self._fetched_positions = None
         self._fetched_ragged = False
+        self._attend = False  # inside observe_and_attend: the tap will use an output the scoring pass makes
+        self._attention_out = None
 
     # Hooks a method may override -------------------------------------------------------------
     @classmethod
@@ -217,6 +219,23 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
             raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
                              f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
         self._observe(queries, D ** -0.5 if scale is None else float(scale))
+
+    def observe_and_attend(self, queries: mx.array, scale: float | None = None):
+        """The tap's one-pass path: observe this step's queries, and return the layer's attention output
+        when the method's scoring pass computed it from its own weights (None: the tap calls mlx-lm's
+        attention). The output must equal causal attention over the rows ``update_and_fetch`` returned."""
+        self._attend = True
+        try:
+            self.observe_queries(queries, scale)
+        finally:
+            self._attend = False
+        out, self._attention_out = self._attention_out, None
+        return out
+
+    def wants_attention_output(self) -> bool:
+        """True inside :meth:`observe_and_attend`: a scoring pass that computes the attention weights
+        may hand the layer's output back (``self._attention_out``) instead of the tap computing it again."""
+        return self._attend
 
     @property
     def fetched_positions(self):
