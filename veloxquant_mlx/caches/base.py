@@ -346,8 +346,12 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
         # buffers (row indices are < rows) keeps the flattening free.
         extra = self.headroom_after_eviction(K)
-        self.keys = with_headroom(gather_rows(self.keys, idx), extra)
-        self.values = with_headroom(gather_rows(self.values, idx), extra)
+        # Keys/values with their headroom in ONE gather (headroom rows repeat row 0; they are overwritten
+        # before anything reads them): a gather then a concatenate with zeros copied the kept rows twice,
+        # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
+        k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
+        self.keys = gather_rows(self.keys, k_idx)
+        self.values = gather_rows(self.values, k_idx)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
