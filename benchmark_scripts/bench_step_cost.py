@@ -21,6 +21,7 @@ round (paired) and summarized as median [min, max] over rounds. Times are this p
 time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
 
   python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py
+  python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
 """
 
 from __future__ import annotations
@@ -174,6 +175,117 @@ def run_setting(model, name, T, density, methods, variants, rounds, steps, warmu
             "cpu_ms_per_step": ms, "wall_ms_per_step": wall, "build_cpu_ms_per_step": build}
 
 
+_SNAP = ("keys", "values", "positions", "_rows", "offset", "_rng", "_window_q", "_evict_floor", "_ragged")
+
+
+def components(model, T, budget, methods, repeats=25):
+    """Per-layer CPU ms of each piece on its own (layer 0's cache, each piece evaluated alone, median
+    of ``repeats``), as a fraction of one decode attention over the budget's rows (the limit's work):
+    less disturbed by a shared machine than the step differences, but blind to fusion across pieces."""
+    kvh, qh, hd = _shape(model)
+
+    def med(fn):
+        for _ in range(3):
+            fn()
+        xs = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            fn()
+            xs.append((time.process_time() - c0) * 1e3)
+        return statistics.median(xs)
+
+    K = mx.random.normal((1, kvh, budget, hd), key=mx.random.key(1))
+    q = mx.random.normal((1, qh, 1, hd), key=mx.random.key(2))
+    k1 = mx.random.normal((1, kvh, 1, hd), key=mx.random.key(3))
+    mx.eval(K, q, k1)
+    unit = med(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, K, K, scale=hd ** -0.5)))
+    def appends(cache, n=16):  # consecutive single-token appends (buffers donated as in decode)
+        xs = []
+        for _ in range(n):
+            c0 = time.process_time()
+            mx.eval(cache.update_and_fetch(k1, k1))
+            xs.append((time.process_time() - c0) * 1e3)
+        return statistics.median(xs)
+
+    rot = make(model, "rotating", T, budget)[0]
+    rot.update_and_fetch(k1, k1)
+    out = {"attention_ms": round(unit, 4), "rotating": {"append_fetch": round(appends(rot) / unit, 3)}}
+    for m in methods:
+        c = make(model, f"{m}:full", T, budget)[0]
+        c.update_and_fetch(k1, k1)  # one decode append first: the buffers then have their decode headroom
+        mx.eval(c.state)
+        snap = {a: getattr(c, a) for a in _SNAP} | {"row_extras": dict(c.row_extras)}
+
+        def restore():
+            for a, v in snap.items():
+                setattr(c, a, dict(v) if a == "row_extras" else v)
+
+        def append():
+            restore()
+            c.evict_threshold = lambda: 1 << 40
+            t = appends(c)
+            del c.evict_threshold
+            return t / 1e3
+
+        def observe():  # the scoring work of one step, no eviction
+            restore()
+            c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            c._ending = False
+            c.evict_threshold = lambda: 1 << 40
+            c.observe_queries(q, hd ** -0.5)
+            mx.eval(c.step_state())
+            del c.evict_threshold
+            return time.process_time() - c0
+
+        def observe_attend():  # the tap's path: scoring, plus the layer output where the method fuses them
+            restore()
+            c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            c.evict_threshold = lambda: 1 << 40
+            o = c.observe_and_attend(q, hd ** -0.5)
+            if o is None:
+                o = mx.fast.scaled_dot_product_attention(q, *c._fetch(), scale=hd ** -0.5)
+            mx.eval(o, c.step_state())
+            del c.evict_threshold
+            return time.process_time() - c0
+
+        def mask():
+            restore()
+            c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            mk = c.attention_mask(None, q)
+            if isinstance(mk, mx.array):
+                mx.eval(mk)
+            return time.process_time() - c0
+
+        def evict():
+            restore()
+            for _ in range(c.slack + 1):
+                c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            c._evict()
+            mx.eval(c.state)
+            return time.process_time() - c0
+
+        def inner(fn):  # the timed part only (set-up excluded)
+            for _ in range(3):
+                fn()
+            return statistics.median(fn() * 1e3 for _ in range(repeats))
+
+        decode_bounded = not c.prefill_only
+        row = {"append_fetch": inner(append), "observe": inner(observe),
+               "observe_and_attention": inner(observe_attend), "mask": inner(mask),
+               "eviction_amortized": inner(evict) / c.slack if decode_bounded else 0.0}
+        out[m] = {k: round(v / unit, 3) for k, v in row.items()}
+        restore()
+    return out
+
+
 def _spread(xs):
     return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
@@ -210,8 +322,37 @@ def provenance(argv):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def table(path) -> str:
+    """Markdown tables of a result file (what docs/performance.md quotes)."""
+    d = json.loads(Path(path).read_text())
+
+    def f(x, signed=False):
+        return (f"{x['median']:+.2f}" if signed else f"{x['median']:.2f}") + f" [{x['min']:.2f}, {x['max']:.2f}]"
+
+    lines = [f"`{d['provenance']['command']}` at {d['provenance']['commit']}, {d['provenance']['date']}; "
+             f"{d['settings']['rounds']} rounds x {d['settings']['steps']} steps; median [min, max] over rounds", ""]
+    for r in d["runs"]:
+        s = r["summary"]
+        lines += [f"**{r['model']}, context {r['context']}, budget {r['budget']}** (KVCache: "
+                  f"{f(s['kvcache_speed_vs_rotating'])} of the limit)", "",
+                  "| method | speed vs limit | vs KVCache | tap (all) | eviction | step-state dep. | mask | "
+                  "Python µs/layer |", "|---|---|---|---|---|---|---|---|"]
+        for m in d["settings"]["methods"]:
+            x = s[m]
+            cell = lambda k: f(x[k], True) if k in x else "–"  # noqa: E731
+            lines.append(f"| {m} | {f(x['speed_vs_rotating'])} | {f(x['speed_vs_kvcache'])} | "
+                         f"{cell('cost_tap_vs_rotating_step')} | {cell('cost_evict_vs_rotating_step')} | "
+                         f"{cell('cost_depends_vs_rotating_step')} | {cell('cost_mask_vs_rotating_step')} | "
+                         f"{x['python_us_per_layer_over_rotating']['median']:+.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--table"]:
+        print(table(argv[1]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="2048,8192,32768", help="wide-model contexts")
     ap.add_argument("--bundled-contexts", default="2048", help="bundled SmolLM2 contexts ('' to skip)")
@@ -221,8 +362,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per timing (2 eviction steps at slack 32)")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "figures/speed/step_cost.json"))
+    ap.add_argument("--out", default=None, help="default figures/speed/step_cost.json "
+                    "(--components: figures/speed/step_components.json)")
+    ap.add_argument("--components", action="store_true",
+                    help="time each piece of one layer's step on its own instead of whole decode steps")
     a = ap.parse_args(argv)
+    a.out = a.out or str(ROOT / "figures/speed" / ("step_components.json" if a.components else "step_cost.json"))
     methods = [m for m in a.methods.split(",") if m]
     variants = [v for v in a.variants.split(",") if v]
     if "full" not in variants:
@@ -241,6 +386,14 @@ def main(argv=None):
         if name not in models:
             models[name] = wide_model() if name == "wide" else bundled_model()
         print(f"{name} T={T}", flush=True)
+        if a.components:
+            budget = max(int(T * a.density), 64)
+            comp = components(models[name], T, budget, methods)
+            result["runs"].append({"model": name, "context": T, "budget": budget, "per_layer_vs_attention": comp})
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+            print(json.dumps(comp), flush=True)
+            continue
         s = run_setting(models[name], name, T, a.density, methods, variants, a.rounds, a.steps, a.warmup)
         s["summary"] = summarize(s, methods, variants)
         result["runs"].append(s)

@@ -133,9 +133,13 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
         if self.query_window:
-            q = queries if self._window_q is None else mx.concatenate([self._window_q, queries], axis=2)
-            # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
-            self._window_q = mx.contiguous(q[:, :, -self.query_window:, :])
+            W, S = self.query_window, queries.shape[2]
+            if self._window_q is None or S >= W:
+                # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
+                self._window_q = mx.contiguous(queries[:, :, -W:, :])
+            else:  # one concatenate (a new array) of the rows still in the window and the new ones
+                self._window_q = mx.concatenate([self._window_q[:, :, max(self._window_q.shape[2] + S - W, 0):],
+                                                 queries], axis=2)
 
     def scores(self) -> mx.array:
         """(B, H, rows) importance of every stored row; higher is kept."""

@@ -54,10 +54,12 @@ class H2OKVCache(EvictionCache):
         S = queries.shape[2]
         args = (queries, self.stored("keys"), self.stored("positions"), self.offset - S, self.scale,
                 self.options.query_block)
+        # One query over storage without padding: every stored row is in its past, no mask needed.
+        kw = {"all_visible": S == 1 and not self.is_ragged}
         if self.fuse_attention():  # the rows stored now are the rows update_and_fetch returned
-            mass, self._attention_out = attention_mass(*args, values=self.stored("values"))
+            mass, self._attention_out = attention_mass(*args, values=self.stored("values"), **kw)
         else:
-            mass = attention_mass(*args)
+            mass = attention_mass(*args, **kw)
         r = self._rows
         self.row_extras["score"][:, :, :r] = self.stored("score") + mass
 

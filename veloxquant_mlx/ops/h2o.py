@@ -15,27 +15,32 @@ from .attention import group_queries
 
 
 def _block_probs(q, k, q_pos, k_pos, scale):
-    # q (B, Hkv, G, s, D); k (B, Hkv, n, D); q_pos (s,); k_pos (B, Hkv, n) -> (B, Hkv, G, s, n) float32
+    # q (B, Hkv, G, s, D); k (B, Hkv, n, D); q_pos (s,); k_pos (B, Hkv, n) -> (B, Hkv, G, s, n) float32.
+    # k_pos None: every key is visible (a decode step over uniform storage), so no mask is built.
     logits = (q.astype(mx.float32) * scale) @ mx.expand_dims(k.astype(mx.float32), 2).swapaxes(-1, -2)
-    visible = mx.expand_dims(k_pos, (2, 3)) <= q_pos[:, None]
-    logits = mx.where(visible, logits, -mx.inf)
+    if k_pos is not None:
+        visible = mx.expand_dims(k_pos, (2, 3)) <= q_pos[:, None]
+        logits = mx.where(visible, logits, -mx.inf)
     return mx.softmax(logits, axis=-1, precise=True)
 
 
-@mx.compile
-def _block_mass(q, k, q_pos, k_pos, scale):
+def _mass(q, k, q_pos, k_pos, scale):
     return _block_probs(q, k, q_pos, k_pos, scale).sum(axis=(2, 3))  # (B, Hkv, n)
 
 
-@mx.compile
-def _block_mass_out(q, k, v, q_pos, k_pos, scale):
+def _mass_out(q, k, v, q_pos, k_pos, scale):
     p = _block_probs(q, k, q_pos, k_pos, scale)
     out = p @ mx.expand_dims(v.astype(mx.float32), 2)  # (B, Hkv, G, s, Dv): the layer's attention output
     return p.sum(axis=(2, 3)), out.astype(q.dtype)
 
 
+_block_mass, _block_mass_out = mx.compile(_mass), mx.compile(_mass_out)
+_all_mass = mx.compile(lambda q, k, scale: _mass(q, k, None, None, scale))
+_all_mass_out = mx.compile(lambda q, k, v, scale: _mass_out(q, k, v, None, None, scale))
+
+
 def attention_mass(queries: mx.array, keys: mx.array, k_pos: mx.array, q_start: int, scale: float,
-                   query_block: int = 256, values: mx.array | None = None):
+                   query_block: int = 256, values: mx.array | None = None, all_visible: bool = False):
     """Sum over queries and grouped query heads of softmax(q kᵀ·scale), per stored key.
 
     queries (B, Hq, S, D) at absolute positions ``q_start .. q_start+S-1``; keys (B, Hkv, N, D) whose
@@ -46,11 +51,18 @@ def attention_mass(queries: mx.array, keys: mx.array, k_pos: mx.array, q_start: 
 
     Query sub-block j only needs key rows ``[0, N - S + end_j)`` (everything later is in its causal
     future), so the keys are sliced statically per sub-block: about half the work of a full square.
+    ``all_visible``: the caller knows every key is visible to the single query (a decode step over
+    storage without padding), so the causal mask is skipped (same result, fewer ops).
     """
     B, Hq, S, D = queries.shape
     N = keys.shape[2]
     q = group_queries(queries, keys.shape[1])
     scale = mx.array(scale, mx.float32)
+    if all_visible and S == 1:
+        if values is None:
+            return _all_mass(q, keys, scale)
+        m, o = _all_mass_out(q, keys, values, scale)
+        return m, o.reshape(B, Hq, S, values.shape[-1])
     q_pos_all = mx.arange(q_start, q_start + S, dtype=mx.int32)
     k_pos = k_pos.astype(mx.int32)
     step = max(int(query_block), 1)
