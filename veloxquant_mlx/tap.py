@@ -20,9 +20,18 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
     observe = getattr(cache, "observe_queries", None)
     if observe is None:
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
-    observe(queries, scale)
-    mask = cache.attention_mask(mask, queries)
-    out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+    out = None
+    attend = getattr(cache, "observe_and_attend", None)
+    plain = all(v is None for v in kwargs.values()) and not hasattr(cache, "bits")
+    if attend is not None and plain and (mask is None or isinstance(mask, str)):
+        # One pass: a method whose scoring computes the attention weights returns the output too (the
+        # positional causal mask it applies is the "causal"/None mask mlx-lm built, per layer).
+        out = attend(queries, scale)
+    else:
+        observe(queries, scale)
+    if out is None:
+        mask = cache.attention_mask(mask, queries)
+        out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
     # The state this step updated (scores, query window, positions) is consumed by no output, and
     # mlx_lm.generate evaluates only the tokens in decode: tie it to this layer's output so it is
     # computed now, instead of a lazy graph that pins every earlier buffer until the next eviction.

@@ -94,6 +94,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
         self._fetched_positions = None
         self._fetched_ragged = False
+        self._attend = False  # inside observe_and_attend: the tap will use an output the scoring pass makes
+        self._attention_out = None
 
     # Hooks a method may override -------------------------------------------------------------
     @classmethod
@@ -145,9 +147,13 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
         if self.query_window:
-            q = queries if self._window_q is None else mx.concatenate([self._window_q, queries], axis=2)
-            # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
-            self._window_q = mx.contiguous(q[:, :, -self.query_window:, :])
+            W, S = self.query_window, queries.shape[2]
+            if self._window_q is None or S >= W:
+                # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
+                self._window_q = mx.contiguous(queries[:, :, -W:, :])
+            else:  # one concatenate (a new array) of the rows still in the window and the new ones
+                self._window_q = mx.concatenate([self._window_q[:, :, max(self._window_q.shape[2] + S - W, 0):],
+                                                 queries], axis=2)
 
     def scores(self) -> mx.array:
         """(B, H, rows) importance of every stored row; higher is kept."""
@@ -233,6 +239,23 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
             raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
                              f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
         self._observe(queries, D ** -0.5 if scale is None else float(scale))
+
+    def observe_and_attend(self, queries: mx.array, scale: float | None = None):
+        """The tap's one-pass path: observe this step's queries, and return the layer's attention output
+        when the method's scoring pass computed it from its own weights (None: the tap calls mlx-lm's
+        attention). The output must equal causal attention over the rows ``update_and_fetch`` returned."""
+        self._attend = True
+        try:
+            self.observe_queries(queries, scale)
+        finally:
+            self._attend = False
+        out, self._attention_out = self._attention_out, None
+        return out
+
+    def wants_attention_output(self) -> bool:
+        """True inside :meth:`observe_and_attend`: a scoring pass that computes the attention weights
+        may hand the layer's output back (``self._attention_out``) instead of the tap computing it again."""
+        return self._attend
 
     @property
     def fetched_positions(self):
@@ -350,9 +373,13 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
         # buffers (row indices are < rows) keeps the flattening free.
         extra = self.headroom_after_eviction(K)
+        # Keys/values with their headroom in ONE gather (headroom rows repeat row 0; they are overwritten
+        # before anything reads them): a gather then a concatenate with zeros copied the kept rows twice,
+        # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
         # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
-        self.keys = rows_map(lambda a: with_headroom(gather_rows(a, idx), extra), self.keys)
-        self.values = rows_map(lambda a: with_headroom(gather_rows(a, idx), extra), self.values)
+        k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
+        self.keys = rows_map(lambda a: gather_rows(a, k_idx), self.keys)
+        self.values = rows_map(lambda a: gather_rows(a, k_idx), self.values)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)

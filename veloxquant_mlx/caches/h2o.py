@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..options import option
+from ..ops.attention import fused_scoring_default
 from ..ops.h2o import attention_mass
 from ..registry import register
 from .base import EvictionCache
@@ -25,6 +26,10 @@ class H2OOptions:
     evict_every: int = option(32, low=1, small=4, doc="amortization slack: evict once this many extra rows exist")
     # Queries scored per sub-block of a prefill chunk (bounds the probability tensor in memory).
     query_block: int = option(256, low=1, doc="prefill queries per scoring sub-block")
+    # One attention pass: the layer's output from the scoring pass's own weights ("auto": on the CPU,
+    # where it is faster; docs/performance.md), or the scoring pass plus mlx-lm's fused kernel.
+    attention_pass: str = option("auto", choices=("auto", "fused", "separate"),
+                                 doc="layer output from the scoring weights (fused) or a second attention pass")
 
 
 @register("h2o")
@@ -41,10 +46,20 @@ class H2OKVCache(EvictionCache):
     def extra_row_fields(self):
         return {"score": 0.0}
 
+    def fuse_attention(self) -> bool:
+        mode = self.options.attention_pass
+        return self.wants_attention_output() and (mode == "fused" or (mode == "auto" and fused_scoring_default()))
+
     def on_queries(self, queries):
         S = queries.shape[2]
-        mass = attention_mass(queries, self.stored("keys"), self.stored("positions"), self.offset - S,
-                              self.scale, self.options.query_block)
+        args = (queries, self.stored("keys"), self.stored("positions"), self.offset - S, self.scale,
+                self.options.query_block)
+        # One query over storage without padding: every stored row is in its past, no mask needed.
+        kw = {"all_visible": S == 1 and not self.is_ragged}
+        if self.fuse_attention():  # the rows stored now are the rows update_and_fetch returned
+            mass, self._attention_out = attention_mass(*args, values=self.stored("values"), **kw)
+        else:
+            mass = attention_mass(*args, **kw)
         r = self._rows
         self.row_extras["score"][:, :, :r] = self.stored("score") + mass
 

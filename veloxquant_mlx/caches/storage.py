@@ -18,17 +18,19 @@ from .shard import group_max
 PAD_POSITION = 2**31 - 1
 
 
-def with_headroom(rows: mx.array, extra: int, fill=0) -> mx.array:
-    """A NEW contiguous buffer: ``rows`` followed by ``extra`` rows of ``fill`` along axis 2.
+def with_headroom(rows, extra: int, fill=0) -> mx.array:
+    """A NEW contiguous buffer: ``rows`` (an array, or a list of arrays joined along axis 2) followed by
+    ``extra`` rows of ``fill`` along axis 2, in one copy.
 
-    Every storage change goes through here, so a buffer is never a view that pins a larger array
-    and its capacity is exactly what the caller asked for (allocation follows the kept rows)."""
-    if extra <= 0:
-        return mx.contiguous(rows)
-    shape = list(rows.shape)
-    shape[2] = extra
-    pad = mx.full(shape, fill, rows.dtype) if fill else mx.zeros(shape, rows.dtype)
-    return mx.concatenate([rows, pad], axis=2)
+    Storage changes go through here (or, for gathered rows, through one gather that includes the
+    headroom), so a buffer is never a view that pins a larger array and its capacity is exactly what
+    the caller asked for (allocation follows the kept rows)."""
+    parts = rows if isinstance(rows, list) else [rows]  # a list joins; a tuple is never taken apart
+    if extra > 0:
+        shape = list(parts[0].shape)
+        shape[2] = extra
+        parts.append(mx.full(shape, fill, parts[0].dtype) if fill else mx.zeros(shape, parts[0].dtype))
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.contiguous(parts[0])
 
 
 class RowStorage:
@@ -100,9 +102,8 @@ class RowStorage:
                 cap = -(-need // self.step) * self.step
             extra = cap - need
 
-            def grown(old, new, fill):
-                rows = new if old is None or not prev else mx.concatenate([old[:, :, :prev], new], axis=2)
-                return with_headroom(rows, extra, fill)
+            def grown(old, new, fill):  # one copy of the old rows, the new ones and the headroom
+                return with_headroom(new if old is None or not prev else [old[:, :, :prev], new], extra, fill)
 
             def grown_kv(old, new):
                 if old is None or not prev:

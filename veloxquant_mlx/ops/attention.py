@@ -30,3 +30,13 @@ def window_attention_probs(queries: mx.array, keys: mx.array, q_pos: mx.array, k
     """
     q = group_queries(queries, keys.shape[1])
     return _probs(q, keys, q_pos.astype(mx.int32), k_pos.astype(mx.int32), mx.array(scale, mx.float32))
+
+
+def fused_scoring_default() -> bool:
+    """Should a method whose scoring pass computes the attention weights also compute the layer's
+    output from them (one pass), rather than leave it to mlx-lm's fused kernel (two passes)?
+
+    On the CPU yes: MLX's CPU ``scaled_dot_product_attention`` is itself matmul + softmax + matmul,
+    so the second pass is pure repetition (measured: docs/performance.md). Elsewhere (Metal, CUDA)
+    the fused kernel is unmeasured here, so the two-pass path stays."""
+    return mx.default_device().type == mx.DeviceType.cpu

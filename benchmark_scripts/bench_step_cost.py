@@ -1,0 +1,411 @@
+"""What one decode step costs beyond attention: the query tap, mask building, the step-state
+dependency, the amortized eviction step and Python per layer, against the limit
+``RotatingKVCache(max_size=B)`` (a plain window of the same B rows) and ``KVCache``.
+
+Models: a tiny random llama with wide heads (2 layers, 16 query / 8 KV heads, head_dim 128, hidden
+256), where attention dominates a step as it does at long context on a GPU, at 2K / 8K / 32K context;
+and the bundled SmolLM2 (30 layers, 9 / 3 heads of 64) at 2K. Budget B = density x context.
+
+Each cache starts a round from a synthetic state at ``context`` tokens seen (random keys / values,
+the layout eviction leaves: B rows, sinks + spread middle + recent window, scores random, ragged
+per-head counts for NestedKV), so a 32K prompt is never prefilled; then ``--steps`` greedy decode
+steps run through the model (one ``mx.eval`` per token), decode evictions included. A component's
+cost is measured by difference: the same method with that component switched off on the instance
+(``no_depends``: no ``mx.depends`` on the step state; ``no_evict``: no decode eviction, so rows grow
+by ``steps``; ``no_mask``: the tap keeps mlx-lm's mask; ``no_tap``: the tap passes straight to
+attention: no observe, no mask, no dependency, no eviction). Switched-off variants are for timing only
+(their outputs may be wrong). ``build`` is the host time of the model call (the lazy graph: Python).
+
+Rounds run every configuration once, order reversed every other round; ratios are taken inside a
+round (paired) and summarized as median [min, max] over rounds. Times are this process's CPU
+time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
+
+  python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py
+  python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from veloxquant_mlx.caches.storage import PAD_POSITION  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("full", "no_depends", "no_evict", "no_mask", "no_tap")
+
+
+def wide_model():
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                           vocab_size=256, max_position_embeddings=65536, tie_word_embeddings=False)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def bundled_model():
+    from veloxquant_mlx.models import load_model
+
+    return load_model(None)[0]
+
+
+def _shape(model):
+    a = model.args
+    hd = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    return a.num_key_value_heads, a.num_attention_heads, hd
+
+
+def _kept_positions(T, R, n_sink, recent):
+    """R kept positions out of T: sinks, the recent window and the middle spread evenly."""
+    mid = R - n_sink - recent
+    middle = np.linspace(n_sink, T - recent - 1, mid).round().astype(np.int64) if mid > 0 else []
+    pos = np.unique(np.concatenate([np.arange(n_sink), middle, np.arange(T - recent, T)]))
+    while len(pos) < R:  # rounding collisions (only at tiny T): fill from the unused positions
+        pos = np.unique(np.concatenate([pos, np.setdiff1d(np.arange(T), pos)[:R - len(pos)]]))
+    return pos[:R]
+
+
+def fill(cache, T, kv_heads, q_heads, hd, seed):
+    """Put ``cache`` at ``T`` tokens seen, holding what eviction leaves (see the module docstring)."""
+    if isinstance(cache, (KVCache, RotatingKVCache)):
+        keys = mx.random.normal((1, kv_heads, T, hd), key=mx.random.key(seed))
+        cache.update_and_fetch(keys, keys + 1)
+        mx.eval(cache.state)
+        return
+    R = min(T, cache.budget)
+    k = mx.random.normal((1, kv_heads, R, hd), key=mx.random.key(seed))
+    pos = np.broadcast_to(_kept_positions(T, R, cache.n_sink, cache.recent), (1, kv_heads, R)).copy()
+    ragged = cache.method == "nestedkv"
+    if ragged:  # heads keep different counts; real rows first, padding after (as NestedKV stores them)
+        for h in range(kv_heads):
+            drop = (h * R) // (4 * kv_heads)
+            if drop:
+                keep = np.sort(np.random.default_rng(h).choice(R - cache.recent, R - cache.recent - drop,
+                                                               replace=False))
+                pos[0, h] = np.concatenate([pos[0, h, keep], pos[0, h, R - cache.recent:], [PAD_POSITION] * drop])
+    st = {"keys": k, "values": k + 1, "positions": mx.array(pos.astype(np.int32)), "rng": mx.random.key(seed)}
+    for name in cache.extra_row_fields():
+        st["row." + name] = mx.random.uniform(shape=(1, kv_heads, R), key=mx.random.key(seed + 1))
+    if cache.query_window:
+        st["window_q"] = mx.random.normal((1, q_heads, cache.query_window, hd), key=mx.random.key(seed + 2))
+    cache.state = st
+    cache.offset, cache.scale, cache._ragged, cache._evict_floor = T, hd ** -0.5, ragged, R
+    cache._prompt_open, cache._saw_decode, cache.queries_observed = False, True, 1
+    mx.eval(cache.state)
+
+
+def switch_off(cache, variant):
+    if variant == "no_depends":
+        cache.step_state = lambda: []
+    elif variant == "no_evict":
+        cache.evict_threshold = lambda: 1 << 40
+    elif variant == "no_mask":
+        cache.attention_mask = lambda mask, queries: mask
+    elif variant == "no_tap":
+        cache.observe_queries = None
+
+
+def make(model, label, T, budget, seed=0):
+    kvh, qh, hd = _shape(model)
+    if label == "kvcache":
+        caches = [KVCache() for _ in model.layers]
+    elif label == "rotating":
+        caches = [RotatingKVCache(max_size=budget, keep=4) for _ in model.layers]
+    else:
+        method, variant = label.split(":")
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=budget, seed=seed))
+        for c in caches:
+            switch_off(c, variant)
+    for i, c in enumerate(caches):
+        fill(c, T, kvh, qh, hd, seed + 7 * i)
+    return caches
+
+
+def decode(model, caches, steps):
+    """(CPU ms, wall ms, host CPU ms building the graph) per step over ``steps`` greedy tokens.
+
+    CPU time (this process, all threads) is what the ratios use: on a shared machine wall time mostly
+    measures the neighbours."""
+    y = mx.array([[1]])
+    build = 0.0
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        b0 = time.process_time()
+        logits = model(y, cache=caches)
+        y = mx.argmax(logits[:, -1:], axis=-1)
+        build += time.process_time() - b0
+        mx.eval(y)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return cpu / steps * 1e3, wall / steps * 1e3, build / steps * 1e3
+
+
+def run_setting(model, name, T, density, methods, variants, rounds, steps, warmup):
+    budget = max(int(T * density), 64)
+    labels = ["rotating", "kvcache"] + [f"{m}:{v}" for m in methods for v in variants]
+    for label in labels:  # warm-up (compiles, allocator)
+        decode(model, make(model, label, T, budget), warmup)
+    ms = {lb: [] for lb in labels}
+    wall = {lb: [] for lb in labels}
+    build = {lb: [] for lb in labels}
+    for r in range(rounds):
+        order = labels if r % 2 == 0 else labels[::-1]
+        for label in order:
+            caches = make(model, label, T, budget, seed=r)
+            t, w, b = decode(model, caches, steps)
+            ms[label].append(t)
+            wall[label].append(w)
+            build[label].append(b)
+            del caches
+        print(f"  {name} T={T} round {r + 1}/{rounds}: rotating {ms['rotating'][-1]:.2f} CPU ms/step "
+              f"(wall {wall['rotating'][-1]:.2f})", flush=True)
+    return {"model": name, "context": T, "budget": budget, "layers": len(model.layers),
+            "cpu_ms_per_step": ms, "wall_ms_per_step": wall, "build_cpu_ms_per_step": build}
+
+
+_SNAP = ("keys", "values", "positions", "_rows", "offset", "_rng", "_window_q", "_evict_floor", "_ragged")
+
+
+def components(model, T, budget, methods, repeats=25):
+    """Per-layer CPU ms of each piece on its own (layer 0's cache, each piece evaluated alone, median
+    of ``repeats``), as a fraction of one decode attention over the budget's rows (the limit's work):
+    less disturbed by a shared machine than the step differences, but blind to fusion across pieces."""
+    kvh, qh, hd = _shape(model)
+
+    def med(fn):
+        for _ in range(3):
+            fn()
+        xs = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            fn()
+            xs.append((time.process_time() - c0) * 1e3)
+        return statistics.median(xs)
+
+    K = mx.random.normal((1, kvh, budget, hd), key=mx.random.key(1))
+    q = mx.random.normal((1, qh, 1, hd), key=mx.random.key(2))
+    k1 = mx.random.normal((1, kvh, 1, hd), key=mx.random.key(3))
+    mx.eval(K, q, k1)
+    unit = med(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, K, K, scale=hd ** -0.5)))
+    def appends(cache, n=16):  # consecutive single-token appends (buffers donated as in decode)
+        xs = []
+        for _ in range(n):
+            c0 = time.process_time()
+            mx.eval(cache.update_and_fetch(k1, k1))
+            xs.append((time.process_time() - c0) * 1e3)
+        return statistics.median(xs)
+
+    rot = make(model, "rotating", T, budget)[0]
+    rot.update_and_fetch(k1, k1)
+    out = {"attention_ms": round(unit, 4), "rotating": {"append_fetch": round(appends(rot) / unit, 3)}}
+    for m in methods:
+        c = make(model, f"{m}:full", T, budget)[0]
+        c.update_and_fetch(k1, k1)  # one decode append first: the buffers then have their decode headroom
+        mx.eval(c.state)
+        snap = {a: getattr(c, a) for a in _SNAP} | {"row_extras": dict(c.row_extras)}
+
+        def restore():
+            for a, v in snap.items():
+                setattr(c, a, dict(v) if a == "row_extras" else v)
+
+        def append():
+            restore()
+            c.evict_threshold = lambda: 1 << 40
+            t = appends(c)
+            del c.evict_threshold
+            return t / 1e3
+
+        def observe():  # the scoring work of one step, no eviction
+            restore()
+            c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            c._ending = False
+            c.evict_threshold = lambda: 1 << 40
+            c.observe_queries(q, hd ** -0.5)
+            mx.eval(c.step_state())
+            del c.evict_threshold
+            return time.process_time() - c0
+
+        def observe_attend():  # the tap's path: scoring, plus the layer output where the method fuses them
+            restore()
+            c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            c.evict_threshold = lambda: 1 << 40
+            o = c.observe_and_attend(q, hd ** -0.5)
+            if o is None:
+                o = mx.fast.scaled_dot_product_attention(q, *c._fetch(), scale=hd ** -0.5)
+            mx.eval(o, c.step_state())
+            del c.evict_threshold
+            return time.process_time() - c0
+
+        def mask():
+            restore()
+            c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            mk = c.attention_mask(None, q)
+            if isinstance(mk, mx.array):
+                mx.eval(mk)
+            return time.process_time() - c0
+
+        def evict():
+            restore()
+            for _ in range(c.slack + 1):
+                c.update_and_fetch(k1, k1)
+            mx.eval(c.state)
+            c0 = time.process_time()
+            c._evict()
+            mx.eval(c.state)
+            return time.process_time() - c0
+
+        def inner(fn):  # the timed part only (set-up excluded)
+            for _ in range(3):
+                fn()
+            return statistics.median(fn() * 1e3 for _ in range(repeats))
+
+        decode_bounded = not c.prefill_only
+        row = {"append_fetch": inner(append), "observe": inner(observe),
+               "observe_and_attention": inner(observe_attend), "mask": inner(mask),
+               "eviction_amortized": inner(evict) / c.slack if decode_bounded else 0.0}
+        out[m] = {k: round(v / unit, 3) for k, v in row.items()}
+        restore()
+    return out
+
+
+def _spread(xs):
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
+
+
+def summarize(setting, methods, variants):
+    """Paired per-round ratios: speed vs the limit and vs KVCache, component shares of the limit step."""
+    ms, build, L = setting["cpu_ms_per_step"], setting["build_cpu_ms_per_step"], setting["layers"]
+    rot = ms["rotating"]
+    out = {"kvcache_speed_vs_rotating": _spread([r / k for r, k in zip(rot, ms["kvcache"])])}
+    for m in methods:
+        full = ms[f"{m}:full"]
+        row = {"speed_vs_rotating": _spread([r / f for r, f in zip(rot, full)]),
+               "speed_vs_kvcache": _spread([k / f for k, f in zip(ms["kvcache"], full)]),
+               "python_us_per_layer_over_rotating": _spread(
+                   [(b - rb) / L * 1e3 for b, rb in zip(build[f"{m}:full"], build["rotating"])])}
+        for v in variants:
+            if v != "full":  # what switching v off saves, as a fraction of the limit's step
+                row[f"cost_{v[3:]}_vs_rotating_step"] = _spread(
+                    [(f - x) / r for f, x, r in zip(full, ms[f"{m}:{v}"], rot)])
+        out[m] = row
+    return out
+
+
+def provenance(argv):
+    import datetime
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = bool(git("status", "--porcelain", "-uno"))
+    return {"commit": git("rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else ""),
+            "command": "python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py " + " ".join(argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def table(path) -> str:
+    """Markdown tables of a result file (what docs/performance.md quotes)."""
+    d = json.loads(Path(path).read_text())
+
+    def f(x, signed=False):
+        return (f"{x['median']:+.2f}" if signed else f"{x['median']:.2f}") + f" [{x['min']:.2f}, {x['max']:.2f}]"
+
+    lines = [f"`{d['provenance']['command']}` at {d['provenance']['commit']}, {d['provenance']['date']}; "
+             f"{d['settings']['rounds']} rounds x {d['settings']['steps']} steps; median [min, max] over rounds", ""]
+    for r in d["runs"]:
+        s = r["summary"]
+        lines += [f"**{r['model']}, context {r['context']}, budget {r['budget']}** (KVCache: "
+                  f"{f(s['kvcache_speed_vs_rotating'])} of the limit)", "",
+                  "| method | speed vs limit | vs KVCache | tap (all) | eviction | step-state dep. | mask | "
+                  "Python µs/layer |", "|---|---|---|---|---|---|---|---|"]
+        for m in d["settings"]["methods"]:
+            x = s[m]
+            cell = lambda k: f(x[k], True) if k in x else "–"  # noqa: E731
+            lines.append(f"| {m} | {f(x['speed_vs_rotating'])} | {f(x['speed_vs_kvcache'])} | "
+                         f"{cell('cost_tap_vs_rotating_step')} | {cell('cost_evict_vs_rotating_step')} | "
+                         f"{cell('cost_depends_vs_rotating_step')} | {cell('cost_mask_vs_rotating_step')} | "
+                         f"{x['python_us_per_layer_over_rotating']['median']:+.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--table"]:
+        print(table(argv[1]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="2048,8192,32768", help="wide-model contexts")
+    ap.add_argument("--bundled-contexts", default="2048", help="bundled SmolLM2 contexts ('' to skip)")
+    ap.add_argument("--density", type=float, default=0.2)
+    ap.add_argument("--methods", default="h2o,nexus,snapkv,nestedkv,streaming")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per timing (2 eviction steps at slack 32)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--out", default=None, help="default figures/speed/step_cost.json "
+                    "(--components: figures/speed/step_components.json)")
+    ap.add_argument("--components", action="store_true",
+                    help="time each piece of one layer's step on its own instead of whole decode steps")
+    a = ap.parse_args(argv)
+    a.out = a.out or str(ROOT / "figures/speed" / ("step_components.json" if a.components else "step_cost.json"))
+    methods = [m for m in a.methods.split(",") if m]
+    variants = [v for v in a.variants.split(",") if v]
+    if "full" not in variants:
+        variants.insert(0, "full")
+    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.evaluation.results import machine_info
+
+    result = {"provenance": provenance(argv), "machine": machine_info(), "blas": blas_info(),
+              "settings": {"density": a.density, "rounds": a.rounds, "steps": a.steps, "methods": methods,
+                           "variants": variants, "prompt_eviction": "end (state synthesized, no prefill)"},
+              "runs": []}
+    plan = [("wide", int(t)) for t in a.contexts.split(",") if t] + \
+           [("bundled", int(t)) for t in a.bundled_contexts.split(",") if t]
+    models = {}
+    for name, T in plan:
+        if name not in models:
+            models[name] = wide_model() if name == "wide" else bundled_model()
+        print(f"{name} T={T}", flush=True)
+        if a.components:
+            budget = max(int(T * a.density), 64)
+            comp = components(models[name], T, budget, methods)
+            result["runs"].append({"model": name, "context": T, "budget": budget, "per_layer_vs_attention": comp})
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+            print(json.dumps(comp), flush=True)
+            continue
+        s = run_setting(models[name], name, T, a.density, methods, variants, a.rounds, a.steps, a.warmup)
+        s["summary"] = summarize(s, methods, variants)
+        result["runs"].append(s)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        for m in methods:
+            row = s["summary"][m]
+            print(f"    {m:10s} vs rotating {row['speed_vs_rotating']['median']:.3f}  "
+                  + "  ".join(f"{k[5:-17]} {row[k]['median']:+.3f}" for k in row if k.startswith("cost_"))
+                  + f"  py/layer +{row['python_us_per_layer_over_rotating']['median']:.0f}us", flush=True)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
