@@ -135,7 +135,7 @@ class KVCacheConfig:
         self.prompt_eviction = check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
                                             dict(kind=str, low=None, high=None, low_open=False,
                                                  choices=PROMPT_EVICTIONS, allow_none=False))
-        self.max_head_factor = _check_value("KVCacheConfig", "max_head_factor", max_head_factor,
+        self.max_head_factor = check_value("KVCacheConfig", "max_head_factor", max_head_factor,
                                             dict(kind=float, low=1.0, high=None, low_open=False, choices=None,
                                                  allow_none=True))
         if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
