@@ -268,6 +268,35 @@ def run_replay(args):
                   f"{r.get('allocated_vs_kvcache', float('nan')):.4f} real-equal {r.get('equals_real_run')}", flush=True)
 
 
+def table(args):
+    """Markdown table of allocated KV / KVCache (real generate runs where measured, else the replay)."""
+    real = load(Path(args.out_memory))["runs"]
+    replay = load(Path(args.out_memory).with_name("quant_replay.json")).get("replay", {})
+    lines = []
+    for n in args.contexts:
+        base = (real.get(f"{n}|kvcache") or replay.get(f"{n}|kvcache") or {}).get("kv_allocated_bytes")
+        if not base:
+            continue
+        lines += [f"\n{n}-token prompt, budget {max(int(round(args.density * n)), 1)} (20 %): allocated KV after "
+                  f"generation / mlx-lm `KVCache` ({base / MIB:.2f} MiB); `r` = real `generate_step` run, "
+                  "`p` = replay\n", "| cache | fp32 rows | 8-bit | 4-bit | 4-bit / fp rows |", "|---|---|---|---|---|"]
+        for m in ("kvcache", "nexus", "nestedkv", "nestedkv-nocap", "h2o", "snapkv", "pyramidkv", "streaming",
+                  "morphkv", "random"):
+            cells, vals = [], {}
+            for suffix in ("", "-8bit", "-4bit"):
+                key = f"{n}|{m}{suffix}"
+                r, src = (real[key], "r") if key in real else (replay.get(key), "p")
+                if r is None:
+                    cells.append("–")
+                    continue
+                vals[suffix] = r["kv_allocated_bytes"]
+                cells.append(f"{r['kv_allocated_bytes'] / base:.3f} ({src})")
+            ratio = f"{vals['-4bit'] / vals['']:.3f}" if "" in vals and "-4bit" in vals else "–"
+            if any(c != "–" for c in cells):
+                lines.append(f"| {m} | " + " | ".join(cells) + f" | {ratio} |")
+    print("\n".join(lines))
+
+
 def figure(args):
     """Allocated KV / KVCache per method for fp, 8-bit and 4-bit rows, one panel per context."""
     import matplotlib
@@ -303,7 +332,7 @@ def figure(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("memory", "speed", "figure", "replay"), required=True)
+    p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table"), required=True)
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -320,7 +349,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-speed", default=str(ROOT / "figures" / "eval" / "quant_speed.json"))
     args = p.parse_args(argv)
-    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay}[args.part](args)
+    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay, "table": table}[args.part](args)
 
 
 if __name__ == "__main__":
