@@ -305,20 +305,24 @@ def figure(args):
     import matplotlib.pyplot as plt
 
     res = load(Path(args.out_memory))
-    runs = res["runs"]
+    replay = load(Path(args.out_memory).with_name("quant_replay.json")).get("replay", {})
+    runs = {**replay, **res["runs"]}  # real runs where measured, else the replay (hatched)
     ctxs = sorted({r["prompt_tokens"] for r in runs.values()})
     fig, axes = plt.subplots(1, len(ctxs), figsize=(7 * len(ctxs), 4.2), squeeze=False)
     for ax, n in zip(axes[0], ctxs):
         names = [m for m in ("kvcache", "nexus", "nestedkv", "nestedkv-nocap", "h2o", "snapkv", "pyramidkv",
                              "streaming", "morphkv", "random") if f"{n}|{m}" in runs or f"{n}|{m}-4bit" in runs]
+        if f"{n}|kvcache" not in runs:
+            continue
         for j, (suffix, color) in enumerate((("", "tab:gray"), ("-8bit", "tab:blue"), ("-4bit", "tab:green"))):
-            xs, ys = [], []
+            base = runs[f"{n}|kvcache"]["kv_allocated_bytes"]
             for i, m in enumerate(names):
                 r = runs.get(f"{n}|{m}{suffix}")
-                if r and "allocated_vs_kvcache" in r:
-                    xs.append(i + (j - 1) * 0.27)
-                    ys.append(r["allocated_vs_kvcache"])
-            ax.bar(xs, ys, 0.27, color=color, label={"": "fp32 rows", "-8bit": "8-bit", "-4bit": "4-bit"}[suffix])
+                if r:
+                    ax.bar(i + (j - 1) * 0.27, r["kv_allocated_bytes"] / base, 0.27, color=color,
+                           hatch="//" if "source" in r else None,
+                           label={"": "fp32 rows", "-8bit": "8-bit", "-4bit": "4-bit"}[suffix] if i == 0 else None)
+        ax.set_xlabel("hatched: replay of generate's cache calls (uniform storage: bytes equal a real run)")
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_yscale("log")
         ax.axhline(0.06, color="k", lw=0.6, ls="--")
