@@ -224,7 +224,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     if group.size() == 1:  # one process: the closed-shape projection for a Llama-3-8B-like model
         doc = projection(prompt_len=args.projection_prompt)
-        doc["provenance"] = provenance(command_line())  # every method and the full cache
+        doc["provenance"] = provenance(command_line(), ["full", *CASES])
         with open(os.path.join(OUT, "projection_llama3_8b_like.json"), "w") as f:
             json.dump(doc, f, indent=1)
         for name, m in doc["methods"].items():
@@ -255,7 +255,7 @@ def main():
                          **SHAPE, "prompt_tokens": args.prompt, "decode_tokens": args.decode,
                          "budget": args.budget, "prefill_step_size": args.prefill_step_size,
                          "prompt_eviction": "end (default)"},
-               "measured": results, "provenance": provenance(command_line())}
+               "measured": results, "provenance": provenance(command_line(), ["full", *args.cases])}
         with open(os.path.join(OUT, "bench_distributed.json"), "w") as f:
             json.dump(doc, f, indent=1)
 

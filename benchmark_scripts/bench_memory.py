@@ -565,7 +565,7 @@ def main(argv=None):
             def save(res, _t0=t0, _path=path, _old=old, _extends=extends):
                 res["meta"] = {**meta, "wall_s": round(time.perf_counter() - _t0, 1),
                                "load_average_now": os.getloadavg()}
-                new = provenance(command_line(), ["full", *methods])
+                new = provenance(command_line(), ["full", *methods, *(() if args.no_stream_peak else ("nexus:stream",))])
                 res["provenance"] = resumed(_old, new) if _extends else new
                 tmp = _path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(res, indent=1) + "\n")

@@ -214,7 +214,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
 
-    prov = provenance(command_line(), ["full", *args.methods])
+    prov = provenance(command_line(), ["full", *args.methods], "stream" if args.prompt_eviction == "stream" else "end")
     (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "results": results, "provenance": prov},
                                                        indent=1) + "\n")
     figure(results, meta, out / "bench_serving.png")

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     bar.close()
     results["openblas_preloaded"] = P.blas_preloaded()
     results["preset"] = "quick" if args.quick else "full"
-    results["provenance"] = provenance(command_line(), sorted({v.method for v in variants} | {"full"}))
+    results["provenance"] = provenance(command_line(), ["full", *(v.label for v in variants)])
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")

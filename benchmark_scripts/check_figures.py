@@ -71,13 +71,14 @@ def check(root: Path, current: dict | None = None) -> dict:
 def report(res: dict) -> str:
     lines = [f"current fingerprints: " + ", ".join(f"{m}={h}" for m, h in sorted(res["current"].items())), ""]
     lines.append(f"fresh figures ({len(res['fresh'])}):")
-    for p, prov in res["fresh"].items():
+    for p, prov in res["fresh"].items():  # fresh provenance is always a dict with a fingerprint
         cov = ", ".join(sorted(prov.get("fingerprint", {})))
         lines.append(f"  {p}  [{cov}]  {prov.get('commit', '?')} {prov.get('date', '?')}")
     lines.append("")
     lines.append(f"stale figures ({len(res['stale'])}):")
     for p, why in res["stale"].items():
-        prov = res["provenance"].get(p) or {}
+        prov = res["provenance"].get(p)
+        prov = prov if isinstance(prov, dict) else {}
         when = f" (measured {str(prov.get('date', '?'))[:10]} at {prov.get('commit', '?')})" if prov else ""
         reason = why["*"] if "*" in why else "behaviour changed for " + ", ".join(why)
         lines.append(f"  {p}: {reason}{when}")

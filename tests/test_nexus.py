@@ -370,7 +370,8 @@ def _ada_cfg(**kw):
 
 def _ada_cache(**kw):
     base = dict(budget=40, n_sink=2, recent=3, nexus_block_size=4, nexus_window=4, nexus_walk_depth=2,
-                allocation="ada", prompt_eviction="stream", max_head_factor=None)  # the spec's bound
+                allocation="ada", prompt_eviction="stream",
+                max_head_factor=None)  # the spec's bound (the default cap is tested apart)
     return make_cache("nexus", **{**base, **kw})
 
 

@@ -24,10 +24,13 @@ def fresh_cache(monkeypatch):
 def test_fingerprint_is_deterministic_and_per_method(fresh_cache):
     a = P.fingerprint(["h2o", "streaming"])
     P._cache.clear()
-    b = P.fingerprint(["h2o-ada", "streaming"])  # labels map to their method
+    b = P.fingerprint(["h2o-topk", "streaming"])  # labels map to their method
     assert a == b and set(a) == {"h2o", "streaming"}
     assert all(len(h) == 12 and int(h, 16) >= 0 for h in a.values())
     assert a["h2o"] != a["streaming"]
+    # each setting has its own key: a figure depends only on what it measured
+    c = P.fingerprint(["h2o-ada", "h2o"], regime="stream")
+    assert set(c) == {"h2o:ada", "h2o:stream"} and c["h2o:stream"] != a["h2o"]
 
 
 def test_fingerprint_changes_with_the_kept_set_of_that_method_only(fresh_cache, monkeypatch):
@@ -40,11 +43,13 @@ def test_fingerprint_changes_with_the_kept_set_of_that_method_only(fresh_cache, 
     assert after["streaming"] == before["streaming"]
 
 
-def test_method_of_labels():
-    assert P.method_of("nexus-topk") == "nexus"
-    assert P.method_of("snapkv-ada") == "snapkv"
+def test_method_of_and_key_of_labels():
+    assert P.method_of("nexus-topk") == P.method_of("nexus_topk") == "nexus"
+    assert P.method_of("snapkv-ada") == P.method_of("snapkv+ada") == "snapkv"
     assert P.method_of("kvcache") == P.method_of("rotating") == "full"
     assert P.method_of("nope") == "nope"
+    assert P.key_of("snapkv+ada") == "snapkv:ada" and P.key_of("nexus-topk", "stream") == "nexus:stream"
+    assert P.key_of("full", "stream") == "full" and P.key_of("nexus:stream") == "nexus:stream"
 
 
 def test_stale_methods_and_resumed():

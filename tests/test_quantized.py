@@ -38,7 +38,7 @@ def make_model(arch: str = "llama", seed: int = 0):
 
 
 def cfg(method, budget=40, **kw):
-    return small_config(method, budget=budget, **kw)  # the method's small= options: it evicts on tiny shapes
+    return small_config(method, budget, **kw)
 
 
 def allocations(method):
@@ -200,7 +200,7 @@ def test_four_bit_bytes_at_a_small_budget(method, model):
 def test_batch_generate_equals_alone(model, method):
     prompts = [random_prompt(n, seed=s) for n, s in ((61, 1), (30, 2), (83, 3))]
     for allocation in allocations(method):
-        config = cfg(method, budget=24, prompt_eviction="stream", allocation=allocation, kv_bits=4)
+        config = small_config(method, budget=24, prompt_eviction="stream", allocation=allocation, kv_bits=4)
         ref = [alone(model, config, p, m) for p, m in zip(prompts, (9, 5, 7))]
         out = batched(model, config, prompts, [9, 5, 7])
         for (tokens, logprobs, caches), got, got_caches in zip(ref, out.token_ids, out.caches):

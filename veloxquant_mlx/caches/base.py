@@ -308,7 +308,10 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         rows, n_queries = pos.shape[-1], queries.shape[2]
         if not ragged:
             return create_causal_mask(n_queries, offset=rows - n_queries)
-        q_pos = mx.arange(self.offset - n_queries, self.offset)
+        return self.ragged_mask(pos, mx.arange(self.offset - n_queries, self.offset), queries)
+
+    def ragged_mask(self, pos: mx.array, q_pos: mx.array, queries: mx.array) -> mx.array:
+        """Per-head mask: row positions ``pos`` (B, H_kv, rows) visible to query positions ``q_pos``."""
         visible = mx.expand_dims(pos, 2) <= q_pos[:, None]  # (B, H_kv, N, rows)
         group = queries.shape[1] // pos.shape[1]
         # mlx-lm's quantized attention scores GQA as (B, H_kv, group, N, rows) and broadcasts a 4-D mask

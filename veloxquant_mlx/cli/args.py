@@ -16,6 +16,9 @@ class CLIError(Exception):
 
 
 def parse_value(kind, allow_none):
+    """An argparse ``type=`` for an option of ``kind`` (bool: true/false; tuple: comma separated;
+    ``none`` / ``inf`` is None when ``allow_none``)."""
+
     def parse(text):
         if allow_none and text.lower() in ("none", "inf"):
             return None
@@ -33,6 +36,7 @@ def parse_value(kind, allow_none):
 
 
 def add_method_options(parser):
+    """``--<method>-<option>`` for every option of every registered method (read from its Options)."""
     group = parser.add_argument_group("method options (only the chosen --method's apply)")
     for name in methods():
         for f in dataclasses.fields(get_method(name).Options):
@@ -46,6 +50,8 @@ def add_method_options(parser):
 
 
 def add_cache_args(parser, default_method="nexus"):
+    """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
+    policy, method options); :func:`config_from_args` turns them into a config."""
     parser.add_argument("--method", default=default_method,
                         help=f"eviction method, or '{FULL}' for mlx-lm's full KVCache (default {default_method})")
     parser.add_argument("--budget", type=int, default=None, help="tokens kept per KV head per layer")
@@ -138,7 +144,39 @@ def load_model_for_cli(spec):
 
 
 def fmt_bytes(n):
+    """``123 B``, ``4.0 KiB``, ... ``1.5 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
+
+
+# -- compressed documents (`compress` writes them, `generate --prompt-cache` continues them) -------------
+DOCUMENT_FORMAT = "veloxquant-compressed-document/1"
+
+
+def load_compressed_document(model, tokenizer, path: str):
+    """A fresh copy of a compressed document's caches, ready to continue (query tap and model pass
+    installed, this rank's head shard attached), and the file's metadata."""
+    from ..distributed import attach, resolve_group
+    from ..model_pass import install_model_pass
+    from ..prompt_cache import load_prompt_cache
+    from ..tap import install_query_tap
+
+    caches, meta = load_prompt_cache(path, return_metadata=True)
+    if meta.get("format") != DOCUMENT_FORMAT:
+        raise CLIError(f"{path!r} was not written by `compress` (format {meta.get('format')!r})")
+    install_query_tap(model)
+    if any(getattr(c, "needs_model_pass", False) for c in caches):
+        install_model_pass(model, tokenizer)
+    attach(caches, resolve_group(model, None))
+    for c in caches:
+        if hasattr(c, "continue_on_purpose"):
+            c.continue_on_purpose()  # continuing the document is the point
+    return caches, meta
+
+
+def question_tokens(tokenizer, meta: dict, question: str) -> list:
+    """The question as the continuation of the document's turn (no second BOS), then the rest of the
+    chat template's turn that ``compress`` kept in the metadata."""
+    return list(tokenizer.encode("\n\n" + question + meta.get("turn_tail", ""), add_special_tokens=False))

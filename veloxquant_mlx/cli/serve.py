@@ -24,6 +24,7 @@ import logging
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
+from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
@@ -142,8 +143,6 @@ def _model_provider_class():
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import ModelProvider
 
-    from ..builder import KVCacheBuilder
-
     class EvictionModelProvider(ModelProvider):
         """Serves one already loaded model with ``config``'s eviction caches (None: mlx-lm's own)."""
 
@@ -166,7 +165,7 @@ def _model_provider_class():
         def _install(self):
             model, tokenizer = self._served
             if self.config is not None:
-                KVCacheBuilder.install(model, self.config)
+                KVCacheBuilder.install(model, self.config, tokenizer=tokenizer)  # kvzip: repeat prompt
             if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
                 tokenizer.chat_template = tokenizer.default_chat_template
             if self.cli_args.chat_template:

@@ -4,14 +4,15 @@ the code has since moved away from.
 
 The fingerprint of a method is 12 hex digits of a sha256 over what the method does on a fixed tiny
 random llama (2 layers, 2 KV heads, fp32) and a fixed 512-token prompt at budget 192, run through
-mlx-lm's own ``generate_step`` with 40 greedy decode steps (so decode evicts too), in three
-settings: ``prompt_eviction="end"``, ``"stream"`` (128-token chunks) and ``allocation="ada"`` (or the refusal's text when the method
-refuses Ada-KV). Hashed: every layer's kept positions per head, the caches' allocated bytes, the
+mlx-lm's own ``generate_step`` with 40 greedy decode steps (so decode evicts too). Each setting has its
+own key, so a figure depends only on the settings it measured: ``"nexus"`` is ``prompt_eviction="end"``
+(the default), ``"nexus:stream"`` is ``prompt_eviction="stream"`` (128-token chunks) and
+``"nexus:ada"`` is ``allocation="ada"`` (or the refusal's text when the method refuses Ada-KV). Hashed: every layer's kept positions per head, the caches' allocated bytes, the
 generated tokens and their log-probabilities rounded to 0.01 (coarse on purpose: BLAS libraries sum
 in different orders, and a finer grid would flip a digit now and then; a real change moves the
 kept set or the tokens). ``"full"`` is mlx-lm's ``KVCache`` on the same run, the reference every
-figure compares against. One method per hash, so adding or changing one method leaves the other
-methods' figures valid. All methods take a few seconds on a CPU.
+figure compares against. One method and setting per hash, so adding or changing one method leaves
+the other methods' figures valid. All of them take a few seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import datetime as _dt
 import hashlib
 import json
 import subprocess
+import warnings
 from pathlib import Path
 
 FULL = "full"
@@ -65,68 +67,89 @@ def _run(model, caches, prefill_step: int) -> list:
     return out
 
 
-def _settings(method: str):
-    """(name, KVCacheConfig or the reason it was refused, prefill step) for the three settings."""
+_SETTINGS = {"end": ({}, 2048), "stream": ({"prompt_eviction": "stream"}, _CHUNK), "ada": ({"allocation": "ada"}, 2048)}
+
+
+def _config(method: str, setting: str):
+    """A KVCacheConfig for one setting, or the refusal's text (a method that refuses Ada-KV)."""
     from ..config import KVCacheConfig
 
-    for name, kw, step in (("end", {}, 2048), ("stream", {"prompt_eviction": "stream"}, _CHUNK),
-                           ("ada", {"allocation": "ada"}, 2048)):
-        try:
-            cfg = KVCacheConfig(method=method, budget=_BUDGET, seed=0, **kw)
-        except ValueError as e:  # a method that refuses Ada-KV: its refusal is behaviour
-            if name != "ada":
-                raise
-            cfg = f"ValueError: {e}"
-        yield name, cfg, step
+    try:
+        return KVCacheConfig(method=method, budget=_BUDGET, seed=0, **_SETTINGS[setting][0])
+    except ValueError as e:  # refusing Ada-KV is behaviour too; refusing the others is a bug here
+        if setting != "ada":
+            raise
+        return f"ValueError: {e}"
 
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def method_fingerprint(method: str) -> str:
-    """The behaviour hash of one registered method (or ``"full"``, mlx-lm's KVCache)."""
-    if method in _cache:
-        return _cache[method]
+def method_fingerprint(key: str) -> str:
+    """The behaviour hash of one key: ``"full"`` (mlx-lm's KVCache), ``"<method>"`` (the default
+    setting), ``"<method>:stream"`` or ``"<method>:ada"``."""
+    if key in _cache:
+        return _cache[key]
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..builder import KVCacheBuilder
 
+    method, _, setting = key.partition(":")
+    setting = setting or "end"
+    if setting not in _SETTINGS:
+        raise ValueError(f"unknown fingerprint setting {setting!r} in {key!r}; known: {', '.join(_SETTINGS)}")
     model = _tiny_model()
-    if method == FULL:
-        record = {"end": _run(model, make_prompt_cache(model), 2048)}
-    else:
-        record = {}
-        for name, cfg, step in _settings(method):
-            record[name] = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg), step)
-        KVCacheBuilder.uninstall(model)
-    _cache[method] = _digest(record)
-    return _cache[method]
+    with warnings.catch_warnings():  # e.g. kvzip's note that a tiny model has no tokenizer: expected here
+        warnings.simplefilter("ignore")
+        if method == FULL:
+            record = _run(model, make_prompt_cache(model), 2048)
+        else:
+            cfg = _config(method, setting)
+            record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
+                                                           _SETTINGS[setting][1])
+            KVCacheBuilder.uninstall(model)
+    _cache[key] = _digest(record)
+    return _cache[key]
 
 
-def all_methods() -> list:
+def all_keys() -> list:
     from ..registry import methods
 
-    return [FULL, *methods()]
+    return [FULL] + [f"{m}{s}" for m in methods() for s in ("", ":stream", ":ada")]
 
 
-def fingerprint(methods=None) -> dict:
-    """``{method: hash}`` for ``methods`` (labels allowed, see :func:`method_of`; default every
-    registered method and the full cache)."""
-    names = sorted({method_of(m) for m in (all_methods() if methods is None else methods)})
-    return {m: method_fingerprint(m) for m in names}
+def fingerprint(labels=None, regime: str = "end") -> dict:
+    """``{key: hash}`` for figure labels (see :func:`key_of`; default every key of every registered
+    method and the full cache)."""
+    keys = all_keys() if labels is None else {key_of(label, regime) for label in labels}
+    return {k: method_fingerprint(k) for k in sorted(keys)}
 
 
 def method_of(label: str) -> str:
-    """The registry method behind a figure's label: ``nexus-topk`` -> ``nexus``, ``snapkv-ada`` ->
-    ``snapkv`` (the longest registered name the label starts with); mlx-lm's own caches
-    (``kvcache``, ``rotating``) -> ``full``; anything else is returned as is."""
+    """The registry method behind a figure's label: ``nexus-topk`` / ``nexus_topk`` -> ``nexus``,
+    ``snapkv-ada`` / ``snapkv+ada`` -> ``snapkv`` (the longest registered name the label starts
+    with); mlx-lm's own caches (``kvcache``, ``rotating``) -> ``full``; anything else as is."""
     from ..registry import methods
 
     if label in (FULL, "kvcache", "rotating"):
         return FULL
-    hits = [m for m in methods() if label == m or label.startswith(m + "-")]
+    hits = [m for m in methods() if label == m or label[:len(m) + 1] in (m + "-", m + "_", m + "+")]
     return max(hits, key=len) if hits else label
+
+
+def key_of(label: str, regime: str = "end") -> str:
+    """The fingerprint key a figure's label depends on: ``snapkv-ada`` -> ``snapkv:ada``; a label
+    run with ``prompt_eviction="stream"`` (``regime="stream"``) -> ``<method>:stream``; a key
+    (``nexus:stream``) is returned as is."""
+    if ":" in label:
+        return label
+    m = method_of(label)
+    if m == FULL:
+        return FULL
+    if label.endswith(("-ada", "+ada")):
+        return f"{m}:ada"
+    return f"{m}:stream" if regime == "stream" else m
 
 
 def commit() -> str:
@@ -141,11 +164,11 @@ def commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
-def provenance(command: str, methods=None) -> dict:
-    """What a figure's JSON carries under ``"provenance"``."""
+def provenance(command: str, labels=None, regime: str = "end") -> dict:
+    """What a figure's JSON carries under ``"provenance"`` (``labels``, ``regime``: see :func:`fingerprint`)."""
     return {"commit": commit(), "command": command,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "fingerprint": fingerprint(methods)}
+            "fingerprint": fingerprint(labels, regime)}
 
 
 def command_line() -> str:
@@ -169,7 +192,7 @@ def stale_methods(stored: dict, current: dict | None = None) -> dict:
 
     A provenance without a fingerprint, or with a ``stale_reason``, is stale as a whole (key ``"*"``)."""
     if not isinstance(stored, dict):
-        return {"*": "no provenance"}
+        return {"*": "no provenance" if stored is None else "provenance without a fingerprint"}
     if stored.get("stale_reason"):
         return {"*": stored["stale_reason"]}
     fp = stored.get("fingerprint") or {}
@@ -181,8 +204,8 @@ def stale_methods(stored: dict, current: dict | None = None) -> dict:
         if now is None:
             try:
                 now = method_fingerprint(m)
-            except ValueError:  # no longer registered
-                out[m] = "method no longer registered"
+            except ValueError:  # no longer registered, or a key of an older scheme
+                out[m] = "no such method or setting today"
                 continue
         if now != h:
             out[m] = f"fingerprint {h} -> {now}"

@@ -21,7 +21,10 @@ import time
 import warnings
 from pathlib import Path
 
-from ..registry import FULL
+from .._blas import openblas_preloaded
+from ..builder import KVCacheBuilder
+from ..config import KVCacheConfig
+from ..registry import FULL, get_method, methods
 
 
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
@@ -38,6 +41,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
     "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
+    "kvzip-global": ("kvzip", {"layers": "global"}),  # KVzip's budget shared across layers (the paper's default)
 }
 
 
@@ -56,7 +60,8 @@ class MethodSpec:
     options: tuple = ()  # sorted (key, value) pairs, hashable
     allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
     # Further KVCacheConfig fields, sorted (key, value) pairs: kv_bits (label suffix "-4bit" / "-8bit";
-    # for the full cache, mlx-lm's QuantizedKVCache), max_head_factor (label suffix "-nocap": None).
+    # for the full cache, mlx-lm's QuantizedKVCache), max_head_factor (label suffix "-nocap": None),
+    # floor_alpha (Ada-KV's per-head floor; kvzip-paper sets 0).
     extra: tuple = ()
 
     @property
@@ -73,8 +78,6 @@ class MethodSpec:
         then the prefill + decode regime is identical to the prefill-only one."""
         if self.method is None:
             return True
-        from ..registry import get_method
-
         return bool(getattr(get_method(self.method), "prefill_only", False))
 
 
@@ -83,8 +86,6 @@ def method_specs(names=None, ablations: bool = True) -> list:
 
     ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed; ``"<method>-ada"``
     is the method with Ada-KV allocation, for methods that support it; opt-in only)."""
-    from ..registry import get_method, methods
-
     specs = {FULL: MethodSpec(FULL, None)}
     for m in methods():
         specs[m] = MethodSpec(m, m)
@@ -99,6 +100,9 @@ def method_specs(names=None, ablations: bool = True) -> list:
     if ablations and "nexus" in specs:
         for label, (m, opts) in OPT_IN_ABLATIONS.items():
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
+    if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
+        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
+                                                   allocation="ada", extra=(("floor_alpha", 0.0),)))
     out = []
     for n in names:
         base, extra = n, {}
@@ -128,9 +132,6 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_evic
         if spec.kv_bits is not None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
             caches = [QuantizedKVCache(group_size=64, bits=spec.kv_bits) if type(c) is KVCache else c for c in caches]
         return caches
-    from ..builder import KVCacheBuilder
-    from ..config import KVCacheConfig
-
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
                            allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
     return KVCacheBuilder.for_model(model, config)
@@ -172,10 +173,16 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
     """(model, tokenizer, description)."""
     if quick:
         m, t = tiny_model()
+        from ..model_pass import set_pass_tokenizer
+
+        set_pass_tokenizer(m, t)
         return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
     from ..models import load_model
 
+    from ..model_pass import set_pass_tokenizer
+
     m, t = load_model(None if spec in (None, "bundled") else spec)
+    set_pass_tokenizer(m, t)  # kvzip's repeat prompt, for caches built later by make_caches
     return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
 
 
@@ -188,8 +195,6 @@ _MODEL_DESCRIPTIONS = {
 
 def machine_info() -> dict:
     import mlx.core as mx
-
-    from .._blas import openblas_preloaded
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),
@@ -275,13 +280,16 @@ class ResultStore:
 
     def stamp(self):
         """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
-        from .provenance import command_line, provenance, resumed
+        from .provenance import command_line, key_of, provenance, resumed
 
         with self._locked():
             data = self.load()
             cells = [c for c in data["cells"].values() if isinstance(c, dict)]
-            labels = {c["method"] for c in cells if "method" in c} | {m for c in cells for m in c.get("caches", ())}
-            new = provenance(command_line(), sorted(labels) or None)
+            # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
+            stream = {"decode": True, None: self.experiment == "perplexity"}
+            keys = {key_of(c["method"], "stream" if stream.get(c.get("regime"), False) else "end")
+                    for c in cells if "method" in c} | {key_of(m) for c in cells for m in c.get("caches", ())}
+            new = provenance(command_line(), sorted(keys) or None)
             data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
             self._write(data)
 
