@@ -268,6 +268,35 @@ def run_replay(args):
                   f"{r.get('allocated_vs_kvcache', float('nan')):.4f} real-equal {r.get('equals_real_run')}", flush=True)
 
 
+def table(args):
+    """Markdown table of allocated KV / KVCache (real generate runs where measured, else the replay)."""
+    real = load(Path(args.out_memory))["runs"]
+    replay = load(Path(args.out_memory).with_name("quant_replay.json")).get("replay", {})
+    lines = []
+    for n in args.contexts:
+        base = (real.get(f"{n}|kvcache") or replay.get(f"{n}|kvcache") or {}).get("kv_allocated_bytes")
+        if not base:
+            continue
+        lines += [f"\n{n}-token prompt, budget {max(int(round(args.density * n)), 1)} (20 %): allocated KV after "
+                  f"generation / mlx-lm `KVCache` ({base / MIB:.2f} MiB); `r` = real `generate_step` run, "
+                  "`p` = replay\n", "| cache | fp32 rows | 8-bit | 4-bit | 4-bit / fp rows |", "|---|---|---|---|---|"]
+        for m in ("kvcache", "nexus", "nestedkv", "nestedkv-nocap", "h2o", "snapkv", "pyramidkv", "streaming",
+                  "morphkv", "random"):
+            cells, vals = [], {}
+            for suffix in ("", "-8bit", "-4bit"):
+                key = f"{n}|{m}{suffix}"
+                r, src = (real[key], "r") if key in real else (replay.get(key), "p")
+                if r is None:
+                    cells.append("–")
+                    continue
+                vals[suffix] = r["kv_allocated_bytes"]
+                cells.append(f"{r['kv_allocated_bytes'] / base:.3f} ({src})")
+            ratio = f"{vals['-4bit'] / vals['']:.3f}" if "" in vals and "-4bit" in vals else "–"
+            if any(c != "–" for c in cells):
+                lines.append(f"| {m} | " + " | ".join(cells) + f" | {ratio} |")
+    print("\n".join(lines))
+
+
 def figure(args):
     """Allocated KV / KVCache per method for fp, 8-bit and 4-bit rows, one panel per context."""
     import matplotlib
@@ -276,20 +305,24 @@ def figure(args):
     import matplotlib.pyplot as plt
 
     res = load(Path(args.out_memory))
-    runs = res["runs"]
+    replay = load(Path(args.out_memory).with_name("quant_replay.json")).get("replay", {})
+    runs = {**replay, **res["runs"]}  # real runs where measured, else the replay (hatched)
     ctxs = sorted({r["prompt_tokens"] for r in runs.values()})
     fig, axes = plt.subplots(1, len(ctxs), figsize=(7 * len(ctxs), 4.2), squeeze=False)
     for ax, n in zip(axes[0], ctxs):
         names = [m for m in ("kvcache", "nexus", "nestedkv", "nestedkv-nocap", "h2o", "snapkv", "pyramidkv",
                              "streaming", "morphkv", "random") if f"{n}|{m}" in runs or f"{n}|{m}-4bit" in runs]
+        if f"{n}|kvcache" not in runs:
+            continue
         for j, (suffix, color) in enumerate((("", "tab:gray"), ("-8bit", "tab:blue"), ("-4bit", "tab:green"))):
-            xs, ys = [], []
+            base = runs[f"{n}|kvcache"]["kv_allocated_bytes"]
             for i, m in enumerate(names):
                 r = runs.get(f"{n}|{m}{suffix}")
-                if r and "allocated_vs_kvcache" in r:
-                    xs.append(i + (j - 1) * 0.27)
-                    ys.append(r["allocated_vs_kvcache"])
-            ax.bar(xs, ys, 0.27, color=color, label={"": "fp32 rows", "-8bit": "8-bit", "-4bit": "4-bit"}[suffix])
+                if r:
+                    ax.bar(i + (j - 1) * 0.27, r["kv_allocated_bytes"] / base, 0.27, color=color,
+                           hatch="//" if "source" in r else None,
+                           label={"": "fp32 rows", "-8bit": "8-bit", "-4bit": "4-bit"}[suffix] if i == 0 else None)
+        ax.set_xlabel("hatched: replay of generate's cache calls (uniform storage: bytes equal a real run)")
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_yscale("log")
         ax.axhline(0.06, color="k", lw=0.6, ls="--")
@@ -303,7 +336,7 @@ def figure(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("memory", "speed", "figure", "replay"), required=True)
+    p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table"), required=True)
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -320,7 +353,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-speed", default=str(ROOT / "figures" / "eval" / "quant_speed.json"))
     args = p.parse_args(argv)
-    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay}[args.part](args)
+    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay, "table": table}[args.part](args)
 
 
 if __name__ == "__main__":

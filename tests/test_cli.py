@@ -37,6 +37,7 @@ def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
     assert kv and kv.group(3) == kv.group(4)  # nothing evicted: every token's K/V is kept
 
 
+@pytest.mark.model
 @needs_model
 def test_generate_with_4_bit_rows_equals_mlx_lm_quantized_cache(capsys):
     """--kv-bits 4 at a budget above the prompt gives mlx-lm's own QuantizedKVCache text (--method full
