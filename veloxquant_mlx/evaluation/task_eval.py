@@ -194,13 +194,13 @@ def run(args) -> int:
 
     def run_group(p):
         key = prompt_key(p)
+        done = store.done()  # claim the prompt's cells first, so a second worker moves on at once
+        group = [(cid, q) for cid, q in cells if prompt_key(q) == key and cid not in done]
+        group = [(cid, q) for cid, q in group if store.claim(cid)]
         if key not in prompts:
             prompts.clear()
             prompts[key] = build(tokenizer, p["task"], p["length"], p["index"], args.seed, args.n_facts)
         inst, toks = prompts[key]
-        done = store.done()
-        group = [(cid, q) for cid, q in cells if prompt_key(q) == key and cid not in done]
-        group = [(cid, q) for cid, q in group if store.claim(cid)]
         named, budgets, recs = {}, {}, {}
         for cid, q in group:
             spec = specs[q["method"]]
