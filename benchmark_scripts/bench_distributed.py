@@ -6,7 +6,7 @@ the model's own tensor-parallel all-reduces (2 ranks on one machine, ring backen
 The bundled SmolLM2-135M has 3 KV heads, which do not split over 2 ranks, so this uses a tiny
 RANDOM llama with 8 KV heads (16 query heads, head_dim 32, hidden 512, bf16): 4 KV heads per rank.
 Bytes are counted from shapes (no timing involved): ours by the caches' HeadShard counters
-(veloxquant_mlx.distributed), the model's by wrapping ``mx.distributed.all_sum`` / ``all_gather``
+(veloxquant_mlx.caches.shard), the model's by wrapping ``mx.distributed.all_sum`` / ``all_gather``
 during the run (ours subtracted). An ``all_sum`` counts its payload, an ``all_gather`` its gathered
 result. Decode-phase figures are per decoded token; "per eviction step" is per layer and step.
 
@@ -37,7 +37,8 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.distributed import HeadShard, traffic  # noqa: E402
+from veloxquant_mlx.caches.shard import HeadShard  # noqa: E402
+from veloxquant_mlx.distributed import traffic  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "figures", "distributed")
 SHAPE = dict(hidden_size=512, num_hidden_layers=2, intermediate_size=1024, num_attention_heads=16,

@@ -8,7 +8,7 @@ prose prompts of 2K and 4K tokens, 32 new tokens, budget = 20 % of the prompt, e
 ``mx.reset_peak_memory()`` first):
 
 * ``kv_allocated_bytes``: ``sum(c.nbytes)`` after generation (every array the caches hold);
-* ``kv_kept_bytes`` / ``kv_full_bytes``: ``veloxquant_mlx.cli.kv_report`` (kept rows' K/V; K/V of
+* ``kv_kept_bytes`` / ``kv_full_bytes``: ``veloxquant_mlx.caches.accounting.kv_report`` (kept rows' K/V; K/V of
   every token seen);
 * ``active_growth_bytes``: ``mx.get_active_memory()`` after generation minus before it;
 * ``peak_over_baseline_bytes``: ``mx.get_peak_memory()`` minus the active memory before generation
@@ -29,7 +29,7 @@ policies with their peaks.
     python benchmark_scripts/bench_memory.py --part tiny     # the tiny-model sweep only (~1-2 min)
     python benchmark_scripts/bench_memory.py --quick         # harness check (tiny model everywhere)
 
-OpenBLAS is preloaded (``veloxquant_mlx.blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
+OpenBLAS is preloaded (``veloxquant_mlx._blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
 which BLAS ran. Memory numbers do not depend on it; it only makes the run shorter.
 """
 
@@ -133,7 +133,7 @@ def measure(model, prompt, method, budget, max_tokens, prompt_eviction="end", pr
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from veloxquant_mlx.cli import kv_report
+    from veloxquant_mlx.caches.accounting import kv_report
 
     gc.collect()
     mx.clear_cache()
@@ -421,7 +421,7 @@ def markdown(bundled, tiny) -> str:
          "* **allocated** = `sum(c.nbytes)` after generation: every array the caches hold (keys, values, "
          "positions, per-row state, the saved query window), capacity included; mlx-lm's `KVCache` by its own "
          "`nbytes` (capacity in steps of 256 rows).",
-         "* **kept** = K/V bytes of the kept rows (`veloxquant_mlx.cli.kv_report`, `kept_bytes`).",
+         "* **kept** = K/V bytes of the kept rows (`veloxquant_mlx.caches.accounting.kv_report`, `kept_bytes`).",
          "* **active +** = `mx.get_active_memory()` after generation minus before it.",
          "* **peak +** = `mx.get_peak_memory()` during generation minus the active memory before it "
          "(`mx.reset_peak_memory()` first): the prefill activations of one 2048-token chunk are in here.",
@@ -529,14 +529,14 @@ def markdown(bundled, tiny) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
-        from veloxquant_mlx.blas import reexec_with_openblas
+        from veloxquant_mlx._blas import reexec_with_openblas
 
         reexec_with_openblas()  # returns when already preloaded or when none is installed
     import mlx.core as mx
     import mlx_lm
 
     import veloxquant_mlx
-    from veloxquant_mlx.blas import blas_info
+    from veloxquant_mlx._blas import blas_info
     from veloxquant_mlx.evaluation.results import quiet_cache_warnings
 
     quiet_cache_warnings()

@@ -97,7 +97,7 @@ def main():
                                                   "bench_nexus_step.json"))
     args = ap.parse_args()
     try:
-        from veloxquant_mlx.blas import blas_info
+        from veloxquant_mlx._blas import blas_info
         blas = blas_info()
     except ImportError:
         blas = {"ld_preload": os.environ.get("LD_PRELOAD", "")}

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     if docs is None and not args.quick and not args.only:
         docs = os.path.join(ROOT, "docs", "benchmarks.md")
     if docs and docs != "none":
-        P.update_markdown(docs, P._round(results), header=DOC_HEADER)
+        P.update_markdown(docs, P.round_floats(results), header=DOC_HEADER)
         print(f"updated {docs}")
     if results["errors"]:
         print(f"{len(results['errors'])} cells raised:")

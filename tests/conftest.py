@@ -1,32 +1,78 @@
-"""Shared fixtures: tiny random mlx-lm models and a greedy generation helper."""
+"""Shared helpers: the one tiny random mlx-lm model builder, the one cache factory, greedy generation."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.options import small_options
+from veloxquant_mlx.registry import get_method
+
+
+def _register_example_method():
+    """examples/add_a_method.py registers "keynorm" like a built-in method, so every registry-driven
+    test (contract, batching, memory, save/load, distributed) runs it: a new method needs no test edits."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "add_a_method.py"
+    spec = importlib.util.spec_from_file_location("add_a_method", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE_METHOD = _register_example_method()
 VOCAB = 128
+SMALL_BUDGET = 32  # the budget the methods' small= options are sized for
 
 
-def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2):
-    """A tiny fp32 model with GQA (4 query heads, 2 KV heads, head_dim 16)."""
+def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    """A tiny fp32 model with GQA (``heads`` query heads, ``kv_heads`` KV heads, head_dim 16)."""
     mx.random.seed(seed)
-    common = dict(hidden_size=64, num_hidden_layers=layers, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096)
+    common = dict(hidden_size=16 * heads, num_hidden_layers=layers, intermediate_size=128,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                  max_position_embeddings=4096)
     if arch == "llama":
         model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **common))
     elif arch == "qwen3":
         model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", head_dim=16, rope_theta=10000.0,
                                             tie_word_embeddings=True, **common))
+    elif arch == "qwen2":  # has pipeline()
+        model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", rope_theta=10000.0, tie_word_embeddings=True,
+                                            **common))
     else:
         raise ValueError(arch)
     mx.eval(model.parameters())
     return model
+
+
+def small_config(method: str, budget: int = SMALL_BUDGET, **kw) -> KVCacheConfig:
+    """``KVCacheConfig`` of ``method`` with its ``small=`` options (so it evicts on tiny shapes); ``kw``
+    (core fields, ``options=`` or flat ``<method>_<field>=``) override them."""
+    options = {**small_options(get_method(method).Options), **(kw.pop("options", None) or {})}
+    for key in kw:  # a flat override replaces the small value instead of conflicting with it
+        if key.startswith(method + "_"):
+            options.pop(key[len(method) + 1:], None)
+    return KVCacheConfig(method=method, budget=budget, options=options, **kw)
+
+
+def make_cache(method: str, *, small: bool = False, tap: bool | None = True, layer_idx: int = 0,
+               n_layers: int = 1, **kw):
+    """One layer's eviction cache, built directly (no model): ``KVCacheConfig(method, **kw)``, or
+    :func:`small_config` when ``small``; ``tap`` sets ``tap_active`` (None leaves the default)."""
+    cfg = small_config(method, **kw) if small else KVCacheConfig(method=method, **kw)
+    cache = cfg.cache_class(cfg, layer_idx=layer_idx, n_layers=n_layers)
+    if tap is not None:
+        cache.tap_active = tap
+    return cache
 
 
 _TOKENIZER = None
@@ -58,11 +104,6 @@ def greedy(model, prompt, max_tokens=8, prompt_cache=None, prefill_step_size=204
 
 def random_prompt(n, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, size=n).tolist()
-
-
-@pytest.fixture(params=["llama", "qwen3"])
-def tiny_model(request):
-    return make_tiny_model(request.param)
 
 
 @contextlib.contextmanager
@@ -119,7 +160,7 @@ def pytest_configure(config):
 
     if os.environ.get("VELOXQUANT_NO_FAST_BLAS"):
         return
-    from veloxquant_mlx import blas
+    from veloxquant_mlx import _blas as blas
 
     if blas.openblas_preloaded() or blas.find_blas() is None:
         return

@@ -20,13 +20,14 @@ import sys
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
 from veloxquant_mlx.distributed import traffic
+from veloxquant_mlx.options import small_options
+from veloxquant_mlx.registry import get_method
 
-from conftest import forbid_host_sync
+from conftest import forbid_host_sync, make_tiny_model
 
 VOCAB = 128
 PROMPT, DECODE, CHUNK = 64, 12, 32  # prompt chunks of 32: eviction during the prompt and in decode
@@ -36,43 +37,21 @@ NAIVE = ("nestedkv", "random", "h2o-ada", "nexus-topk", "h2o")
 
 
 def make_model(arch: str, seed: int = 0):
-    """Tiny fp32 model: 8 query heads, 4 KV heads (GQA 2), head_dim 16, 2 layers."""
-    mx.random.seed(seed)
-    common = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=128, num_attention_heads=8,
-                  num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=4096)
-    if arch == "llama":
-        model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **common))
-    elif arch == "qwen3":
-        model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", head_dim=16, rope_theta=10000.0,
-                                            tie_word_embeddings=True, **common))
-    elif arch == "qwen2":  # has pipeline()
-        model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", rope_theta=10000.0, tie_word_embeddings=True,
-                                            **common))
-    else:
-        raise ValueError(arch)
-    mx.eval(model.parameters())
-    return model
+    """Tiny fp32 model: 8 query heads, 4 KV heads (GQA 2), head_dim 16, 2 layers (2 KV heads per rank)."""
+    return make_tiny_model(arch, seed=seed, heads=8, kv_heads=4)
 
 
 def cases(kind: str, arch: str):
     """(name, config or None for mlx-lm's KVCache)."""
     small = dict(budget=48, n_sink=4, seed=3, prompt_eviction="stream")
-    opts = {
-        "nexus": dict(nexus_block_size=8, nexus_window=8),
-        "h2o": dict(h2o_evict_every=8),
-        "nestedkv": dict(nestedkv_window=16),
-        "snapkv": dict(snapkv_window=8, snapkv_kernel=3),
-        "pyramidkv": dict(pyramidkv_window=8, pyramidkv_kernel=3, pyramidkv_beta=4.0),
-        "morphkv": dict(morphkv_window=8, morphkv_evict_every=8),
-        "streaming": dict(streaming_evict_every=8),
-        "random": dict(random_evict_every=8),
-    }
+    # Every registered method with its own small= options (a new method joins without edits here).
+    opts = {m: {f"{m}_{k}": v for k, v in small_options(get_method(m).Options).items()} for m in methods()}
     out = [("full", None), ("nexus-no-eviction", KVCacheConfig("nexus", budget=512, seed=3, **opts["nexus"]))]
     for m in methods():
         out.append((m, KVCacheConfig(m, **small, **opts[m])))
     if kind == "pipeline":
         return [c for c in out if c[0] in ("full", "nexus", "pyramidkv", "random", "h2o")]
-    ada = ("nexus", "h2o", "snapkv", "pyramidkv", "morphkv") if arch == "llama" else ("nexus",)
+    ada = [m for m in methods() if get_method(m).supports_allocation("ada")] if arch == "llama" else ["nexus"]
     for m in ada:
         out.append((m + "-ada", KVCacheConfig(m, allocation="ada", **small, **opts[m])))
     if arch != "llama":
@@ -81,7 +60,7 @@ def cases(kind: str, arch: str):
             ("nexus-vectors", KVCacheConfig("nexus", nexus_head_average="vectors", **small, **opts["nexus"])),
             ("nexus-topk", KVCacheConfig("nexus", nexus_n_samples=None, **small, **opts["nexus"])),
             ("nexus-prior", KVCacheConfig("nexus", nexus_key_prior=0.5, **small, **opts["nexus"])),
-            ("nestedkv-end", KVCacheConfig("nestedkv", budget=48, seed=3, nestedkv_window=16))]
+            ("nestedkv-end", KVCacheConfig("nestedkv", budget=48, seed=3, **opts["nestedkv"]))]
     return out
 
 
@@ -211,7 +190,7 @@ def batched_checks(group) -> dict:
 def top_k_checks(group) -> dict:
     """HeadShard.top_k_mask over 2 ranks against one process's stable argsort ranking of all heads,
     on scores with many ties (and -0.0 next to 0.0), an int k and a per-batch-row k."""
-    from veloxquant_mlx.distributed import HeadShard
+    from veloxquant_mlx.caches.shard import HeadShard
 
     d, rng, bad, n = HeadShard(group), np.random.default_rng(11), [], 0
     for trial in range(6):

@@ -16,7 +16,7 @@ from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.ops.allocation import ada_keep
 from veloxquant_mlx.ops.window_scores import max_pool_1d
 
-from conftest import greedy, make_tiny_model, random_prompt
+from conftest import greedy, make_cache, make_tiny_model, random_prompt
 
 D = 8
 
@@ -24,10 +24,7 @@ D = 8
 def make(method, tap=True, **kw):
     if not get_method(method).prefill_only:
         kw.setdefault("prompt_eviction", "stream")  # these unit tests evict through prompt chunks
-    cfg = KVCacheConfig(method=method, **kw)
-    cache = cfg.cache_class(cfg, layer_idx=0, n_layers=1)
-    cache.tap_active = tap
-    return cache
+    return make_cache(method, tap=tap, **kw)
 
 
 def feed(cache, keys, queries, chunk=16, end=False):

@@ -13,20 +13,17 @@ import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.batching import BatchEvictionCache
+from veloxquant_mlx import KVCacheBuilder, methods
+from veloxquant_mlx.caches.batch import BatchEvictionCache
 
-from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer
-from test_contract import EXTRA_KWARGS
-
+from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, small_config, tiny_tokenizer
 METHODS = sorted(methods())
 PROMPTS = [random_prompt(n, seed=s) for n, s in ((61, 1), (30, 2), (83, 3))]
 STEP = 8  # prefill chunk: every prompt is processed in several chunks, padded ones included
 
 
 def cfg(method, budget=24, **kw):
-    return KVCacheConfig(method=method, budget=budget, prompt_eviction="stream",
-                         **{**EXTRA_KWARGS.get(method, {}), **kw})
+    return small_config(method, budget=budget, **{"prompt_eviction": "stream", **kw})
 
 
 @pytest.fixture(scope="module")

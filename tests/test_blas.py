@@ -1,4 +1,4 @@
-"""veloxquant_mlx.blas: finding a pip-installed (or system) OpenBLAS and preloading it under MLX."""
+"""veloxquant_mlx._blas: finding a pip-installed (or system) OpenBLAS and preloading it under MLX."""
 
 import importlib.metadata
 import json
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from veloxquant_mlx import blas, blas_locate
+from veloxquant_mlx import _blas as blas
+from veloxquant_mlx import _blas_locate as blas_locate
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD / ELF: Linux only")
 
@@ -34,7 +35,7 @@ def _clean_env(**extra):
     return env
 
 
-_REPORT = ("import json, os; from veloxquant_mlx import blas; "
+_REPORT = ("import json, os; from veloxquant_mlx import _blas as blas; "
            "print(json.dumps({'preloaded': blas.openblas_preloaded(), 'describe': blas.describe(), "
            "'threads': os.environ.get('OPENBLAS_NUM_THREADS'), "
            "'gflops': blas.measure_matmul_gflops(384, repeats=3)}))")
@@ -100,7 +101,7 @@ def test_probe_rejects_a_preload_whose_dependencies_do_not_resolve():
 @needs_openblas
 def test_launcher_preloads_openblas_and_beats_the_reference_blas():
     ref, _ = _report(["-c", _REPORT], _clean_env(**{blas.REEXEC_GUARD_ENV: "1"}))
-    fast, err = _report(["-m", "veloxquant_mlx.blas", "-c", _REPORT], _clean_env())
+    fast, err = _report(["-m", "veloxquant_mlx._blas", "-c", _REPORT], _clean_env())
     assert not ref["preloaded"] and "reference" in ref["describe"]
     assert fast["preloaded"], err
     assert fast["threads"] == str(blas.DEFAULT_NUM_THREADS)
@@ -162,7 +163,7 @@ def test_cli_fast_blas_without_openblas_says_so_before_the_work(monkeypatch, cap
         print("LOADING", file=sys.stderr)
         raise cli.CLIError("stop here")
 
-    monkeypatch.setattr(cli, "_load", no_model)
+    monkeypatch.setattr(cli.demo, "load_model_for_cli", no_model)
     assert cli.main(["--fast-blas", "demo"]) == 2
     err = capsys.readouterr().err
     assert err.index("fast-blas: no OpenBLAS could be preloaded") < err.index("LOADING")

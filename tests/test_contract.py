@@ -6,41 +6,28 @@ continue with identical logits, no host sync in the hot path, clear errors for b
 """
 
 import dataclasses
+import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
+from veloxquant_mlx import KVCacheBuilder, load_prompt_cache, methods, save_prompt_cache
 
-from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt
+from conftest import SMALL_BUDGET, forbid_host_sync, greedy, make_cache, make_tiny_model, random_prompt, small_config
 
-# Per-method config tweaks so the tiny shapes below (budget 32, window <= 8) are valid for it.
-EXTRA_KWARGS = {
-    "snapkv": {"snapkv_window": 8},
-    "pyramidkv": {"pyramidkv_window": 8, "pyramidkv_beta": 2.0},
-    "morphkv": {"morphkv_window": 8, "morphkv_evict_every": 4},
-    "random": {"random_evict_every": 4},
-    "streaming": {"streaming_evict_every": 4},
-    "h2o": {"h2o_evict_every": 4},
-    "nexus": {"nexus_block_size": 4, "nexus_window": 4},
-    "nestedkv": {"nestedkv_window": 8},
-}
-METHODS = sorted(methods())
+METHODS = sorted(methods())  # every registered method, each with its own small= options (conftest)
 ALLOCATIONS = ["uniform", "ada"]
-BUDGET = 32
+BUDGET = SMALL_BUDGET
 D = 16
 
 
 def config(method, budget=BUDGET, **kw):
-    return KVCacheConfig(method=method, budget=budget, **{**EXTRA_KWARGS.get(method, {}), **kw})
+    return small_config(method, budget=budget, **kw)
 
 
 def direct_cache(method, tap=True, **kw):
-    cfg = config(method, **kw)
-    cache = cfg.cache_class(cfg, layer_idx=0, n_layers=2)
-    cache.tap_active = tap
-    return cache
+    return make_cache(method, small=True, tap=tap, n_layers=2, **kw)
 
 
 def real_positions(cache):
@@ -53,10 +40,13 @@ def model():
     return make_tiny_model("llama")
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    prompt = random_prompt(40, seed=3)
-    return prompt, greedy(model, prompt, max_tokens=8, prefill_step_size=16)
+_ARCH_MODELS = {}
+
+
+def _arch_model(arch):
+    if arch not in _ARCH_MODELS:
+        _ARCH_MODELS[arch] = make_tiny_model(arch)
+    return _ARCH_MODELS[arch]
 
 
 # -- invariants ------------------------------------------------------------------------------------
@@ -95,14 +85,18 @@ def test_budget_invariants_under_chunked_updates(method, policy):
 
 
 # -- exact equivalence with KVCache ----------------------------------------------------------------
+@pytest.mark.parametrize("arch,step", [("llama", 16), ("qwen3", 2048)])  # chunked / one-chunk prompt
 @pytest.mark.parametrize("method", METHODS)
-def test_equals_kvcache_when_nothing_is_evicted(method, model, reference):
-    prompt, (ref_tokens, ref_lp) = reference
+def test_equals_kvcache_when_nothing_is_evicted(method, arch, step):
+    model = _arch_model(arch)
+    prompt = random_prompt(40, seed=3)
+    ref_tokens, ref_lp = greedy(model, prompt, max_tokens=8, prefill_step_size=step)
     caches = KVCacheBuilder.for_model(model, config(method, budget=4096))
-    tokens, lp = greedy(model, prompt, max_tokens=8, prompt_cache=caches, prefill_step_size=16)
+    tokens, lp = greedy(model, prompt, max_tokens=8, prompt_cache=caches, prefill_step_size=step)
     assert tokens == ref_tokens
     assert np.abs(lp - ref_lp).max() <= 1e-5
     assert all(c.evictions == 0 and c.offset == len(prompt) + 8 for c in caches)
+    assert all(c.tap_active and c.queries_observed > 0 for c in caches)  # the tap ran
 
 
 # -- generation with eviction ----------------------------------------------------------------------
@@ -162,23 +156,39 @@ def test_save_load_then_continue_is_identical(method, allocation, model, tmp_pat
 
 
 # -- no host sync ----------------------------------------------------------------------------------
+def option_variants(method):
+    """The method's small options, then each code-path switch flipped: every bool option negated and
+    every option that allows None (e.g. Nexus n_samples=None: top-K) set to None."""
+    cls = config(method).cache_class
+    out = [{}]
+    for f in dataclasses.fields(cls.Options):
+        if f.metadata.get("kind") is bool:
+            out.append({f.name: not f.default})
+        elif f.metadata.get("allow_none") and f.default is not None:
+            out.append({f.name: None})
+    return out
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_hot_path_forces_no_host_sync(method):
     cls = config(method).cache_class
-    for allocation in [a for a in ("uniform", "ada") if cls.supports_allocation(a)]:
-        cache = direct_cache(method, allocation=allocation)
-        k = mx.random.normal((1, 2, 60, D), key=mx.random.key(1))
-        q = mx.random.normal((1, 4, 60, D), key=mx.random.key(2))
-        with forbid_host_sync() as ragged_reads:
+    cases = [(a, {}) for a in ("uniform", "ada") if cls.supports_allocation(a)]
+    cases += [("uniform", v) for v in option_variants(method)[1:]]
+    for allocation, variant in cases:
+        cache = direct_cache(method, allocation=allocation, options=variant)
+        k = mx.random.normal((1, 2, 69, D), key=mx.random.key(1))
+        q = mx.random.normal((1, 4, 69, D), key=mx.random.key(2))
+        with forbid_host_sync() as ragged_reads, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the last chunk: a new prompt after decoding (a second turn)
             at = 0
-            for s in (20, 20, 9, 1, 1, 1, 1, 1, 1, 1):
+            for s in (20, 20, 9, 1, 1, 1, 1, 1, 1, 1, 9, 1):
                 cache.update_and_fetch(k[:, :, at:at + s], k[:, :, at:at + s])
                 cache.observe_queries(q[:, :, at:at + s])
                 cache.attention_mask(None, q[:, :, at:at + s])
                 at += s
-        assert cache.evictions >= 1, allocation
+        assert cache.evictions >= 1, (allocation, variant)
         # Uniform storage never syncs; ragged storage reads its width back once per eviction step.
-        assert len(ragged_reads) == (cache.evictions if cache.is_ragged else 0), (allocation, ragged_reads)
+        assert len(ragged_reads) == (cache.evictions if cache.is_ragged else 0), (allocation, variant, ragged_reads)
         mx.eval(cache.state)
 
 

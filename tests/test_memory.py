@@ -181,7 +181,7 @@ def test_byte_report_shows_allocated_beside_kept_and_full():
     assert r["full_seq_bytes"] == 1 * 2 * 604 * 2 * 16 * 4  # B * H_kv * tokens seen * (K + V) * D * fp32
     assert r["allocated_fraction"] == pytest.approx(r["allocated_bytes"] / r["full_seq_bytes"])
     assert r["allocated_fraction"] < 0.4
-    from veloxquant_mlx.cli import kv_report
+    from veloxquant_mlx.caches.accounting import kv_report
 
     rep = kv_report(caches)
     assert rep["allocated_bytes"] == sum(c.nbytes for c in caches)

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from veloxquant_mlx.models import gguf_llama
+from veloxquant_mlx.models import gguf_common, gguf_llama, gguf_tokenizer
 from veloxquant_mlx.models.gguf_llama import (
     ModelNotAvailableError,
     convert_gguf,
@@ -48,7 +48,7 @@ def smollm2(tmp_path_factory):
     model, tokenizer = load_gguf_model(cache_dir=cache)
     seconds = time.perf_counter() - start
     folder = cache / f"{find_bundled_gguf().stem}-float32"
-    marker = json.loads((folder / gguf_llama._MARKER_FILE).read_text())
+    marker = json.loads((folder / gguf_common._MARKER_FILE).read_text())
     print(
         f"\nSmolLM2 conversion {marker['convert_seconds']:.1f}s, "
         f"conversion+load {seconds:.1f}s -> {folder}"
@@ -140,7 +140,7 @@ def test_tokenizer_special_tokens_and_chat_template(smollm2):
 
 
 def test_cache_is_reused(smollm2):
-    marker = smollm2.folder / gguf_llama._MARKER_FILE
+    marker = smollm2.folder / gguf_common._MARKER_FILE
     before = marker.stat().st_mtime_ns
     folder = gguf_llama._ensure_converted(find_bundled_gguf().resolve(), smollm2.cache, "float32")
     assert folder == smollm2.folder
@@ -168,7 +168,7 @@ def test_stale_cache_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_llama, "convert_gguf", fake_convert)
     result = gguf_llama._ensure_converted(gguf, tmp_path, "float32")
     assert result == folder and len(calls) == 1
-    assert (folder / gguf_llama._MARKER_FILE).is_file()
+    assert (folder / gguf_common._MARKER_FILE).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
 
 
@@ -193,7 +193,7 @@ def test_missing_package_raises_with_fix(monkeypatch):
 
 def test_lookup_of_absent_package_returns_none():
     assert (
-        gguf_llama._locate_in_package(
+        gguf_common._locate_in_package(
             "veloxquant_no_such_pkg", "veloxquant-no-such-dist", "x.gguf"
         )
         is None
@@ -379,7 +379,7 @@ def test_sentencepiece_style_vocab():
         "tokenizer.ggml.unknown_token_id": 0,
         "tokenizer.ggml.add_bos_token": True,
     }
-    tok, specials, add_bos = gguf_llama._build_tokenizer(meta)
+    tok, specials, add_bos = gguf_tokenizer._build_tokenizer(meta)
     assert add_bos and specials["bos_token"] == "<s>"
     enc = tok.encode("ab c")
     assert enc.tokens == ["<s>", "\u2581ab", "\u2581c"]

@@ -226,7 +226,7 @@ def test_bundled_model_serves_with_nexus(tmp_path):
 
 # -- in-process pieces (no HTTP) -------------------------------------------------------------------
 def test_prompt_cache_reuses_prefixes_and_recomputes_exact_hits():
-    from veloxquant_mlx.serve import _prompt_cache_class
+    from veloxquant_mlx.cli.serve import _prompt_cache_class
 
     model = make_tiny_model("llama")
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
@@ -248,8 +248,8 @@ def test_prompt_cache_reuses_prefixes_and_recomputes_exact_hits():
 def test_model_provider_serves_our_caches_batched(config):
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from veloxquant_mlx.batching import BatchEvictionCache
-    from veloxquant_mlx.serve import _model_provider_class, server_args
+    from veloxquant_mlx.caches.batch import BatchEvictionCache
+    from veloxquant_mlx.cli.serve import _model_provider_class, server_args
 
     model = make_tiny_model("llama")
     provider = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), config)
@@ -269,7 +269,7 @@ def test_model_provider_serves_our_caches_batched(config):
 
 def test_serve_flags():
     from veloxquant_mlx.cli import build_parser, main
-    from veloxquant_mlx.serve import _size, server_args
+    from veloxquant_mlx.cli.serve import _size, server_args
 
     args = build_parser().parse_args(["serve", "--method", "h2o", "--budget", "64", "--h2o-evict-every", "8",
                                       "--port", "9999", "--decode-concurrency", "4",

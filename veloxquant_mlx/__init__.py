@@ -3,8 +3,9 @@
 from .builder import KVCacheBuilder
 from .caches import EvictionCache
 from .config import KVCacheConfig
-from .mlx_lm_compat import install_query_tap, load_prompt_cache, remove_query_tap, save_prompt_cache
+from .prompt_cache import load_prompt_cache, save_prompt_cache
 from .registry import methods, register
+from .tap import install_query_tap, remove_query_tap
 
 __version__ = "0.1.0"
 

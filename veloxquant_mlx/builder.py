@@ -8,8 +8,9 @@ from mlx_lm.models.cache import KVCache
 
 from .caches.base import EvictionCache
 from .config import KVCacheConfig
-from .distributed import HeadShard, layer_span, resolve_group
-from .mlx_lm_compat import install_query_tap, remove_query_tap
+from .caches.shard import HeadShard
+from .distributed import layer_span, resolve_group
+from .tap import install_query_tap, remove_query_tap
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"

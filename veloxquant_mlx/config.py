@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
+from .options import check_value, validate_options
 from .registry import get_method
 
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
@@ -28,74 +28,6 @@ ALLOCATIONS = ("uniform", "ada")
 # "stream": also evict at every prompt chunk (mlx_lm.generate: every prefill_step_size tokens), scored
 #        before the question has arrived. Peak = budget + one chunk + headroom per layer.
 PROMPT_EVICTIONS = ("end", "stream")
-
-
-def option(default, *, kind=None, low=None, high=None, low_open=False, choices=None, allow_none=False,
-           doc=""):
-    """A validated dataclass field.
-
-    kind: int / float / bool / str / tuple; low/high: inclusive bounds (``low_open`` makes low
-    exclusive); choices: allowed values; allow_none: ``None`` is valid (e.g. n=None means n=inf).
-    """
-    if kind is None:
-        kind = type(default) if default is not None else float
-    meta = dict(kind=kind, low=low, high=high, low_open=low_open, choices=choices,
-                allow_none=allow_none, doc=doc)
-    if isinstance(default, (list, dict)):
-        raise TypeError("option defaults must be immutable")
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def _check_value(owner: str, name: str, value, meta: dict):
-    kind = meta["kind"]
-    if value is None:
-        if meta["allow_none"]:
-            return value
-        raise ValueError(f"{owner}.{name} must not be None")
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
-    elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__} {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{owner}.{name} must be finite, got {value!r}")
-        value = float(value)
-    elif kind is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
-    elif kind is str:
-        if not isinstance(value, str):
-            raise TypeError(f"{owner}.{name} must be a string, got {type(value).__name__} {value!r}")
-    elif kind is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise TypeError(f"{owner}.{name} must be a tuple, got {type(value).__name__} {value!r}")
-        value = tuple(value)
-    if meta["choices"] is not None and value not in meta["choices"]:
-        raise ValueError(f"{owner}.{name} must be one of {list(meta['choices'])}, got {value!r}")
-    low, high = meta["low"], meta["high"]
-    if low is not None and (value <= low if meta["low_open"] else value < low):
-        op = ">" if meta["low_open"] else ">="
-        raise ValueError(f"{owner}.{name} must be {op} {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"{owner}.{name} must be <= {high}, got {value!r}")
-    return value
-
-
-def validate_options(opts) -> None:
-    """Check every field of an options dataclass against its :func:`option` metadata (in place)."""
-    owner = type(opts).__name__
-    for f in dataclasses.fields(opts):
-        if "kind" in f.metadata:
-            object.__setattr__(opts, f.name, _check_value(owner, f.name, getattr(opts, f.name), f.metadata))
-    check = getattr(opts, "check", None)
-    if check is not None:
-        check()
-
-
-@dataclasses.dataclass
-class NoOptions:
-    """Methods without tunable options."""
 
 
 class KVCacheConfig:
@@ -165,25 +97,25 @@ class KVCacheConfig:
         validate_options(self.options)
 
         int_meta = dict(kind=int, high=None, low_open=False, choices=None, allow_none=False)
-        self.budget = _check_value("KVCacheConfig", "budget",
+        self.budget = check_value("KVCacheConfig", "budget",
                                    512 if core["budget"] is None else core["budget"], {**int_meta, "low": 1})
-        self.n_sink = _check_value("KVCacheConfig", "n_sink",
+        self.n_sink = check_value("KVCacheConfig", "n_sink",
                                    4 if core["n_sink"] is None else core["n_sink"], {**int_meta, "low": 0})
-        self.seed = _check_value("KVCacheConfig", "seed",
+        self.seed = check_value("KVCacheConfig", "seed",
                                  0 if core["seed"] is None else core["seed"], {**int_meta, "low": 0})
         recent = core["recent"]
         if recent is None:
             recent = cls.default_recent(self.budget, self.options)
-        self.recent = _check_value("KVCacheConfig", "recent", recent, {**int_meta, "low": 0})
-        self.head_dim = None if head_dim is None else _check_value(
+        self.recent = check_value("KVCacheConfig", "recent", recent, {**int_meta, "low": 0})
+        self.head_dim = None if head_dim is None else check_value(
             "KVCacheConfig", "head_dim", head_dim, {**int_meta, "low": 1})
-        self.allocation = _check_value("KVCacheConfig", "allocation", allocation,
+        self.allocation = check_value("KVCacheConfig", "allocation", allocation,
                                        dict(kind=str, low=None, high=None, low_open=False,
                                             choices=ALLOCATIONS, allow_none=False))
-        self.floor_alpha = _check_value("KVCacheConfig", "floor_alpha", floor_alpha,
+        self.floor_alpha = check_value("KVCacheConfig", "floor_alpha", floor_alpha,
                                         dict(kind=float, low=0.0, high=1.0, low_open=False, choices=None,
                                              allow_none=False))
-        self.prompt_eviction = _check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
+        self.prompt_eviction = check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
                                             dict(kind=str, low=None, high=None, low_open=False,
                                                  choices=PROMPT_EVICTIONS, allow_none=False))
         if not cls.supports_allocation(self.allocation):

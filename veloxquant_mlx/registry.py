@@ -1,10 +1,15 @@
-"""Method registry: name -> eviction cache class (each class carries its Options dataclass)."""
+"""Method registry: name -> eviction cache class (each class carries its Options dataclass).
+
+Importing the package fills it: ``veloxquant_mlx.caches`` imports every method file, whose
+``@register`` line adds its class. This module imports nothing of the package.
+"""
 
 from __future__ import annotations
 
-import importlib
-
 _METHODS: dict = {}
+
+# The label of "no eviction" (mlx-lm's own KVCache) in the CLI, serve and the evaluation; never a method.
+FULL = "full"
 
 
 def register(name: str):
@@ -20,13 +25,7 @@ def register(name: str):
     return wrap
 
 
-def _load_builtin_methods():
-    # Importing the caches package runs every method file's @register line.
-    importlib.import_module("veloxquant_mlx.caches")
-
-
 def get_method(name: str):
-    _load_builtin_methods()
     if not isinstance(name, str):
         raise TypeError(f"method must be a string, got {type(name).__name__}")
     try:
@@ -39,5 +38,4 @@ def get_method(name: str):
 
 def methods() -> dict:
     """All registered methods, name -> one-line description."""
-    _load_builtin_methods()
     return {name: (cls.__doc__ or "").strip().splitlines()[0] for name, cls in sorted(_METHODS.items())}

@@ -80,3 +80,26 @@ class Accounting:
                 "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
                 "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,
                 "compression_ratio": self.compression_ratio, "evictions": self.evictions}
+
+
+def kv_report(caches) -> dict:
+    """KV memory over all layers, ours and mlx-lm's caches alike: ``allocated_bytes`` (``c.nbytes``:
+    what the buffers really hold, capacity included), ``kept_bytes`` (the kept rows' K/V) and
+    ``full_bytes`` (K/V of every token seen). ``fraction`` = allocated / full is what a user sees.
+    ``other_allocated_bytes``: the part held by the model's own caches (e.g. the RotatingKVCache of
+    sliding-window layers, which preallocate up to their window whatever the prompt length)."""
+    alloc = kept = full = other = 0
+    for c in caches:
+        held = c.nbytes if getattr(c, "keys", None) is not None else 0
+        alloc += held
+        if hasattr(c, "kept_bytes"):
+            kept += c.kept_bytes
+            full += c.full_seq_bytes
+        elif getattr(c, "keys", None) is not None:
+            k, v = c.keys, c.values
+            row = k.shape[0] * k.shape[1] * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
+            kept += row * min(c.offset, k.shape[2])
+            full += row * c.offset
+            other += held
+    return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full,
+            "fraction": alloc / full if full else 0.0, "other_allocated_bytes": other}

@@ -20,10 +20,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from ..config import KVCacheConfig, NoOptions
+from ..config import KVCacheConfig
+from ..options import NoOptions
 from ..ops import gather_rows, keep_top_rows
 from ..ops.allocation import ada_keep
 from .accounting import Accounting
+from .batch import BatchMerge
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage, with_headroom
 
@@ -44,7 +46,7 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # move budget between heads? None = decide automatically (yes when the method supplies scores()
     # and keeps the base select_rows, which is where the allocation is applied).
     supports_ada: bool | None = None
-    dist = None  # HeadShard of this rank under tensor parallelism (veloxquant_mlx.distributed); None: alone
+    dist = None  # HeadShard of this rank under tensor parallelism (caches.shard); None: alone
 
     # -- construction -----------------------------------------------------------------------
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
@@ -118,8 +120,9 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         return self.config.budget
 
     def eviction_slack(self) -> int:
-        """Rows allowed above the budget before an eviction step runs (amortizes the cost)."""
-        return getattr(self.options, "evict_every", None) or getattr(self.options, "block_size", None) or 32
+        """Rows allowed above the budget before an eviction step runs (amortizes the cost): the
+        method's ``evict_every`` option when it has one, else 32. A method with its own unit overrides."""
+        return getattr(self.options, "evict_every", None) or 32
 
     def extra_row_fields(self) -> dict:
         """Per-row state to keep aligned with the rows: name -> fill value for new rows."""
@@ -349,9 +352,7 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         return self._window_q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
 
     # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
-    # veloxquant_mlx.batching.BatchEvictionCache holding one single-row cache per sequence, so every
+    # caches.batch.BatchEvictionCache holding one single-row cache per sequence, so every
     # row keeps its own eviction state; filter/extend/extract live there. `merge` exists only on
     # caches that can batch (the server probes hasattr(c, "merge")), never KVCache.merge.
-    from ..batching import BatchMerge as _BatchMerge
-    merge = _BatchMerge()
-    del _BatchMerge
+    merge = BatchMerge()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import option
+from ..options import option
 from ..ops.h2o import attention_mass
 from ..registry import register
 from .base import EvictionCache
@@ -22,7 +22,7 @@ from .base import EvictionCache
 @dataclasses.dataclass
 class H2OOptions:
     # Rows allowed above the budget before one eviction step runs (the paper evicts every step: 1).
-    evict_every: int = option(32, low=1, doc="amortization slack: evict once this many extra rows exist")
+    evict_every: int = option(32, low=1, small=4, doc="amortization slack: evict once this many extra rows exist")
     # Queries scored per sub-block of a prefill chunk (bounds the probability tensor in memory).
     query_block: int = option(256, low=1, doc="prefill queries per scoring sub-block")
 

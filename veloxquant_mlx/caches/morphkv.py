@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import option
+from ..options import option
 from ..ops.window_scores import window_scores
 from ..registry import register
 from .snapkv import _WindowScoreCache
@@ -21,9 +21,9 @@ from .snapkv import _WindowScoreCache
 class MorphKVOptions:
     # Recent window 32 as in the MorphKV paper; sum fusion over the window by default ("max" is its
     # other fusion); evict_every amortizes the per-step re-ranking (exact MorphKV is 1).
-    window: int = option(32, low=1, doc="recent tokens kept and whose queries score the older tokens")
+    window: int = option(32, low=1, small=8, doc="recent tokens kept and whose queries score the older tokens")
     reduce: str = option("sum", choices=("sum", "max"), doc="fusion of the window's attention")
-    evict_every: int = option(32, low=1, doc="rows allowed above the budget before one eviction step")
+    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
 
 
 @register("morphkv")

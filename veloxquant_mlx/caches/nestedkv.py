@@ -26,18 +26,18 @@ import math
 
 import mlx.core as mx
 
-from ..config import option
-from ..distributed import shard_of
+from ..options import option
 from ..ops import gather_rows, keep_top_rows
 from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
                             rows_from_mask)
 from ..registry import register
 from .base import PAD_POSITION, EvictionCache
+from .shard import shard_of
 
 
 @dataclasses.dataclass
 class NestedKVOptions:
-    window: int = option(64, low=1, doc="W: trailing window of the current-memory anchor")
+    window: int = option(64, low=1, small=8, doc="W: trailing window of the current-memory anchor")
     beta: float = option(3.0, low=0.0, doc="head-adaptive blend temperature")
     tau: float = option(0.60, doc="surprise gate threshold (min-max normalized, mean-centred std)")
     kappa: float = option(10.0, low=0.0, doc="surprise gate sharpness")

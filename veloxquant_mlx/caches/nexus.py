@@ -29,8 +29,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
-from ..distributed import head_means, shard_of, shared_block_weights
+from ..options import option
 from ..ops.nestedkv import episodic_block_size, nestedkv_scores
 from ..ops.nexus import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows,
                          forced_blocks, log_reservoir_priority, n_blocks, nexus_weights, select_blocks,
@@ -38,6 +37,7 @@ from ..ops.nexus import (ada_select_blocks, block_distribution, block_max, block
 from ..registry import register
 from .base import PAD_POSITION, EvictionCache
 from .nestedkv import NestedKVOptions
+from .shard import head_means, shard_of, shared_block_weights
 
 _ANOMALY = NestedKVOptions()  # the key prior scores rows with NestedKV's defaults
 
@@ -46,8 +46,8 @@ _ANOMALY = NestedKVOptions()  # the key prior scores rows with NestedKV's defaul
 class NexusOptions:
     """Nexus Sampling options; defaults are the paper's (§5.1)."""
 
-    block_size: int = option(32, low=1, doc="b: tokens per key block; also the eviction slack")
-    window: int = option(16, low=1, doc="W: observation window (recent queries scored)")
+    block_size: int = option(32, low=1, small=4, doc="b: tokens per key block; also the eviction slack")
+    window: int = option(16, low=1, small=4, doc="W: observation window (recent queries scored)")
     walk_depth: int = option(3, low=1, doc="H: walk steps (most recent H window rows)")
     lam: float = option(0.5, low=0.0, doc="λ: weight of the walk (bridge) term; 0 disables the walk")
     eps_tie: float = option(1e-6, low=0.0, doc="ε_tie: recency tie-break magnitude (Eq. 5)")
@@ -132,6 +132,9 @@ class NexusKVCache(EvictionCache):
     def __init__(self, config, layer_idx=0, n_layers=1):
         super().__init__(config, layer_idx, n_layers)
         self.query_window = self.options.window
+
+    def eviction_slack(self) -> int:
+        return self.options.block_size  # evict once a whole block of b rows is over the budget
 
     # -- scoring ------------------------------------------------------------------------------
     def block_weights(self) -> mx.array:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import option
+from ..options import option
 from ..registry import register
 from .snapkv import SnapKVCache
 
@@ -19,9 +19,9 @@ from .snapkv import SnapKVCache
 @dataclasses.dataclass
 class PyramidKVOptions:
     # window 32 / kernel 7 as SnapKV; beta = 20 is PyramidKV's reference setting for the pyramid slope.
-    window: int = option(32, low=1, doc="observation window: last prompt queries that score the keys")
+    window: int = option(32, low=1, small=8, doc="observation window: last prompt queries that score the keys")
     kernel: int = option(7, low=1, doc="1-D max-pooling kernel over the key axis (1 = no pooling)")
-    beta: float = option(20.0, low=1.0, doc="pyramid steepness: the top layer keeps (C - w) / beta")
+    beta: float = option(20.0, low=1.0, small=2.0, doc="pyramid steepness: the top layer keeps (C - w) / beta")
 
 
 def pyramid_budgets(budget: int, window: int, n_layers: int, beta: float) -> list:

@@ -10,15 +10,15 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
-from ..distributed import shard_of
+from ..options import option
 from ..registry import register
 from .base import EvictionCache
+from .shard import shard_of
 
 
 @dataclasses.dataclass
 class RandomOptions:
-    evict_every: int = option(32, low=1, doc="rows allowed above the budget before one eviction step")
+    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
 
 
 @register("random")

@@ -13,7 +13,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
+from ..options import option
 from ..ops.window_scores import snapkv_scores
 from ..registry import register
 from .base import EvictionCache
@@ -23,7 +23,7 @@ from .base import EvictionCache
 class SnapKVOptions:
     # Observation window 32 and max-pool kernel 7: the SnapKV paper's LongBench setting (also the
     # PyramidKV/KVCache-Factory defaults the Nexus paper's baselines follow).
-    window: int = option(32, low=1, doc="observation window: last prompt queries that score the keys")
+    window: int = option(32, low=1, small=8, doc="observation window: last prompt queries that score the keys")
     kernel: int = option(7, low=1, doc="1-D max-pooling kernel over the key axis (1 = no pooling)")
 
 

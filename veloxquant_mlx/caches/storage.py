@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..distributed import group_max
+from .shard import group_max
 
 # Position stored for padding rows (ragged per-head storage); larger than any real position so a
 # causal "key position <= query position" test hides it.

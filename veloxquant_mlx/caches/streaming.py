@@ -6,7 +6,7 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..config import option
+from ..options import option
 from ..registry import register
 from .base import EvictionCache
 
@@ -14,7 +14,7 @@ from .base import EvictionCache
 @dataclasses.dataclass
 class StreamingOptions:
     # Evict once this many rows past the budget have accumulated (amortized; exact StreamingLLM is 1).
-    evict_every: int = option(32, low=1)
+    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
 
 
 @register("streaming")

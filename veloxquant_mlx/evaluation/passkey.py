@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import random
 import re
 
 GRASS = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -50,3 +52,39 @@ def make_passkey_prompt(tokenizer, n_tokens: int, depth: float, key: str, filler
 def extract_digits(text: str) -> str:
     m = re.search(r"\d+", text)
     return m.group(0) if m else ""
+
+
+@functools.lru_cache(maxsize=4)
+def prose_paragraphs(allow_digits: bool = False) -> tuple:
+    """Prose paragraphs from ``pydoc_data.topics`` (code blocks and, by default, digits removed)."""
+    from pydoc_data.topics import topics
+
+    paras = []
+    for name in sorted(topics):
+        for block in re.split(r"\n\s*\n", topics[name]):
+            lines = block.strip("\n").splitlines()
+            if not lines or any(l.startswith((" ", "\t", ">>>")) for l in lines):
+                continue  # indented = code / grammar / tables
+            p = " ".join(l.strip() for l in lines)
+            if len(p) < 80 or p.count(".") < 1 or "*" in p or "::" in p:
+                continue
+            if not allow_digits and re.search(r"\d", p):
+                continue
+            letters = sum(ch.isalpha() or ch == " " for ch in p) / len(p)
+            if letters < 0.85:
+                continue
+            paras.append(p)
+    return tuple(paras)
+
+
+def prose_text(seed: int = 0, min_chars: int = 200_000, allow_digits: bool = False) -> str:
+    """Deterministically shuffled prose paragraphs joined into one text."""
+    paras = list(prose_paragraphs(allow_digits))
+    random.Random(seed).shuffle(paras)
+    out, n = [], 0
+    for p in paras:
+        out.append(p)
+        n += len(p) + 1
+        if n >= min_chars:
+            break
+    return " ".join(out)

@@ -13,13 +13,12 @@ import functools
 import math
 import time
 
+from .passkey import prose_text
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
 
 
 def text_tokens(tokenizer, n_tokens: int) -> list:
-    from .retrieval import prose_text
-
     # Digits allowed here (normal prose statistics); a different shuffle from the haystacks.
     ids = tokenizer.encode(prose_text(seed=11, min_chars=12 * n_tokens + 1000, allow_digits=True))
     if len(ids) < n_tokens + 1:

@@ -51,10 +51,12 @@ def _ablation_note(rows) -> str:
     return ("Ablations on the same prompts: " + ", ".join(got) + ".") if got else ""
 
 
-def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
-    """Computed, not hand-written: facts and target checks that follow from the numbers."""
-    lines.append("\n## Reading (generated from the numbers above)\n")
-    facts = []
+def passkey_reading(pk, pk_data) -> list:
+    """What the reading says about passkey accuracy, as data: per (regime, density) table with a common
+    column set (20% first), the full cache's and every bounded method's accuracy on those columns,
+    the best ones, those inside the full cache's Wilson interval, and Nexus's paired comparisons split
+    into ahead / behind / undecided at the 5% level."""
+    out = []
     prefill_only = _prefill_only_methods(pk_data)
     dens_all = sorted({k[2] for k in pk if k[0] == "common"}, key=lambda d: (d != 0.2, d))  # 20% first
     for regime, density in [(r, d) for d in dens_all for r in ("prefill", "decode")]:
@@ -75,40 +77,50 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
         if full is None or not rows:
             continue
         best = max(rows.values())
-        winners = [m for m, v in rows.items() if v == best]
-        nx = rows.get("nexus")
-        rname = _REGIME_NAME[regime]
+        full_lo, full_hi = wilson(int(round(full * n_pr)), n_pr)
+        pr = {m: x for m, x in pk.get(("paired", regime, density), {}).items() if m in rows or m == FULL}
+        pr = {m: pr[m] for m in _order(pr)}
+        out.append({"regime": regime, "density": density, "columns": list(cols), "prompts": n_pr, "full": full,
+                    "rows": rows, "best": best, "winners": [m for m, v in rows.items() if v == best],
+                    "inside": [m for m in _order(rows) if full_lo <= rows[m] <= full_hi],
+                    "not_run": [m for m, v in avgs.items() if v is None], "unbounded": unbounded,
+                    "nexus": rows.get("nexus"), "paired": pr,
+                    "ahead": [m for m, x in pr.items() if x["p"] < 0.05 and x["only_a"] > x["only_b"]],
+                    "behind": [m for m, x in pr.items() if x["p"] < 0.05 and x["only_a"] < x["only_b"]],
+                    "undecided": [m for m, x in pr.items() if x["p"] >= 0.05]})
+    return out
+
+
+def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
+    """Computed, not hand-written: facts and target checks that follow from the numbers."""
+    lines.append("\n## Reading (generated from the numbers above)\n")
+    facts = []
+    for r in passkey_reading(pk, pk_data):
+        rname, density, full, n_pr, best = _REGIME_NAME[r["regime"]], r["density"], r["full"], r["prompts"], r["best"]
         target = (f" (target ≥ 95%: {'met' if best / full >= 0.95 else 'not met'})" if density == 0.2 and full
                   else "")
-        full_lo, full_hi = wilson(int(round(full * n_pr)), n_pr)
-        inside = [m for m in _order(rows) if full_lo <= rows[m] <= full_hi]
         facts.append(f"**Passkey, {rname}, {density:.0%} density** (columns where every runnable method finished: "
-                     f"{', '.join(cols)}; {n_pr} prompts; [Wilson 95% interval]): full cache "
+                     f"{', '.join(r['columns'])}; {n_pr} prompts; [Wilson 95% interval]): full cache "
                      f"{_ci_avg(full, n_pr, '%')}; best eviction "
-                     f"{', '.join(winners)} at {_ci_avg(best, n_pr, '%')} = {best / full:.0%} "
+                     f"{', '.join(r['winners'])} at {_ci_avg(best, n_pr, '%')} = {best / full:.0%} "
                      f"of full{target}; point estimate inside the full cache's interval: "
-                     f"{', '.join(inside) or 'none'}" +
-                     (f"; could not run at this budget: {', '.join(m for m, v in avgs.items() if v is None)}"
-                      if any(v is None for v in avgs.values()) else "") +
-                     (f"; ranked among the methods that evict during the prompt (not {', '.join(unbounded)}: "
+                     f"{', '.join(r['inside']) or 'none'}" +
+                     (f"; could not run at this budget: {', '.join(r['not_run'])}" if r["not_run"] else "") +
+                     (f"; ranked among the methods that evict during the prompt (not {', '.join(r['unbounded'])}: "
                       "they hold the whole prompt and compress once, as in the prefill-only regime)"
-                      if unbounded else "") + "." if full else
+                      if r["unbounded"] else "") + "." if full else
                      f"**Passkey {rname}:** full cache scored 0%.")
+        nx, pr = r["nexus"], r["paired"]
         if nx is not None:
-            pr = {m: r for m, r in pk.get(("paired", regime, density), {}).items() if m in rows or m == FULL}
-            pr = {m: pr[m] for m in _order(pr)}
-            sig_a = [m for m, r in pr.items() if r["p"] < 0.05 and r["only_a"] > r["only_b"]]
-            sig_b = [m for m, r in pr.items() if r["p"] < 0.05 and r["only_a"] < r["only_b"]]
-            rest = [m for m, r in pr.items() if r["p"] >= 0.05]
             facts.append(f"Nexus {_ci_avg(nx, n_pr, '%')} ({100 * (nx - full):+.1f} points vs full). Paired exact "
                          "McNemar on the same prompts (prompts only Nexus got right / only the other got right, "
-                         "two-sided p): " + "; ".join(f"vs {m} {r['only_a']}/{r['only_b']}, p "
-                                                      f"{'' if r['p'] < 0.001 else '= '}{fmt_p(r['p'])}"
-                                                      for m, r in pr.items()) +
-                         f". At the 5% level Nexus is ahead of {', '.join(sig_a) or 'none'} and behind "
-                         f"{', '.join(sig_b) or 'none'}; against {', '.join(rest) or 'none'} these prompts "
-                         "cannot tell the difference (no correction for the number of comparisons). " +
-                         _ablation_note(rows))
+                         "two-sided p): " + "; ".join(f"vs {m} {x['only_a']}/{x['only_b']}, p "
+                                                      f"{'' if x['p'] < 0.001 else '= '}{fmt_p(x['p'])}"
+                                                      for m, x in pr.items()) +
+                         f". At the 5% level Nexus is ahead of {', '.join(r['ahead']) or 'none'} and behind "
+                         f"{', '.join(r['behind']) or 'none'}; against {', '.join(r['undecided']) or 'none'} these "
+                         "prompts cannot tell the difference (no correction for the number of comparisons). " +
+                         _ablation_note(r["rows"]))
     for k, v in pk.items():
         if k[0] == "ada" and v:
             facts.append(f"**Ada-KV allocation** ({_REGIME_NAME[k[1]]}, "

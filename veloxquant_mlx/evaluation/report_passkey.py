@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import statistics
 
-from .report_format import (_REGIME_NAME, _ci_avg, _ci_cell, _color, _ctx_label, _mean, _ok_cells, _order,
-                            _pct, _save_figure, _style)
+from .report_format import (_REGIME_NAME, _ci_avg, _ci_cell, _ctx_label, _ok_cells, _order,
+                            _pct)
 from .report_paired import _needle_cut_table, _paired_table
+from .report_passkey_figures import passkey_figures
 from .results import FULL, _ada_base, _is_ada
-from .stats import wilson
 
 
 def passkey_summary(data) -> dict:
@@ -91,8 +91,9 @@ def _prompt_scale(data) -> str:
     return f"{ctxs}-token prompts, {depths} depths × {keys} keys per haystack"
 
 
-def passkey_coverage_table(data) -> str:
-    """Markdown table: per haystack x context x regime x density, the prompts and methods finished."""
+def passkey_coverage(data) -> dict:
+    """(haystack, context, regime, density) -> {"prompts", "methods", "cells", "errors"} counted over the
+    seed-0 cells (``density`` None: the full cache)."""
     groups = {}
     for c in (data or {}).get("cells", {}).values():
         if c.get("seed", 0) != 0:
@@ -103,14 +104,21 @@ def passkey_coverage_table(data) -> str:
         g["methods"].add(c["method"])
         g["cells"] += 1
         g["errors"] += "error" in c
+    return {k: {"prompts": len(g["prompts"]), "methods": len(g["methods"]), "cells": g["cells"],
+                "errors": g["errors"]} for k, g in groups.items()}
+
+
+def passkey_coverage_table(data) -> str:
+    """Markdown table: per haystack x context x regime x density, the prompts and methods finished."""
+    groups = passkey_coverage(data)
     rows = ["| Haystack | Context | Regime | Density | Prompts | Methods | Cells | Errors |",
             "|---|---|---|---|---|---|---|---|"]
     for (hay, ctx, regime, dens), g in sorted(groups.items(), key=lambda kv: (kv[0][0] != "grass", kv[0][1],
                                                                               kv[0][2] != "prefill",
                                                                               kv[0][3] or 0)):
         rows.append(f"| {hay} | {_ctx_label(ctx)} | {_REGIME_NAME[regime]}"
-                    f" | {'100% (full)' if dens is None else f'{dens:.0%}'} | {len(g['prompts'])} | "
-                    f"{len(g['methods'])} | {g['cells']} | {g['errors']} |")
+                    f" | {'100% (full)' if dens is None else f'{dens:.0%}'} | {g['prompts']} | "
+                    f"{g['methods']} | {g['cells']} | {g['errors']} |")
     return "\n".join(rows) + "\n"
 
 
@@ -153,28 +161,31 @@ def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index=
             headline[("ada", regime, density)] = summary
 
 
-def _passkey_tables(data, lines, figs_dir, figures):
-    cells = _ok_cells(data)
-    if not cells:
-        lines.append("_No passkey cells finished yet._\n")
-        return {}
-    res, densities, prefill_only = _passkey_index(data)
-    acc = passkey_summary(data)
-    grid_cols = sorted({(c["haystack"], c["context"]) for c in data["cells"].values()},
-                       key=lambda t: (t[0] != "grass", t[1]))
-    methods_all = _order({c["method"] for c in data["cells"].values() if not _is_ada(c["method"])})
-    ada_methods = _order({c["method"] for c in data["cells"].values() if _is_ada(c["method"])})
-    headline = {}
-    index = (res, densities, prefill_only)
-    tables = {(d, r, col): passkey_table(data, d, r, col, index=index) for d in densities for r in ("prefill", "decode")
-              for col in grid_cols}
+class PasskeyGrid:
+    """Every passkey table's cells, indexed once: the columns (haystack, context), the methods, and per
+    (regime, density) the rows and the columns every runnable method finished (``comparable``)."""
 
-    def row_for(regime, density, m, avg_cols=None):
+    def __init__(self, data):
+        self.data = data
+        self.cells = _ok_cells(data)
+        self.res, self.densities, self.prefill_only = _passkey_index(data)
+        self.index = (self.res, self.densities, self.prefill_only)
+        self.acc = passkey_summary(data)
+        self.cols = sorted({(c["haystack"], c["context"]) for c in data["cells"].values()},
+                           key=lambda t: (t[0] != "grass", t[1]))
+        self.methods = _order({c["method"] for c in data["cells"].values() if not _is_ada(c["method"])})
+        self.ada_methods = _order({c["method"] for c in data["cells"].values() if _is_ada(c["method"])})
+        self.tables = {(d, r, col): passkey_table(data, d, r, col, index=self.index)
+                       for d in self.densities for r in ("prefill", "decode") for col in self.cols}
+        self.comparable = {(r, d): self._comparable_columns(r, d)
+                           for d in self.densities for r in ("prefill", "decode")}
+
+    def row(self, regime, density, m, avg_cols=None):
         """Cell strings per column, the accuracy over ``avg_cols`` (default: every column), the number of
         prompts behind it, and whether the row is copied from the prefill-only regime."""
         vals, tot_c, tot_n = [], 0, 0
-        for col in grid_cols:
-            t, n_common = tables[(density, regime, col)]
+        for col in self.cols:
+            t, n_common = self.tables[(density, regime, col)]
             if m in t and t[m][1]:
                 cnum, n, ne = t[m]
                 if ne == n:
@@ -186,56 +197,63 @@ def _passkey_tables(data, lines, figs_dir, figures):
                     tot_n += n - ne
             else:
                 vals.append("–")
-        copied = regime == "decode" and bool(prefill_only.get(m))
+        copied = regime == "decode" and bool(self.prefill_only.get(m))
         return vals, (tot_c / tot_n if tot_n else None), tot_n, copied
 
-    def comparable_columns(regime, density):
+    def _comparable_columns(self, regime, density):
         """(rows of the table, the columns where every runnable row ran without errors). A method that
         errors in every column (budget too small) is reported as such; the others are compared only
         on these columns, so no average mixes different prompt sets."""
-        members = [m for m in methods_all if any(v != "–" for v in row_for(regime, density, m)[0])]
+        members = [m for m in self.methods if any(v != "–" for v in self.row(regime, density, m)[0])]
 
         def ran_clean(m, col):
-            t = tables[(density, regime, col)][0]
+            t = self.tables[(density, regime, col)][0]
             return m in t and t[m][1] > 0 and t[m][2] == 0
 
-        runnable = [m for m in members if any(ran_clean(m, col) for col in grid_cols)]
-        return members, [col for col in grid_cols if all(ran_clean(m, col) for m in runnable)]
+        runnable = [m for m in members if any(ran_clean(m, col) for col in self.cols)]
+        return members, [col for col in self.cols if all(ran_clean(m, col) for m in runnable)]
 
-    comparable = {(r, d): comparable_columns(r, d) for d in densities for r in ("prefill", "decode")}
-    for density in densities:
+    def has_decode_run(self, density) -> bool:
+        return any(c["regime"] == "decode" and c.get("density") == density for c in self.cells)
+
+
+def _accuracy_table(g: PasskeyGrid, lines, regime, density, title, headline):
+    """One regime x density table, its paired comparison and its needle-cut table."""
+    members, complete = g.comparable[(regime, density)]
+    if not members or (regime == "decode" and not g.has_decode_run(density)):
+        return  # no decode-regime run at this density: the table would be copies only
+    rows = []
+    for m in members:
+        vals, avg, n, copied = g.row(regime, density, m, complete)
+        label = m + (" †" if copied else "")
+        dens = "100%" if m == FULL else f"{density:.0%}"
+        rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_ci_avg(avg, n)} |")
+    if complete:
+        avgs = {m: g.row(regime, density, m, complete)[1] for m in members}
+        n_pr = sum(g.tables[(density, regime, col)][1] for col in complete)
+        headline[("common", regime, density)] = ([f"{h} {_ctx_label(n)}" for h, n in complete], avgs, n_pr)
+    avg_head = ("Avg. (" + ", ".join(f"{h} {_ctx_label(n)}" for h, n in complete) + ")"
+                if complete and len(complete) < len(g.cols) else "Avg.")
+    cols = [f"{h} {_ctx_label(n)}" for h, n in g.cols]
+    lines.append(f"*{title}.*\n")
+    lines.append("| Method | Density | " + " | ".join(cols) + f" | {avg_head} |")
+    lines.append("|---|---|" + "---|" * (len(cols) + 1))
+    lines += rows
+    lines.append("")
+    if complete:
+        headline[("paired", regime, density)] = _paired_table(lines, g.res, regime, density, members, complete,
+                                                              g.prefill_only)
+    _needle_cut_table(lines, g.cells, regime, density)
+
+
+def _accuracy_tables(g: PasskeyGrid, lines, headline):
+    for density in g.densities:
         lines.append(f"\n#### Passkey accuracy (%) at density {density:.0%} (Table 1–2 shape)\n")
-        cols = [f"{h} {_ctx_label(n)}" for h, n in grid_cols]
         for regime, title in (("prefill", "Prefill-only eviction (prompt_eviction=\"end\": the prompt is held, "
                                             "compressed once at its last token, then decode eviction)"),
                               ("decode", "Prefill + decode eviction (prefill chunks of "
-                                         f"{_regime_chunk(cells, data)} tokens; eviction runs throughout)")):
-            members, complete = comparable[(regime, density)]
-            if not members or (regime == "decode" and not any(
-                    c["regime"] == "decode" and c.get("density") == density for c in cells)):
-                continue  # no decode-regime run at this density: the table would be copies only
-            rows = []
-            for m in members:
-                vals, avg, n, copied = row_for(regime, density, m, complete)
-                label = m + (" †" if copied else "")
-                dens = "100%" if m == FULL else f"{density:.0%}"
-                rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_ci_avg(avg, n)} |")
-            if complete:
-                avgs = {m: row_for(regime, density, m, complete)[1] for m in members}
-                n_pr = sum(tables[(density, regime, col)][1] for col in complete)
-                headline[("common", regime, density)] = (
-                    [f"{h} {_ctx_label(n)}" for h, n in complete], avgs, n_pr)
-            avg_head = ("Avg. (" + ", ".join(f"{h} {_ctx_label(n)}" for h, n in complete) + ")"
-                        if complete and len(complete) < len(grid_cols) else "Avg.")
-            lines.append(f"*{title}.*\n")
-            lines.append("| Method | Density | " + " | ".join(cols) + f" | {avg_head} |")
-            lines.append("|---|---|" + "---|" * (len(cols) + 1))
-            lines += rows
-            lines.append("")
-            if complete:
-                headline[("paired", regime, density)] = _paired_table(lines, res, regime, density, members,
-                                                                      complete, prefill_only)
-            _needle_cut_table(lines, cells, regime, density)
+                                         f"{_regime_chunk(g.cells, g.data)} tokens; eviction runs throughout)")):
+            _accuracy_table(g, lines, regime, density, title, headline)
         lines.append("Cells: accuracy % [Wilson 95% interval] (correct/prompts). Within one table every number in a column is over "
                      "the same prompts (the depth × key prompts that every method of that table finished; the "
                      "two regimes' tables may cover different prompt counts). "
@@ -243,142 +261,52 @@ def _passkey_tables(data, lines, figs_dir, figures):
                      "prompt whatever the chunking, so its prefill + decode row is its prefill-only "
                      "result (not re-run).\n")
 
-    if ada_methods:
-        _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index)
+
+def _seed_variance_table(cells, lines, headline):
+    """Nexus reservoir seeds: the same prompts with the cache seed varied."""
+    seeds = sorted({c.get("seed", 0) for c in cells if c["method"] == "nexus"})
+    if len(seeds) <= 1:
+        return
+    lines.append("\n#### Nexus reservoir seed variance (same prompts, cache seed varied)\n")
+    lines.append("| Regime | Density | Prompts | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |")
+    lines.append("|---|---|---|" + "---|" * (len(seeds) + 1))
+    groups = {}
+    for c in cells:
+        if c["method"] == "nexus":
+            groups.setdefault((c["regime"], c["density"]), {}).setdefault(c.get("seed", 0), {})[
+                (c["haystack"], c["context"], c["depth"], c["key"])] = bool(c["correct"])
+    for (regime, dens), by_seed in sorted(groups.items()):
+        if len(by_seed) < 2:
+            continue
+        common = set.intersection(*(set(v) for v in by_seed.values()))
+        if not common:
+            continue
+        accs = {s: sum(by_seed[s][p] for p in common) / len(common) for s in by_seed}
+        vals = [accs[s] for s in sorted(accs)]
+        sd = statistics.pstdev(vals) if len(vals) > 1 else 0.0
+        lines.append(f"| {regime} | {dens:.0%} | {len(common)} | " + " | ".join(_pct(accs.get(s)) for s in seeds) +
+                     f" | {_pct(statistics.mean(vals))} ± {_pct(sd)} |")
+        headline[("nexus_seeds", regime, dens)] = (statistics.mean(vals), sd, len(common))
+    lines.append("")
+
+
+def _passkey_tables(data, lines, figs_dir, figures):
+    """The passkey section: accuracy tables per density and regime (with their paired and needle-cut
+    tables), the Ada-KV tables, the figures and the Nexus seed variance. Returns the numbers the
+    reading quotes (``headline``)."""
+    if not _ok_cells(data):
+        lines.append("_No passkey cells finished yet._\n")
+        return {}
+    g = PasskeyGrid(data)
+    headline = {}
+    _accuracy_tables(g, lines, headline)
+    if g.ada_methods:
+        _ada_tables(data, lines, g.densities, g.cols, g.ada_methods, headline, g.index)
     lines.append("Figure `passkey_accuracy_vs_density.png` plots each table's Avg. column: at every density the "
                  "columns named in that table's Avg. header, so points at different densities can average "
                  "different haystacks and lengths (a method that could not run at a density has no point).\n")
-    # Accuracy vs density per regime (figure), accuracy by depth (figure).
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        full_acc = _mean([acc[k][0] / acc[k][1] for k in acc if k[2] == FULL])
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for ax, regime in zip(axes, ("prefill", "decode")):
-            for m in methods_all:
-                if m == FULL or (regime == "decode" and prefill_only.get(m)):
-                    continue  # a prefill-only method holds the whole prompt here: its curve is the left one
-                xs, ys, err = [], [], [[], []]
-                for d in densities:
-                    _, avg, n, _ = row_for(regime, d, m, comparable[(regime, d)][1])
-                    if n:
-                        lo, hi = wilson(int(round(avg * n)), n)
-                        xs.append(d)
-                        ys.append(100 * avg)
-                        err[0].append(100 * (avg - lo))
-                        err[1].append(100 * (hi - avg))
-                if xs:  # error bars: Wilson 95%
-                    ax.errorbar(xs, ys, yerr=err, capsize=2, label=m, color=_color(m), **_style(m))
-            if full_acc is not None:
-                ax.axhline(100 * full_acc, color="k", lw=1, label="full cache")
-            ax.set_title("prefill-only eviction" if regime == "prefill" else
-                         "prefill + decode eviction\n(methods that evict during the prompt)")
-            ax.set_xlabel("density (budget / prompt)")
-            ax.set_xscale("log")
-            ax.set_xticks(densities)
-            ax.set_xticklabels([f"{d:.0%}" for d in densities])
-        axes[0].set_ylabel("passkey accuracy (%)")
-        from matplotlib.ticker import NullFormatter
-
-        for ax in axes:
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}  # one legend for both panels
-        axes[1].legend(handles.values(), handles.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_vs_density.png"))
-
-        d20 = 0.2 if 0.2 in densities else densities[0]
-        depths = sorted({c["depth"] for c in cells})
-        # Many depths: five equal-width depth bins (each bar then rests on enough prompts for an interval).
-        bins = ([(d, d) for d in depths] if len(depths) <= 6 else [(i / 5, (i + 1) / 5) for i in range(5)])
-
-        def in_bin(dep, b):
-            return b[0] == dep if b[0] == b[1] else (b[0] <= dep < b[1] or (b[1] == 1.0 and dep == 1.0))
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for ax, regime in zip(axes, ("prefill", "decode")):
-            ms = [m for m in methods_all if not (regime == "decode" and m != FULL and prefill_only.get(m))]
-            width = 0.8 / max(len(ms), 1)
-            for j, m in enumerate(ms):
-                ys, err = [], [[], []]
-                for b in bins:
-                    src = "prefill" if m == FULL else regime  # the full cache's cells are prefill-regime
-                    sel = [c for c in cells if c["method"] == m and in_bin(c["depth"], b) and c.get("seed", 0) == 0
-                           and c["regime"] == src and (m == FULL or c["density"] == d20)]
-                    k = sum(bool(c["correct"]) for c in sel)
-                    lo, hi = wilson(k, len(sel))
-                    p = k / len(sel) if sel else float("nan")
-                    ys.append(100 * p)
-                    err[0].append(100 * (p - lo) if sel else 0)
-                    err[1].append(100 * (hi - p) if sel else 0)
-                ax.bar([i + j * width for i in range(len(bins))], ys, width, label=m, color=_color(m),
-                       hatch="//" if _is_ada(m) else None, yerr=err if len(bins) < len(depths) else None,
-                       error_kw={"elinewidth": 0.6, "capsize": 1})
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(bins))])
-            ax.set_xticklabels([f"depth {a:g}" if a == b else f"depth {a:g}–{b:g}" for a, b in bins])
-            ax.set_title(f"{_REGIME_NAME[regime]}, density {d20:.0%}")
-        axes[0].set_ylabel("passkey accuracy (%)")
-        handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))  # the left panel has every method
-        axes[1].legend(handles.values(), handles.keys(), fontsize=6, loc="upper left",
-                       bbox_to_anchor=(1.01, 1.0))  # outside: bars stay visible
-        figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_by_depth.png"))
-
-        # Forest plot: every table's Avg. column with its Wilson 95% interval.
-        panels = [(r, d) for d in densities for r in ("prefill", "decode")
-                  if comparable[(r, d)][1] and (r == "prefill" or any(
-                      c["regime"] == "decode" and c.get("density") == d for c in cells))]
-        if panels:
-            fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 4.5), squeeze=False)
-            for ax, (regime, d) in zip(axes[0], panels):
-                ms = [m for m in comparable[(regime, d)][0]
-                      if not (regime == "decode" and m != FULL and prefill_only.get(m))]
-                for i, m in enumerate(reversed(ms)):
-                    _, avg, n, _ = row_for(regime, d, m, comparable[(regime, d)][1])
-                    if not n:
-                        continue
-                    lo, hi = wilson(int(round(avg * n)), n)
-                    ax.errorbar([100 * avg], [i], xerr=[[100 * (avg - lo)], [100 * (hi - avg)]], fmt="o",
-                                capsize=3, color=_color(m))
-                    if m == FULL:
-                        ax.axvspan(100 * lo, 100 * hi, color="0.85", zorder=0)
-                ax.set_yticks(range(len(ms)))
-                ax.set_yticklabels(list(reversed(ms)), fontsize=8)
-                ax.set_xlim(0, 100)
-                ax.set_xlabel("passkey accuracy (%), Wilson 95% interval")
-                where = ", ".join(f"{h} {_ctx_label(c)}" for h, c in comparable[(regime, d)][1])
-                ax.set_title(f"{_REGIME_NAME[regime]}, {d:.0%}\n({where})", fontsize=9)
-            figures.append(_save_figure(plt, fig, figs_dir, "passkey_accuracy_ci.png"))
-    except Exception as e:  # pragma: no cover - figures are best effort
-        lines.append(f"_(passkey figures failed: {e})_\n")
-
-    # Nexus reservoir seeds.
-    seeds = sorted({c.get("seed", 0) for c in cells if c["method"] == "nexus"})
-    if len(seeds) > 1:
-        lines.append("\n#### Nexus reservoir seed variance (same prompts, cache seed varied)\n")
-        lines.append("| Regime | Density | Prompts | " + " | ".join(f"seed {s}" for s in seeds) +
-                     " | mean ± sd |")
-        lines.append("|---|---|---|" + "---|" * (len(seeds) + 1))
-        groups = {}
-        for c in cells:
-            if c["method"] == "nexus":
-                groups.setdefault((c["regime"], c["density"]), {}).setdefault(c.get("seed", 0), {})[
-                    (c["haystack"], c["context"], c["depth"], c["key"])] = bool(c["correct"])
-        for (regime, dens), by_seed in sorted(groups.items()):
-            if len(by_seed) < 2:
-                continue
-            common = set.intersection(*(set(v) for v in by_seed.values()))
-            if not common:
-                continue
-            accs = {s: sum(by_seed[s][p] for p in common) / len(common) for s in by_seed}
-            vals = [accs[s] for s in sorted(accs)]
-            sd = statistics.pstdev(vals) if len(vals) > 1 else 0.0
-            lines.append(f"| {regime} | {dens:.0%} | {len(common)} | " +
-                         " | ".join(_pct(accs.get(s)) for s in seeds) +
-                         f" | {_pct(statistics.mean(vals))} ± {_pct(sd)} |")
-            headline[("nexus_seeds", regime, dens)] = (statistics.mean(vals), sd, len(common))
-        lines.append("")
+    passkey_figures(g, lines, figs_dir, figures)
+    _seed_variance_table(g.cells, lines, headline)
     return headline
 
 

@@ -21,8 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
-
-FULL = "full"
+from ..registry import FULL
 
 
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
@@ -169,7 +168,7 @@ _MODEL_DESCRIPTIONS = {
 def machine_info() -> dict:
     import mlx.core as mx
 
-    from ..blas import openblas_preloaded
+    from .._blas import openblas_preloaded
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),

@@ -11,14 +11,15 @@ prompt). For prefill-only methods (and the full cache) both regimes are the same
 
 from __future__ import annotations
 
-import functools
 import random
 import re
 import time
 
-from .passkey import extract_digits, make_passkey_prompt
+from ..caches.accounting import kv_report
+from .passkey import extract_digits, make_passkey_prompt, prose_text
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       now, quiet_cache_warnings, run_experiment)
+from .speed import feed_prompt, greedy_continue, greedy_generate, last_prompt_step
 
 MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
 MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
@@ -26,42 +27,6 @@ MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
 # "prefill": prompt_eviction="end" (compress once when the prompt ends; generate's 2048-token chunks);
 # "decode": prompt_eviction="stream" with --chunk-token prefill chunks (eviction through the prompt).
 REGIME_POLICY = {"prefill": "end", "decode": "stream"}
-
-
-@functools.lru_cache(maxsize=4)
-def prose_paragraphs(allow_digits: bool = False) -> tuple:
-    """Prose paragraphs from ``pydoc_data.topics`` (code blocks and, by default, digits removed)."""
-    from pydoc_data.topics import topics
-
-    paras = []
-    for name in sorted(topics):
-        for block in re.split(r"\n\s*\n", topics[name]):
-            lines = block.strip("\n").splitlines()
-            if not lines or any(l.startswith((" ", "\t", ">>>")) for l in lines):
-                continue  # indented = code / grammar / tables
-            p = " ".join(l.strip() for l in lines)
-            if len(p) < 80 or p.count(".") < 1 or "*" in p or "::" in p:
-                continue
-            if not allow_digits and re.search(r"\d", p):
-                continue
-            letters = sum(ch.isalpha() or ch == " " for ch in p) / len(p)
-            if letters < 0.85:
-                continue
-            paras.append(p)
-    return tuple(paras)
-
-
-def prose_text(seed: int = 0, min_chars: int = 200_000, allow_digits: bool = False) -> str:
-    """Deterministically shuffled prose paragraphs joined into one text."""
-    paras = list(prose_paragraphs(allow_digits))
-    random.Random(seed).shuffle(paras)
-    out, n = [], 0
-    for p in paras:
-        out.append(p)
-        n += len(p) + 1
-        if n >= min_chars:
-            break
-    return " ".join(out)
 
 
 def make_prompt(tokenizer, haystack: str, n_tokens: int, depth: float, key: str, filler_seed: int = 0):
@@ -146,8 +111,6 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .speed import feed_prompt, greedy_continue, kv_bytes, last_prompt_step
-
     full = make_prompt_cache(model)
     fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}) for i in range(len(full))]
     x = mx.array(tokens)
@@ -168,7 +131,7 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
             t = time.perf_counter()
             toks = greedy_continue(model, caches, last_prompt_step(model, x, caches), max_new_tokens, eos_ids)
             out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t,
-                         "kv_bytes_end": kv_bytes(caches)["allocated_bytes"]}
+                         "kv_bytes_end": kv_report(caches)["allocated_bytes"]}
             if needle_spans:
                 out[name]["needle"] = needle_cut_stats(caches, needle_spans)
         except Exception as e:
@@ -340,8 +303,6 @@ def run(args) -> int:
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
     prompts = {}
     eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
-    from .speed import greedy_generate
-
     def _record(p, toks, pos, budget, step, spec, tokens_out, prefill_s, decode_s, kv_end, shared, needle=None):
         text = tokenizer.decode(tokens_out)
         answer = extract_digits(text)

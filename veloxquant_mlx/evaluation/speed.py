@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from ..caches.accounting import kv_report
+from .passkey import prose_text
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
 
@@ -26,12 +28,6 @@ def _eval_state(caches):
             pass
     if states:
         mx.eval(states)
-
-
-def kv_bytes(caches) -> dict:
-    from ..cli import kv_report
-
-    return kv_report(caches)
 
 
 def feed_prompt(model, x, caches, prefill_step: int) -> None:
@@ -91,10 +87,10 @@ def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: in
     t0 = time.perf_counter()
     y = prefill(model, mx.array(tokens), caches, prefill_step)
     t1 = time.perf_counter()
-    kv_prefill = kv_bytes(caches)
+    kv_prefill = kv_report(caches)
     out = greedy_continue(model, caches, y, max_new_tokens, eos_ids)
     t2 = time.perf_counter()
-    kv_end = kv_bytes(caches)
+    kv_end = kv_report(caches)
     nd = len(out) - 1
     return {"tokens": out, "prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_tps": n / (t1 - t0),
             "decode_tps": nd / (t2 - t1) if nd else None, "decode_tokens": nd,
@@ -103,7 +99,6 @@ def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: in
 
 
 def _prompt(tokenizer, n_tokens: int) -> list:
-    from .retrieval import prose_text
 
     text = prose_text(seed=7)
     ids = tokenizer.encode(text)
@@ -147,7 +142,7 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             t0 = time.perf_counter()
             y = prefill(model, x, caches, prefill_step)
             dt = time.perf_counter() - t0
-            kv = kv_bytes(caches)
+            kv = kv_report(caches)
             peak = mx.get_peak_memory()
             rec.update(prefill_s=dt, prefill_tps=n / dt, peak_memory_bytes=peak - base,
                        process_peak_bytes=peak, active_before_bytes=base,
@@ -171,7 +166,7 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
                     mx.eval(y)
                 dt = time.perf_counter() - t0
                 live[name][1] = y
-                kv = kv_bytes(caches)
+                kv = kv_report(caches)
                 out[name]["segments"].append({"decode_tps": decode_tokens / dt, "kv_bytes": kv["allocated_bytes"],
                                               "decode_peak_bytes": mx.get_peak_memory() - before,
                                               "kv_kept_bytes": kv["kept_bytes"], "kv_full_bytes": kv["full_bytes"]})

@@ -1,7 +1,7 @@
 """GGUF machinery shared by the architecture converters (gguf_llama, gguf_gemma3).
 
-Reading a GGUF into float32-ready tensors plus metadata, dtype names, rebuilding
-the tokenizer from the GGUF vocabulary, writing an mlx-lm model folder, and the
+Reading a GGUF into float32-ready tensors plus metadata, dtype names, writing an
+mlx-lm model folder (its tokenizer: gguf_tokenizer), and the
 conversion cache: a folder per (source, dtype) written atomically and validated
 by a fingerprint marker.  Also assembling a GGUF shipped in chunks.
 """
@@ -17,11 +17,13 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+
+from .gguf_meta import _meta
+from .gguf_tokenizer import _write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +120,6 @@ def assemble_chunks(chunks: Sequence[Path], target: Path, sha256: str) -> Path:
 # ----------------------------------------------------------------------------
 # Reading a GGUF
 # ----------------------------------------------------------------------------
-
-
-def _py(value: Any) -> Any:
-    """Convert an ``mx.load`` metadata value (mx.array / str / list) to Python."""
-    if isinstance(value, mx.array):
-        value = value.tolist()
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-    return value
-
-
-def _meta(meta: Dict[str, Any], key: str, default: Any = None) -> Any:
-    return _py(meta[key]) if key in meta else default
 
 
 def _read_with_gguf_package(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
@@ -258,162 +247,6 @@ def _special_token_ids(meta: Dict[str, Any], config: dict) -> None:
     eot = _meta(meta, "tokenizer.ggml.eot_token_id")
     if eot is not None and "eos_token_id" in config and int(eot) != config["eos_token_id"]:
         config["eos_token_id"] = [config["eos_token_id"], int(eot)]
-
-
-# ----------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------
-
-# GGUF token types (llama.cpp ``llama_token_type``)
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
-
-# Pre-tokenizer regex used by Llama-3 style BPE vocabularies (tokenizer.ggml.pre == "llama-bpe").
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _bpe_pre_tokenizer(pre: Optional[str]):
-    from tokenizers import Regex, pre_tokenizers
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        ), pre in ("llama-bpe", "llama3")
-    if pre not in (None, "default", "gpt-2", "gpt2", "smollm", "starcoder", "refact"):
-        warnings.warn(
-            f"unknown GGUF pre-tokenizer {pre!r}; using GPT-2 byte-level with per-digit splitting"
-        )
-    if pre in ("gpt-2", "gpt2"):
-        return byte_level, False
-    # SmolLM2 / StarCoder style: every digit is its own pre-token.
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), False
-
-
-def _spm_merges(
-    tokens: List[str], scores: List[float], vocab: Dict[str, int], types: Optional[List[int]] = None
-) -> List[Tuple[str, str]]:
-    """Derive BPE merges from a SentencePiece vocabulary: a token that can be
-    split into two vocabulary pieces yields a merge ranked by its score."""
-    types = types if types is not None else [_TT_NORMAL] * len(tokens)
-    ranked = []
-    for token, score, ttype in zip(tokens, scores, types):
-        if ttype != _TT_NORMAL:
-            continue  # SentencePiece merges only into normal pieces; the rest are matched whole
-        for i in range(1, len(token)):
-            left, right = token[:i], token[i:]
-            if left in vocab and right in vocab:
-                ranked.append((-score, vocab[left], vocab[right], left, right))
-    ranked.sort()
-    return [(left, right) for _, _, _, left, right in ranked]
-
-
-def _build_tokenizer(meta: Dict[str, Any]):
-    """Build a HF ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` metadata.
-
-    Returns ``(tokenizer, special_token_strings, add_bos)``.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-
-    kind = _meta(meta, "tokenizer.ggml.model")
-    tokens: List[str] = list(_meta(meta, "tokenizer.ggml.tokens") or [])
-    if not tokens:
-        raise ValueError("GGUF has no tokenizer.ggml.tokens")
-    types = list(_meta(meta, "tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens))
-    vocab: Dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
-    if len(vocab) != len(tokens):
-        logger.warning("GGUF vocabulary has %d duplicate tokens", len(tokens) - len(vocab))
-
-    def token_at(key: str) -> Optional[str]:
-        idx = _meta(meta, key)
-        if idx is None or not (0 <= int(idx) < len(tokens)):
-            return None
-        return tokens[int(idx)]
-
-    bos = token_at("tokenizer.ggml.bos_token_id")
-    eos = token_at("tokenizer.ggml.eos_token_id")
-    unk = token_at("tokenizer.ggml.unknown_token_id")
-    pad = token_at("tokenizer.ggml.padding_token_id")
-
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in (_meta(meta, "tokenizer.ggml.merges") or [])]
-        pre_tok, ignore_merges = _bpe_pre_tokenizer(_meta(meta, "tokenizer.ggml.pre"))
-        tok = Tokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
-        )
-        tok.pre_tokenizer = pre_tok
-        tok.decoder = decoders.ByteLevel()
-        add_bos_default = False
-        post = processors.ByteLevel(trim_offsets=False)
-    elif kind == "llama":
-        scores = list(_meta(meta, "tokenizer.ggml.scores") or [0.0] * len(tokens))
-        merges = _spm_merges(tokens, scores, vocab, types)
-        tok = Tokenizer(
-            models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-        )
-        add_space = bool(_meta(meta, "tokenizer.ggml.add_space_prefix", True))
-        norm = [normalizers.Replace(" ", "\u2581")]
-        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if add_space:
-            norm.insert(0, normalizers.Prepend("\u2581"))
-            dec.append(decoders.Strip(" ", 1, 0))
-        tok.normalizer = normalizers.Sequence(norm)
-        tok.decoder = decoders.Sequence(dec)
-        add_bos_default = True
-        post = None
-    else:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (expected 'gpt2' or 'llama')")
-
-    special, user = [], []
-    for i, (text, ttype) in enumerate(zip(tokens, types)):
-        if vocab.get(text) != i:
-            continue
-        if ttype == _TT_CONTROL or (kind == "llama" and ttype == _TT_UNKNOWN):
-            special.append(AddedToken(text, special=True, normalized=False))
-        elif ttype == _TT_USER_DEFINED:
-            user.append(AddedToken(text, special=False, normalized=False))
-    if special:
-        tok.add_special_tokens(special)
-    if user:
-        tok.add_tokens(user)
-
-    add_bos = bool(_meta(meta, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
-    if add_bos:
-        bos_id = vocab[bos]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0",
-            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, bos_id)],
-        )
-    elif post is not None:
-        tok.post_processor = post
-    names = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
-    return tok, {k: v for k, v in names.items() if v is not None}, add_bos
-
-
-def _write_tokenizer(meta: Dict[str, Any], config: dict, out_dir: Path) -> None:
-    tok, specials, add_bos = _build_tokenizer(meta)
-    tok.save(str(out_dir / "tokenizer.json"))
-    tok_config: Dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-        **specials,
-    }
-    template = _meta(meta, "tokenizer.chat_template")
-    if template:
-        tok_config["chat_template"] = template
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False))
 
 
 def write_model_folder(

@@ -25,12 +25,12 @@ import mlx.core as mx
 from .gguf_common import (
     ModelNotAvailableError,
     _locate_in_package,
-    _meta,
     _special_token_ids,
     assemble_chunks,
     convert_tensors,
     hf_tensor_name,
 )
+from .gguf_meta import _meta
 
 logger = logging.getLogger(__name__)
 

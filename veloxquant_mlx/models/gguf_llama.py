@@ -35,12 +35,9 @@ from typing import Any, Dict, Optional, Union
 import mlx.core as mx
 
 from . import gguf_gemma3
-from .gguf_common import (  # noqa: F401  (_MARKER_FILE, _build_tokenizer: this module's old names)
-    _MARKER_FILE,
+from .gguf_common import (
     ModelNotAvailableError,
-    _build_tokenizer,
     _locate_in_package,
-    _meta,
     _normalize_dtype,
     _special_token_ids,
     default_cache_dir,
@@ -50,6 +47,7 @@ from .gguf_common import (  # noqa: F401  (_MARKER_FILE, _build_tokenizer: this 
     read_gguf,
     write_model_folder,
 )
+from .gguf_meta import _meta
 
 __all__ = [
     "ModelNotAvailableError",

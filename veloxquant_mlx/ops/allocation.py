@@ -52,7 +52,7 @@ def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_
     every head's kept rows in ascending row order, then padding rows (real False).
 
     ``layer``: None when these are all of the layer's heads; under tensor parallelism this rank's
-    ``veloxquant_mlx.distributed.HeadShard``, whose layer-wide top-k / gather / sum stand in for the
+    ``veloxquant_mlx.caches.shard.HeadShard``, whose layer-wide top-k / gather / sum stand in for the
     three layer-wide steps (winners, head budgets, leftover slots), so each rank gets exactly its
     heads' part of the one-process result.
     """

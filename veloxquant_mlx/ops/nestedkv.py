@@ -13,7 +13,6 @@ Scales (spec steps 1-2): anomaly a_x(i) = 1 - cos(k_i, mu_x(i)) against
 from __future__ import annotations
 
 import functools
-import math
 
 import mlx.core as mx
 

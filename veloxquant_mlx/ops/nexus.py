@@ -125,7 +125,7 @@ def nexus_weights_from_parts(a: mx.array, walk_rows: mx.array, lam: float = 0.5,
                              eps_tie: float = 1e-6) -> mx.array:
     """w (Eq. 2-5) from the two things it reads of S_hat: the direct score a = mean over the window
     rows (..., N_k) and the walk rows (..., h, N_k), oldest first (any array when ``lam=0``). Used
-    where S_hat is averaged over heads held by different processes (veloxquant_mlx.distributed)."""
+    where S_hat is averaged over heads held by different processes (veloxquant_mlx.caches.shard)."""
     return _compiled_parts(a, walk_rows, float(lam), float(eps_tie))
 
 

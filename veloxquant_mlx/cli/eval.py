@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD
+from ..evaluation.results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD
 
 
 def _shard(text):
@@ -51,11 +51,11 @@ def _md_path(args):
 
 def _cmd(module_name):
     def handler(args):
-        import importlib
+        # Deferred: building the parser must not import every harness (and mlx-lm's generate).
+        from ..evaluation import perplexity, retrieval, speed
+        from ..evaluation.report import write_report
 
-        from .report import write_report
-
-        mod = importlib.import_module(f"veloxquant_mlx.evaluation.{module_name}")
+        mod = {"retrieval": retrieval, "perplexity": perplexity, "speed": speed}[module_name]
         rc = mod.run(args)
         if not getattr(args, "no_report", False):
             write_report(args.out_dir, _md_path(args))
@@ -65,7 +65,7 @@ def _cmd(module_name):
 
 
 def _report(args):
-    from .report import write_report
+    from ..evaluation.report import write_report
 
     path = write_report(args.out_dir, _md_path(args))
     print(f"wrote {path}")

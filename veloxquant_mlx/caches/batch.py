@@ -11,7 +11,7 @@ one batch cache:
 * ``update_and_fetch`` hands each row its own new keys/values (dropping the padding mlx-lm adds to
   prompts of different lengths), lets that row's cache store/evict exactly as it would alone, and
   returns the rows left-padded to the longest one;
-* the query tap (``mlx_lm_compat``) gives each row its own queries and asks this cache for the
+* the query tap (``veloxquant_mlx.tap``) gives each row its own queries and asks this cache for the
   layer's mask, which hides every row's padding and is causal by each row's own positions.
 
 So every row holds exactly what it would hold generating alone, and greedy tokens match a
@@ -21,15 +21,21 @@ with Python-int bookkeeping and no host synchronization in ``update_and_fetch``.
 A cache can batch when the query tap reaches it (per-layer masks need it) and it holds a single
 sequence. Where it cannot, the cache has no ``merge`` attribute at all, which is how mlx-lm's server
 decides to serve requests one at a time instead of batching (``hasattr(c, "merge")``).
+
+Imports: ``caches.base`` imports this module (``EvictionCache.merge = BatchMerge()``); this module never
+imports ``caches.base``, so there is no cycle: a row is recognized by the ``BatchMerge`` its class declares.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
+
+from .storage import PAD_POSITION
 
 
 def unbatchable_reason(cache):
@@ -88,9 +94,8 @@ class BatchEvictionCache(_BaseCache):
 
     @staticmethod
     def _check_row(row):
-        from .caches.base import EvictionCache
-
-        if not isinstance(row, EvictionCache):
+        # An EvictionCache (or subclass): the only classes that declare BatchMerge as their merge.
+        if not isinstance(inspect.getattr_static(type(row), "merge", None), BatchMerge):
             raise TypeError(f"BatchEvictionCache holds EvictionCache rows, got {type(row).__name__}")
         reason = unbatchable_reason(row)
         if reason is not None:
@@ -246,8 +251,6 @@ class BatchEvictionCache(_BaseCache):
 
     def _positions_mask(self, spans, counts, queries):
         """Per-head mask from absolute positions (ragged rows: per-head budgets, padding inside)."""
-        from .caches.base import PAD_POSITION
-
         S, R = queries.shape[2], max(counts)
         H = next(r.fetched_positions.shape[1] for r, c in zip(self.rows, counts) if c)
         pos = []

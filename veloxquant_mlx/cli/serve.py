@@ -6,7 +6,7 @@ prompt-cache reuse) with two pieces swapped in:
 * :class:`EvictionModelProvider` serves one model we loaded ourselves (the bundled SmolLM2, a GGUF
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
   server builds is a fresh list of our eviction caches. Their ``merge`` makes the server batch
-  them (``mlx_lm.server`` probes ``hasattr(c, "merge")``); see ``veloxquant_mlx/batching.py``.
+  them (``mlx_lm.server`` probes ``hasattr(c, "merge")``); see ``veloxquant_mlx/caches/batch.py``.
 * :class:`LoggingPromptCache` is the server's ``LRUPromptCache`` that logs each finished request's
   allocated KV bytes, and the tokens reused from an earlier turn.
 
@@ -23,8 +23,10 @@ import json
 import logging
 from decimal import Decimal, InvalidOperation
 
-from . import distributed
-from .cli import FULL, CLIError, _add_cache_args, _config_from_args
+from .. import distributed
+from ..caches.accounting import kv_report
+from ..registry import FULL
+from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -53,7 +55,7 @@ def add_parser(sub):
                     "Every request is served with the cache flags below.")
     s.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), a .gguf path, "
                    "or an mlx-lm model path / Hugging Face repo")
-    _add_cache_args(s)
+    add_cache_args(s)
     g = s.add_argument_group("server (the flags of mlx_lm.server)")
     g.add_argument("--host", default="127.0.0.1", help="host to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -97,14 +99,6 @@ def server_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-def kv_summary(caches) -> dict:
-    """Allocated / kept / full-sequence KV bytes of one sequence's per-layer caches."""
-    alloc = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
-    kept = sum(c.kept_bytes for c in caches if hasattr(c, "kept_bytes"))
-    full = sum(c.full_seq_bytes for c in caches if hasattr(c, "full_seq_bytes"))
-    return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full}
-
-
 def _mib(n):
     return f"{n / 2**20:.2f} MiB"
 
@@ -117,7 +111,7 @@ def _prompt_cache_class():
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             if cache_type == "assistant":  # a request finished (the server stores its cache)
-                kv = kv_summary(prompt_cache)
+                kv = kv_report(prompt_cache)
                 line = f"request done: {len(tokens)} tokens in its cache, KV allocated {_mib(kv['allocated_bytes'])}"
                 if kv["full_bytes"]:
                     line += (f" ({kv['allocated_bytes'] / kv['full_bytes']:.2f}x of a full cache's "
@@ -136,8 +130,8 @@ def _prompt_cache_class():
                     return None, tokens
             if cache is not None:
                 for c in cache:
-                    if hasattr(c, "_saw_decode"):
-                        c._saw_decode = False  # continuing a stored conversation is on purpose
+                    if hasattr(c, "continue_on_purpose"):
+                        c.continue_on_purpose()  # continuing a stored conversation is on purpose
                 log.info(f"prompt cache: reusing {len(tokens) - len(rest)} of {len(tokens)} prompt tokens")
             return cache, rest
 
@@ -148,7 +142,7 @@ def _model_provider_class():
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import ModelProvider
 
-    from .builder import KVCacheBuilder
+    from ..builder import KVCacheBuilder
 
     class EvictionModelProvider(ModelProvider):
         """Serves one already loaded model with ``config``'s eviction caches (None: mlx-lm's own)."""
@@ -206,12 +200,11 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
 def cmd_serve(args):
     if args.density is not None:
         raise CLIError("serve takes --budget (tokens per KV head): --density depends on each prompt's length")
-    config = _config_from_args(args, 0)
-    from .cli import _load
+    config = config_from_args(args, 0)
 
     options = {k: getattr(args, k) for k in vars(server_args()) if hasattr(args, k) and k != "model"}
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
-    model, tokenizer = _load(args.model)
+    model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     label = FULL if config is None else f"{config.method}, budget {config.budget}/head"
     log.info(f"veloxquant serve: {label} on http://{args.host}:{args.port}/v1")

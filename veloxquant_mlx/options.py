@@ -1,0 +1,87 @@
+"""Method options: :func:`option` declares a validated dataclass field once (type, range,
+choices, doc); :func:`validate_options` checks an options dataclass against it. No package imports:
+method files, the config and the CLI all read the same metadata from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def option(default, *, kind=None, low=None, high=None, low_open=False, choices=None, allow_none=False,
+           doc="", small=None):
+    """A validated dataclass field.
+
+    kind: int / float / bool / str / tuple; low/high: inclusive bounds (``low_open`` makes low
+    exclusive); choices: allowed values; allow_none: ``None`` is valid (e.g. n=None means n=inf);
+    small: the value for tiny shapes (budget 32 tokens, prompts of ~40: the tests and the behaviour
+    fingerprint), where the default does not fit or would never evict (see :func:`small_options`).
+    """
+    if kind is None:
+        kind = type(default) if default is not None else float
+    meta = dict(kind=kind, low=low, high=high, low_open=low_open, choices=choices,
+                allow_none=allow_none, doc=doc, small=small)
+    if isinstance(default, (list, dict)):
+        raise TypeError("option defaults must be immutable")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_value(owner: str, name: str, value, meta: dict):
+    kind = meta["kind"]
+    if value is None:
+        if meta["allow_none"]:
+            return value
+        raise ValueError(f"{owner}.{name} must not be None")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{owner}.{name} must be finite, got {value!r}")
+        value = float(value)
+    elif kind is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{owner}.{name} must be a string, got {type(value).__name__} {value!r}")
+    elif kind is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"{owner}.{name} must be a tuple, got {type(value).__name__} {value!r}")
+        value = tuple(value)
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"{owner}.{name} must be one of {list(meta['choices'])}, got {value!r}")
+    low, high = meta["low"], meta["high"]
+    if low is not None and (value <= low if meta["low_open"] else value < low):
+        op = ">" if meta["low_open"] else ">="
+        raise ValueError(f"{owner}.{name} must be {op} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{owner}.{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def validate_options(opts) -> None:
+    """Check every field of an options dataclass against its :func:`option` metadata (in place)."""
+    owner = type(opts).__name__
+    for f in dataclasses.fields(opts):
+        if "kind" in f.metadata:
+            object.__setattr__(opts, f.name, check_value(owner, f.name, getattr(opts, f.name), f.metadata))
+    check = getattr(opts, "check", None)
+    if check is not None:
+        check()
+
+
+def small_options(options_cls) -> dict:
+    """``{field: small value}`` of an options dataclass: the options that make a method evict on
+    tiny shapes (budget 32). Tests build every registered method with these, so a new method only
+    declares ``small=`` on its own options."""
+    return {f.name: f.metadata["small"] for f in dataclasses.fields(options_cls)
+            if f.metadata.get("small") is not None}
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """Methods without tunable options."""
