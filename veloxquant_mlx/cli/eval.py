@@ -118,7 +118,7 @@ def add_parser(subparsers):
         p.add_argument("--no-report", action="store_true", help="do not regenerate the report after the run")
         p.set_defaults(func=_cmd(mod))
 
-    from . import task_eval  # method x task x density through the generate path (its own module)
+    from ..evaluation import task_eval  # method x task x density through the generate path (its own module)
 
     tk = sub.add_parser("tasks", help="follow-up turn and RULER-style tasks through the generate path")
     task_eval.add_args(tk, _common)

@@ -22,8 +22,12 @@ import subprocess
 import sys
 import time
 
-from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
-                      now, quiet_cache_warnings, run_experiment)
+from ..caches.accounting import kv_report
+from ..registry import get_method
+from .retrieval import FanOutCache, _arrays
+from .results import (DEFAULT_OUT_DIR, FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches,
+                      method_specs, now, quiet_cache_warnings, run_experiment)
+from .speed import feed_prompt, last_prompt_step
 from .task_prompts import continuation, reply_text, score
 from .tasks import TASKS, build
 
@@ -35,8 +39,6 @@ PRIORITY = {"tasks": ["followup", "niah_single", "niah_multikey"], "lengths": [2
 def needs_own_prefill(spec) -> bool:
     if spec.method is None:
         return False
-    from ..registry import get_method
-
     return spec.method in PLAIN_PATH_METHODS or bool(getattr(get_method(spec.method), "own_prefill", False))
 
 
@@ -59,8 +61,6 @@ def make_cells(tasks, lengths, n_prompts, densities, methods, start: int = 0) ->
 
 
 def _first_token(model, x, caches):
-    from .speed import feed_prompt, last_prompt_step
-
     feed_prompt(model, x, caches, PREFILL_STEP)
     return last_prompt_step(model, x, caches)
 
@@ -92,8 +92,6 @@ def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
     through the same caches. Returns one record per turn."""
     import mlx.core as mx
 
-    from .speed import last_prompt_step
-
     turns, replies = [], []
     for k, turn in enumerate(inst.turns):
         if k > 0:
@@ -119,9 +117,6 @@ def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_id
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .retrieval import FanOutCache, _arrays
-    from .speed import feed_prompt, kv_bytes, last_prompt_step
-
     x = mx.array(tokens)
     out, prefill_s = {}, None
     fan = {n: c for n, c in named.items() if shared and not c[1]}
@@ -146,7 +141,7 @@ def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_id
             else:
                 y = _first_token(model, x, caches)
             first_s = time.perf_counter() - t0
-            kv_end_prompt = kv_bytes(caches)["allocated_bytes"]
+            kv_end_prompt = kv_report(caches)["allocated_bytes"]
             turns = converse(model, tokenizer, inst, caches, y, eos_ids)
             out[name] = {"turns": turns, "shared_prefill": name in fan, "kv_bytes_after_prompt": kv_end_prompt,
                          "prefill_s": round((prefill_s or 0.0) + first_s if name in fan else first_s, 3)}
@@ -240,8 +235,6 @@ def run(args) -> int:
 
 def add_args(p, common):
     """The ``eval tasks`` arguments (``common``: the eval family's shared options)."""
-    from .results import DEFAULT_OUT_DIR
-
     common(p)
     p.set_defaults(out_dir=f"{DEFAULT_OUT_DIR}/tasks")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=None,

@@ -22,8 +22,7 @@ import dataclasses
 import random
 import re
 
-from .passkey import GRASS
-from .retrieval import prose_paragraphs
+from .passkey import GRASS, prose_paragraphs
 from .task_prompts import render_first
 
 # Own word lists for keys: "<adjective>-<noun>" gives 2,048 distinct keys.
