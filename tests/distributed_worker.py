@@ -172,7 +172,7 @@ def batched_checks(group) -> dict:
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (56, 40)]
     out = {}
     for name, config in cases("tensor", "llama"):
-        if name not in ("nexus", "h2o-ada"):
+        if name not in ("nexus", "h2o-ada", "kvzip-ada"):
             continue
         alone = [generate(ref_model, p, KVCacheBuilder.for_model(ref_model, config, group=False))[0][:8]
                  for p in prompts]

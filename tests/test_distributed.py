@@ -34,7 +34,7 @@ PREFILL_ONLY = {m for m in methods() if get_method(m).prefill_only}
 ADA = {m + "-ada" for m in methods() if get_method(m).supports_allocation("ada")}  # layer-wide budgets
 # Selections known to read one head at a time (no traffic) or to combine heads (traffic); a method
 # in neither is still checked against one process by every other test.
-PER_HEAD = ("h2o", "snapkv", "pyramidkv", "morphkv", "streaming", "random", "nexus-per-head")
+PER_HEAD = ("h2o", "snapkv", "pyramidkv", "morphkv", "streaming", "random", "nexus-per-head", "kvzip")
 COMBINING = ("nexus", "nestedkv", "nexus-vectors", "nexus-topk", "nestedkv-end", "nexus-prior", *sorted(ADA))
 
 
@@ -157,7 +157,7 @@ def test_batched_generation_on_the_split_model(ranks):
     for r in ranks:
         b = r["runs"]["batched"]
         assert "error" not in b, b.get("error")
-        assert set(b) == {"nexus", "h2o-ada"}
+        assert set(b) == {"nexus", "h2o-ada", "kvzip-ada"}
         for name, v in b.items():
             assert v["batched"] == v["alone"], (r["rank"], name)
 

@@ -10,6 +10,7 @@ from .caches.base import EvictionCache
 from .config import KVCacheConfig
 from .caches.shard import HeadShard
 from .distributed import layer_span, resolve_group
+from .model_pass import install_model_pass, remove_model_pass
 from .tap import install_query_tap, remove_query_tap
 from .registry import methods, register
 
@@ -45,7 +46,7 @@ class KVCacheBuilder:
     methods = staticmethod(methods)
 
     @staticmethod
-    def for_model(model, config: KVCacheConfig, group=None) -> list:
+    def for_model(model, config: KVCacheConfig, group=None, tokenizer=None) -> list:
         """Fresh caches for every layer of ``model``.
 
         Full-attention layers (those for which the model builds a plain ``KVCache``) get
@@ -62,6 +63,8 @@ class KVCacheBuilder:
         base = _model_layer_caches(model)
         cls = config.cache_class
         tapped = bool(install_query_tap(model))
+        if getattr(cls, "needs_model_pass", False):
+            install_model_pass(model, tokenizer)
         if not tapped and cls.needs_queries and id(model) not in _warned_no_tap:
             _warned_no_tap.add(id(model))
             warnings.warn(
@@ -83,7 +86,7 @@ class KVCacheBuilder:
         return caches
 
     @staticmethod
-    def install(model, config: KVCacheConfig, group=None) -> None:
+    def install(model, config: KVCacheConfig, group=None, tokenizer=None) -> None:
         """Make ``model.make_cache()`` (hence ``mlx_lm.generate``) build fresh eviction caches on
         every call. Reversible with :meth:`uninstall`; installing again replaces the config."""
         if not isinstance(config, KVCacheConfig):
@@ -100,10 +103,12 @@ class KVCacheBuilder:
             object.__setattr__(model, "_veloxquant_had_instance_make_cache", inst is not None)
         object.__setattr__(model, "make_cache", lambda *a, **k: KVCacheBuilder.for_model(model, config, group))
         install_query_tap(model)
+        if getattr(config.cache_class, "needs_model_pass", False):
+            install_model_pass(model, tokenizer)
 
     @staticmethod
     def uninstall(model) -> None:
-        """Undo :meth:`install` (and remove the query tap from the model's modules)."""
+        """Undo :meth:`install` (and remove the query tap and the model-pass wrapper)."""
         if _ORIGINAL_MAKE_CACHE in model.__dict__:
             original = model.__dict__[_ORIGINAL_MAKE_CACHE]
             had_instance = model.__dict__.get("_veloxquant_had_instance_make_cache", False)
@@ -113,6 +118,7 @@ class KVCacheBuilder:
             if had_instance:
                 object.__setattr__(model, "make_cache", original)
         remove_query_tap(model)
+        remove_model_pass(model)
 
     @staticmethod
     def installed(model) -> bool:

@@ -199,6 +199,8 @@ class BatchEvictionCache(_BaseCache):
             k, v = keys, values
             if B > 1 or a or n != S:
                 k, v = keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n]
+            if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
+                row.input_span = (i, a, n)
             k, v = row.update_and_fetch(k, v)
             ks.append(k)
             vs.append(v)

@@ -1,4 +1,4 @@
-"""``python -m veloxquant_mlx``: generate with an eviction cache, list methods, run the demo.
+"""``python -m veloxquant_mlx``: generate with an eviction cache, compress a document, list methods, run the demo.
 
 Flags mirror ``mlx_lm.generate``; every method's options are exposed as ``--<method>-<option>``.
 Bad input ends with one ``error:`` line and a non-zero exit, never a traceback.
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from ..registry import methods
-from . import demo, generate, serve
+from . import compress, demo, generate, serve
 from . import eval as eval_cmd
 from .args import CLIError
 
@@ -29,6 +29,7 @@ def build_parser():
     sub = p.add_subparsers(dest="command", required=True)
 
     generate.add_parser(sub)
+    compress.add_parser(sub)  # compress once, ask many (generate --prompt-cache)
     m = sub.add_parser("methods", help="list the registered eviction methods")
     m.set_defaults(func=cmd_methods)
     demo.add_parser(sub)

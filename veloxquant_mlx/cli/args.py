@@ -123,3 +123,34 @@ def fmt_bytes(n):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
+
+
+# -- compressed documents (`compress` writes them, `generate --prompt-cache` continues them) -------------
+DOCUMENT_FORMAT = "veloxquant-compressed-document/1"
+
+
+def load_compressed_document(model, tokenizer, path: str):
+    """A fresh copy of a compressed document's caches, ready to continue (query tap and model pass
+    installed, this rank's head shard attached), and the file's metadata."""
+    from ..distributed import attach, resolve_group
+    from ..model_pass import install_model_pass
+    from ..prompt_cache import load_prompt_cache
+    from ..tap import install_query_tap
+
+    caches, meta = load_prompt_cache(path, return_metadata=True)
+    if meta.get("format") != DOCUMENT_FORMAT:
+        raise CLIError(f"{path!r} was not written by `compress` (format {meta.get('format')!r})")
+    install_query_tap(model)
+    if any(getattr(c, "needs_model_pass", False) for c in caches):
+        install_model_pass(model, tokenizer)
+    attach(caches, resolve_group(model, None))
+    for c in caches:
+        if hasattr(c, "continue_on_purpose"):
+            c.continue_on_purpose()  # continuing the document is the point
+    return caches, meta
+
+
+def question_tokens(tokenizer, meta: dict, question: str) -> list:
+    """The question as the continuation of the document's turn (no second BOS), then the rest of the
+    chat template's turn that ``compress`` kept in the metadata."""
+    return list(tokenizer.encode("\n\n" + question + meta.get("turn_tail", ""), add_special_tokens=False))

@@ -9,7 +9,8 @@ import time
 from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
-from .args import add_cache_args, config_from_args, fmt_bytes, load_model_for_cli
+from .args import (add_cache_args, config_from_args, fmt_bytes, load_compressed_document, load_model_for_cli,
+                   question_tokens)
 
 
 def encode_prompt(tokenizer, prompt: str, use_chat: bool):
@@ -19,7 +20,7 @@ def encode_prompt(tokenizer, prompt: str, use_chat: bool):
 
 
 def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
-                   prefill_step_size=2048, on_text=None) -> dict:
+                   prefill_step_size=2048, on_text=None, caches=None) -> dict:
     """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
@@ -29,7 +30,9 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
     from ..builder import KVCacheBuilder
 
     mx.random.seed(seed)
-    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
+    if caches is None:  # else: caches to continue (a loaded prompt cache)
+        caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(
+            model, config, tokenizer=tokenizer)
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
@@ -67,15 +70,21 @@ def cmd_generate(args):
         hay, ctx, depth, key = args.passkey
         tokens, pos = make_prompt(tokenizer, hay, ctx, depth, key)
         print(f"Passkey prompt: {hay} haystack, {len(tokens)} tokens, key {key} at token {pos}")
+    elif args.prompt_cache:  # a compressed document (`compress`): a fresh copy, continued by the question
+        loaded, meta = load_compressed_document(model, tokenizer, args.prompt_cache)
+        tokens = question_tokens(tokenizer, meta, args.prompt)
+        print(f"Prompt cache: {args.prompt_cache} ({meta['tokens']} document tokens)")
     else:
         tokens = encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template)
-    config = config_from_args(args, len(tokens))
+    config = None if args.prompt_cache else config_from_args(args, len(tokens))
     out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
-                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True))
+                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
+                         caches=loaded if args.prompt_cache else None)
     print()
     print("=" * 10)
-    label = FULL if config is None else (f"{config.method} (budget {config.budget}/head, "
-                                         f"prompt_eviction={config.prompt_eviction})")
+    loaded_label = f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL
+    label = loaded_label if config is None else (f"{config.method} (budget {config.budget}/head, "
+                                                 f"prompt_eviction={config.prompt_eviction})")
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
@@ -115,6 +124,8 @@ def add_parser(sub):
     g.add_argument("--passkey", type=passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",
                    help="instead of --prompt: the passkey evaluation's prompt, e.g. grass:1024:0.5:68043 "
                         "(haystack grass or text), to rerun one published cell")
+    g.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="continue a document compressed by `compress` with --prompt (a fresh copy each run)")
     add_cache_args(g)
     g.set_defaults(func=cmd_generate)
     return g

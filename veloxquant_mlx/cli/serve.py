@@ -166,7 +166,7 @@ def _model_provider_class():
         def _install(self):
             model, tokenizer = self._served
             if self.config is not None:
-                KVCacheBuilder.install(model, self.config)
+                KVCacheBuilder.install(model, self.config, tokenizer=tokenizer)  # kvzip: repeat prompt
             if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
                 tokenizer.chat_template = tokenizer.default_chat_template
             if self.cli_args.chat_template:

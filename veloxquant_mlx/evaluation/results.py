@@ -38,6 +38,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
     "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
+    "kvzip-global": ("kvzip", {"layers": "global"}),  # KVzip's budget shared across layers (the paper's default)
 }
 
 
@@ -151,10 +152,16 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
     """(model, tokenizer, description)."""
     if quick:
         m, t = tiny_model()
+        from ..model_pass import set_pass_tokenizer
+
+        set_pass_tokenizer(m, t)
         return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
     from ..models import load_model
 
+    from ..model_pass import set_pass_tokenizer
+
     m, t = load_model(None if spec in (None, "bundled") else spec)
+    set_pass_tokenizer(m, t)  # kvzip's repeat prompt, for caches built later by make_caches
     return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
 
 

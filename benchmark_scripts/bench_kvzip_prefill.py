@@ -1,0 +1,159 @@
+"""KVzip's cost (issue 21, deliverable 3): prefill with the reconstruction pass vs a plain prefill.
+
+On the bundled SmolLM2-135M (``veloxquant_mlx.models.load_model()``, fp32), prose prompts of 1K, 2K
+and 4K tokens are fed exactly as ``mlx_lm.generate`` feeds them (all but the last token in chunks of
+``prefill_step_size`` = 2048, then the last token alone, then ``mx.eval`` of the caches' state):
+
+* ``plain``: mlx-lm's ``KVCache`` (no compression);
+* ``kvzip``: ``KVCacheConfig("kvzip", budget=20 % of the prompt)`` from ``KVCacheBuilder.for_model``
+  with the tokenizer; the last token's step runs the reconstruction pass (chunks of 2K) and every
+  layer evicts.
+
+Side by side, alternating which goes first, several rounds; the median of each is reported and the
+ratio kvzip / plain. Memory: ``mx.get_peak_memory()`` minus the active memory before the step, for
+the whole prefill and for the prompt's last step alone (where the pass runs), plus, at the longest
+context, the pass's peak for several reconstruction chunk sizes (is the extra memory bounded by the
+chunk?). OpenBLAS is preloaded (1 thread) unless ``--no-fast-blas``.
+
+    python benchmark_scripts/bench_kvzip_prefill.py               # -> figures/kvzip/prefill_cost.json
+    python benchmark_scripts/bench_kvzip_prefill.py --quick       # tiny random model, harness check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MIB = 1024 * 1024
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--density", type=float, default=0.2)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                   help="reconstruction chunk sizes whose pass peak is measured at the longest context")
+    p.add_argument("--no-fast-blas", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
+    p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "prefill_cost.json"))
+    return p.parse_args(argv)
+
+
+def feed(model, tokens, caches, step):
+    """mlx_lm.generate's prefill; returns (seconds total, seconds of the last step, peak of the last
+    step over the active memory before it, peak of everything over the active memory before)."""
+    import mlx.core as mx
+
+    x = mx.array(tokens)[None]
+    n = x.shape[1]
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    for s in range(0, n - 1, step):
+        model(x[:, s:min(s + step, n - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    mx.clear_cache()
+    before_last = mx.get_active_memory()
+    peak_prefill = mx.get_peak_memory()
+    mx.reset_peak_memory()
+    t1 = time.perf_counter()
+    logits = model(x[:, n - 1:], cache=caches)
+    mx.eval(logits, [c.state for c in caches])
+    t2 = time.perf_counter()
+    last_peak = mx.get_peak_memory()
+    return {"total_s": t2 - t0, "last_step_s": t2 - t1, "last_step_peak_mib": (last_peak - before_last) / MIB,
+            "peak_mib": (max(peak_prefill, last_peak) - base) / MIB,
+            "kv_bytes_after": sum(c.nbytes for c in caches)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.no_fast_blas:
+        from veloxquant_mlx._blas import reexec_with_openblas
+
+        reexec_with_openblas(num_threads=1)  # returns when already preloaded or when none is installed
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.evaluation.retrieval import prose_text
+    from veloxquant_mlx.evaluation.results import load_eval_model
+
+    model, tokenizer, desc = load_eval_model("bundled", quick=args.quick)
+    contexts = [128, 256] if args.quick else args.contexts
+    all_tokens = list(tokenizer.encode(prose_text(seed=0)))
+    if len(all_tokens) < max(contexts):
+        raise SystemExit(f"prose gives {len(all_tokens)} tokens, need {max(contexts)}")
+    step = 64 if args.quick else args.prefill_step_size
+    chunk_default = 64 if args.quick else 2048
+
+    def kvzip_caches(n, chunk=chunk_default):
+        cfg = KVCacheConfig("kvzip", budget=max(int(round(args.density * n)), 16), kvzip_chunk=chunk)
+        return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
+
+    rows = []
+    for n in contexts:
+        tokens = all_tokens[:n]
+        feed(model, tokens, make_prompt_cache(model), step)  # warm-up (compiles, allocator)
+        feed(model, tokens, kvzip_caches(n), step)
+        runs = {"plain": [], "kvzip": []}
+        for r in range(args.rounds):
+            order = ("plain", "kvzip") if r % 2 == 0 else ("kvzip", "plain")
+            for name in order:
+                caches = make_prompt_cache(model) if name == "plain" else kvzip_caches(n)
+                runs[name].append(feed(model, tokens, caches, step))
+                if name == "kvzip":
+                    assert all(c.zip_passes == 1 for c in caches if hasattr(c, "zip_passes"))
+        med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
+        row = {"context": n, "budget": max(int(round(args.density * n)), 16), "rounds": args.rounds,
+               "runs": runs, "median": med,
+               "ratio_total": med["kvzip"]["total_s"] / med["plain"]["total_s"],
+               "pass_extra_s": med["kvzip"]["last_step_s"] - med["plain"]["last_step_s"]}
+        rows.append(row)
+        print(f"{n:>5} tokens: plain {med['plain']['total_s']:.2f} s, kvzip {med['kvzip']['total_s']:.2f} s "
+              f"(x{row['ratio_total']:.2f}); last step peak plain {med['plain']['last_step_peak_mib']:.0f} MiB, "
+              f"kvzip {med['kvzip']['last_step_peak_mib']:.0f} MiB; prefill peak plain "
+              f"{med['plain']['peak_mib']:.0f} / kvzip {med['kvzip']['peak_mib']:.0f} MiB", flush=True)
+
+    n = max(contexts)
+    chunk_peaks = []
+    for chunk in ([32, 64, 128, 256] if args.quick else args.chunks):
+        r = feed(model, all_tokens[:n], kvzip_caches(n, chunk), step)
+        chunk_peaks.append({"chunk": chunk, "last_step_peak_mib": r["last_step_peak_mib"],
+                            "last_step_s": r["last_step_s"]})
+        print(f"  {n} tokens, reconstruction chunk {chunk}: pass step peak {r['last_step_peak_mib']:.0f} MiB, "
+              f"{r['last_step_s']:.2f} s", flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip())
+    out = {"experiment": "kvzip prefill cost", "model": desc, "density": args.density,
+           "prefill_step_size": step, "reconstruction_chunk": chunk_default, "rows": rows,
+           "chunk_peaks_at": n, "chunk_peaks": chunk_peaks,
+           "provenance": {"commit": commit, "dirty": dirty, "command": " ".join([sys.executable] + sys.argv),
+                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          "load_average_at_end": os.getloadavg(), "mlx": mx.__version__, **blas_info()}}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""KVzip (Kim et al., NeurIPS 2025, arXiv 2505.23416): keep what the model needs to reconstruct its
+own context.
+
+When the prompt ends, the model re-reads its context through a reconstruction pass ("Repeat the
+previous context exactly." followed by the context tokens) with the prompt's cache as the past. Every
+stored row is scored by the maximum attention it receives in that pass, per KV head, over the GQA
+group and the reconstruction positions (Sec. 3, importance scoring); the context is reconstructed
+in chunks of about 2K tokens (Sec. 3, chunked scoring). Each head keeps its top rows plus the
+sinks and the recent window (Ada-KV head budgets with ``allocation="ada"``: the paper's non-uniform
+head budget, within a layer).
+
+A cache cannot call the model: the builder wraps the model (``veloxquant_mlx.model_pass``), which
+records the token ids each forward feeds (this file stores them per row, ``zip_ids``) and, right
+after a forward in which a cache deferred its compression, runs the pass with the caches in scoring
+mode (``begin_chunk`` .. ``end_chunk``: attention reads the stored rows plus the pass's own keys,
+which are never stored; the tap's queries score the rows), then every cache evicts
+(``finish_pass``). Prefill-only: decode tokens are appended. A later turn scores only the text that
+arrived since the last pass (rows with position >= ``zip_scored``); kept rows keep their scores.
+
+Used without the model wrapper (a cache built directly, no ids), the cache falls back to the max
+attention of its last ``window`` prompt queries: not KVzip, documented in docs/methods/kvzip.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from ..options import option
+from ..ops.kvzip import reconstruction_scores, window_max_scores
+from ..registry import register
+from .base import EvictionCache
+from .storage import with_headroom
+
+
+@dataclasses.dataclass
+class KVzipOptions:
+    # Sec. 3 (chunked scoring): the context is reconstructed in chunks of 2K tokens (bounded memory).
+    chunk: int = option(2048, low=1, small=24, doc="context tokens reconstructed per forward of the pass")
+    overlap: int = option(8, low=0, doc="previous chunk's last tokens quoted in the next repeat prompt")
+    q_block: int = option(512, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")
+    window: int = option(16, low=1, small=8, doc="fallback only (no model pass): last queries that score")
+    # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
+    # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
+    # the total stays layers x heads x budget. Reads the L shares back once per pass.
+    layers: str = option("each", choices=("each", "global"), doc="budget across layers: each | global")
+
+
+# -- what the model wrapper tells the caches during one forward (one thread = one generation) -------
+_LOCAL = threading.local()
+
+
+class _Frame:
+    __slots__ = ("ids", "due")
+
+    def __init__(self, ids):
+        self.ids = ids  # (B, S) int token ids of this forward, or None (embeddings fed)
+        self.due = []  # KVzip caches that deferred their compression to the model pass
+
+
+@contextlib.contextmanager
+def feeding(ids):
+    """The model wrapper's forward: caches record ``ids`` and defer compression to the pass."""
+    prev = getattr(_LOCAL, "frame", None)
+    frame = _LOCAL.frame = _Frame(ids)
+    try:
+        yield frame
+    finally:
+        _LOCAL.frame = prev
+
+
+def _frame():
+    return getattr(_LOCAL, "frame", None)
+
+
+@register("kvzip")
+class KVzipCache(EvictionCache):
+    """KVzip: rows scored by the max attention of the model's reconstruction of its context."""
+
+    Options = KVzipOptions
+    prefill_only = True
+    needs_model_pass = True  # the builder installs veloxquant_mlx.model_pass for this method
+
+    def __init__(self, config, layer_idx=0, n_layers=1):
+        super().__init__(config, layer_idx, n_layers)
+        self.query_window = self.options.window  # only read by the fallback
+        self.zip_scored = 0  # positions < zip_scored carry a reconstruction score
+        self.zip_passes = 0  # reconstruction passes run over this cache
+        self._ids_known = True  # every row since zip_scored has its token id
+        self._zip_due = False
+        self._chunk = None  # (first row, end row, sink rows) while a reconstruction chunk runs
+        self._own = None  # that chunk's own keys (never stored)
+        self._parts = []  # per-chunk scores of the pass in progress
+        self.input_span = None  # (batch index, start, count) set by BatchEvictionCache per call
+
+    def extra_row_fields(self):
+        return {"zip_score": 0.0, "zip_ids": -1.0}
+
+    def scores(self):
+        return self.stored("zip_score")
+
+    # -- token ids ------------------------------------------------------------------------------
+    def _append(self, keys, values):
+        prev = self._rows
+        super()._append(keys, values)
+        ids = self._ids_for(keys.shape)
+        if ids is None:
+            self._ids_known = False
+        else:
+            self.row_extras["zip_ids"][:, :, prev:prev + keys.shape[2]] = ids
+
+    def _ids_for(self, shape):
+        frame, span = _frame(), self.input_span
+        self.input_span = None
+        if frame is None or frame.ids is None:
+            return None
+        ids = frame.ids
+        if span is not None:
+            i, a, n = span
+            ids = ids[i:i + 1, a:a + n]
+        if tuple(ids.shape) != (shape[0], shape[2]):
+            return None
+        return mx.expand_dims(ids.astype(mx.float32), 1)
+
+    @property
+    def pending(self) -> int:
+        """Tokens seen since the last reconstruction pass (the newest rows, never evicted yet)."""
+        return self.offset - self.zip_scored
+
+    def pending_ids(self) -> mx.array:
+        """(B, pending) int32 token ids of the text the next pass reconstructs."""
+        r = self._rows
+        return self.row_extras["zip_ids"][:, 0, r - self.pending:r].astype(mx.int32)
+
+    # -- compression: deferred to the model pass when the wrapper drives this forward ------------
+    def _evict(self):
+        n = self.pending
+        if n > 0:
+            frame = _frame()
+            if frame is not None and self._ids_known:
+                self._zip_due = True  # the wrapper runs the pass after this forward, then finish_pass
+                frame.due.append(self)
+                return
+            self._fallback_scores(n)
+        super()._evict()
+
+    def _fallback_scores(self, n):
+        """No model pass possible: the last prompt queries' max attention scores the pending rows."""
+        q, q_pos = self.window_queries()
+        r = self._rows
+        if q is None:
+            W = min(self.options.window, r)
+            q, q_pos = self.stored("keys")[:, :, r - W:], mx.arange(self.offset - W, self.offset, dtype=mx.int32)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        s = window_max_scores(q, self.keys[:, :, r - n:r], q_pos, self.positions[:, :, r - n:r], scale)
+        self._set_pending_scores(s)
+
+    def _set_pending_scores(self, s):
+        r, n = self._rows, self.pending
+        old = self.row_extras["zip_score"]
+        rows = mx.concatenate([old[:, :, :r - n], s.astype(mx.float32)], axis=2) if r > n else s
+        self.row_extras["zip_score"] = with_headroom(rows, old.shape[2] - r)
+        self.zip_scored = self.offset
+        self._ids_known = True
+
+    # -- the reconstruction pass (driven by veloxquant_mlx.model_pass) ----------------------------
+    def begin_chunk(self, lo: int, hi: int) -> None:
+        """Scoring mode for pending tokens [lo, hi): the next forward attends to the stored rows plus
+        its own keys (never stored), and its queries score the rows of those tokens."""
+        base = self._rows - self.pending
+        self._chunk = (base + lo, base + hi, min(self.n_sink, base + lo))
+        self._own = None
+
+    def end_chunk(self) -> None:
+        self._chunk = self._own = None
+
+    def finish_pass(self) -> None:
+        """Every chunk scored: store the pending rows' scores (then ``compress``)."""
+        parts, self._parts = self._parts, []
+        if parts:
+            self._set_pending_scores(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+            self.zip_passes += 1
+
+    def compress(self, budget: int | None = None) -> None:
+        """The deferred compression, to ``budget`` rows per head (default: the configured one)."""
+        if not (self._zip_due and self.pending == 0):
+            return
+        self._zip_due = False
+        keep, self.budget = self.budget, (self.budget if budget is None else budget)
+        self.compressing_prompt = True
+        try:
+            super()._evict()
+        finally:
+            self.compressing_prompt = False
+            self.budget = keep
+
+    def _end_prompt(self):
+        # "global": a layer below its own budget may still have to give rows to another layer.
+        if self.options.layers == "global" and self.pending and self.offset > self.budget >= self._rows:
+            self._ending = False
+            self._evict()
+            return
+        super()._end_prompt()
+
+    def update_and_fetch(self, keys, values):
+        if self._chunk is None:
+            return super().update_and_fetch(keys, values)
+        self._check_kv(keys, values)
+        self._own = keys
+        k, v = self._fetch()
+        B, H, S = keys.shape[:3]
+        new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
+        self._fetched_positions = mx.concatenate([self.positions[:, :, :self._rows], new_pos], axis=2)
+        self._fetched_ragged = self.is_ragged
+        if self.queries_from_keys:  # no tap: keys stand in for the queries, as everywhere else
+            self._score_chunk(keys, keys.shape[-1] ** -0.5)
+        return mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+
+    def observe_queries(self, queries, scale=None):
+        if self._chunk is None:
+            return super().observe_queries(queries, scale)
+        self._score_chunk(queries, queries.shape[-1] ** -0.5 if scale is None else float(scale))
+
+    def _score_chunk(self, queries, scale):
+        lo, hi, lead = self._chunk
+        ctx = self.keys[:, :, lo:hi]
+        if lead:
+            ctx = mx.concatenate([self.keys[:, :, :lead], ctx], axis=2)
+        self._parts.append(reconstruction_scores(queries, ctx, self._own, scale, lead, self.options.q_block))
+
+    def attention_mask(self, mask, queries):
+        if self._chunk is None:
+            return super().attention_mask(mask, queries)
+        S = queries.shape[2]
+        if not self.is_ragged:
+            return create_causal_mask(S, offset=self._rows) if isinstance(mask, mx.array) else mask
+        pos = self._fetched_positions
+        visible = mx.expand_dims(pos, 2) <= mx.arange(self.offset, self.offset + S)[:, None]
+        group = queries.shape[1] // pos.shape[1]
+        return mx.repeat(visible, group, axis=1) if group > 1 else visible
+
+    def step_state(self):
+        return [] if self._chunk is not None else super().step_state()  # a scoring step stores nothing
+
+    # -- save / load: the scoring bookkeeping travels with the rows ------------------------------
+    @property
+    def meta_state(self):
+        meta = json.loads(EvictionCache.meta_state.fget(self))
+        meta["kvzip"] = {"scored": self.zip_scored, "passes": self.zip_passes, "ids_known": self._ids_known}
+        return json.dumps(meta, sort_keys=True)
+
+    @meta_state.setter
+    def meta_state(self, text):
+        EvictionCache.meta_state.fset(self, text)
+        z = json.loads(text).get("kvzip", {})
+        self.zip_scored = int(z.get("scored", 0))
+        self.zip_passes = int(z.get("passes", 0))
+        self._ids_known = bool(z.get("ids_known", True))

@@ -1,0 +1,97 @@
+"""``python -m veloxquant_mlx compress``: compress once, ask many (``generate --prompt-cache``).
+
+``compress`` reads a document, feeds it through the model exactly as ``mlx_lm.generate`` would
+(all but the last token in prefill chunks, then the last token alone: the prompt's end, where KVzip
+runs its reconstruction pass and every layer evicts to the budget) and saves the compressed caches
+with ``save_prompt_cache``. ``generate --prompt-cache FILE --prompt "question"`` loads a FRESH copy
+of that file each time and continues it with the question, so one compressed document answers any
+number of questions. With a chat template the document opens a user turn and the question closes it
+(the template's tail is stored in the file's metadata).
+
+Loading the file for a question lives in ``cli.args`` (shared with ``generate``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import distributed
+from ..caches.accounting import kv_report
+from ..registry import FULL
+from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, config_from_args, fmt_bytes,
+                   load_model_for_cli)
+
+_MARK = "\x00VQ-DOCUMENT-END\x00"
+
+
+def split_template(tokenizer, text: str, use_chat: bool):
+    """(document token ids, text that closes the turn after the question)."""
+    if use_chat and getattr(tokenizer, "has_chat_template", False):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text + _MARK}], tokenize=False,
+                                                 add_generation_prompt=True)
+        head, _, tail = rendered.partition(_MARK)
+        if _:
+            return list(tokenizer.encode(head, add_special_tokens=False)), tail
+    return list(tokenizer.encode(text)), ""
+
+
+def compress_document(model, tokenizer, text: str, config, out: str, prefill_step_size: int = 2048,
+                      use_chat: bool = True, model_spec: str = "") -> dict:
+    """Feed ``text`` through ``config``'s caches, compress at its end, save to ``out``."""
+    import mlx.core as mx
+
+    from ..builder import KVCacheBuilder
+    from ..prompt_cache import save_prompt_cache
+
+    tokens, tail = split_template(tokenizer, text, use_chat)
+    if len(tokens) < 2:
+        raise ValueError(f"the document is {len(tokens)} token(s): nothing to compress")
+    caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)
+    x = mx.array(tokens)[None]
+    t0 = time.perf_counter()
+    n = x.shape[1]
+    for s in range(0, n - 1, prefill_step_size):  # mlx_lm.generate's prefill: all but the last token
+        model(x[:, s:min(s + prefill_step_size, n - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    model(x[:, n - 1:], cache=caches)  # the prompt's end: the compression (KVzip: its pass) runs here
+    mx.eval([c.state for c in caches])
+    seconds = time.perf_counter() - t0
+    meta = {"format": DOCUMENT_FORMAT, "tokens": n, "turn_tail": tail, "model": model_spec,
+            "config": config.to_json(), "compress_s": round(seconds, 3)}
+    save_prompt_cache(out, caches, meta)
+    held = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
+    return {"tokens": n, "seconds": seconds, "file_bytes": os.path.getsize(out), "allocated_bytes": held,
+            "caches": caches}
+
+
+def cmd_compress(args):
+    with open(args.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    if args.density is None:
+        config_from_args(args, 0)  # reject bad flags before the (slow) model load
+    model, tokenizer = load_model_for_cli(args.model)
+    distributed.setup_cli(model)
+    n = len(split_template(tokenizer, text, not args.ignore_chat_template)[0])
+    config = config_from_args(args, n)
+    if config is None:
+        raise CLIError(f"compress needs an eviction method, not --method {FULL}")
+    r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
+                          not args.ignore_chat_template, args.model)
+    print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "
+          f"{r['seconds']:.2f} s: KV allocated {fmt_bytes(r['allocated_bytes'])} "
+          f"({kv_report(r['caches'])['fraction']:.2f}x of the full cache); wrote {args.out} "
+          f"({fmt_bytes(r['file_bytes'])})")
+    return 0
+
+
+def add_parser(sub):
+    c = sub.add_parser("compress", help="compress a document into a prompt-cache file (compress once, ask many)")
+    c.add_argument("--model", default="bundled")
+    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text)")
+    c.add_argument("--out", required=True, help="the .safetensors file to write")
+    c.add_argument("--prefill-step-size", type=int, default=2048)
+    c.add_argument("--ignore-chat-template", action="store_true", help="feed the document as raw text")
+    add_cache_args(c, default_method="kvzip")
+    c.set_defaults(func=cmd_compress)
+    return c
