@@ -167,20 +167,22 @@ def _tiny():
 @pytest.mark.filterwarnings("ignore:.*receives a new prompt")
 def test_shared_prefill_equals_plain_path():
     """One shared prefill per prompt gives every method the tokens its own prefill gives, on every turn."""
-    from veloxquant_mlx.evaluation.results import make_caches, method_specs
-    from veloxquant_mlx.evaluation.task_eval import run_prompt
+    from veloxquant_mlx.evaluation.results import load_eval_model, make_caches, method_specs
+    from veloxquant_mlx.evaluation.task_eval import needs_own_prefill, run_prompt
 
-    model, tk = _tiny()
+    model, tk, _ = load_eval_model(quick=True)  # (the tiny model; kvzip learns its repeat prompt here)
     inst, toks = build(tk, "followup", 700, 0, n_facts=2)
     inst = dataclasses.replace(inst, turns=tuple(dataclasses.replace(t, max_new_tokens=4) for t in inst.turns))
-    specs = method_specs(["full", "nexus", "snapkv", "nestedkv"])
+    specs = method_specs(["full", "nexus", "snapkv", "nestedkv", "kvzip"])
     res = {}
     for shared in (True, False):
-        named = {s.name: (make_caches(model, s, 140), False) for s in specs}
+        named = {s.name: (make_caches(model, s, 140), needs_own_prefill(s)) for s in specs}
         res[shared] = run_prompt(model, tk, inst, toks, named, shared)
+    assert needs_own_prefill(specs[-1]) and not res[True]["kvzip"]["shared_prefill"]  # kvzip: plain path
+    assert res[True]["kvzip"]["kv_bytes_after_prompt"] < res[True]["full"]["kv_bytes_after_prompt"]
     for s in specs:
         assert "turns" in res[True][s.name], res[True][s.name]
-        assert res[True][s.name]["shared_prefill"] and not res[False][s.name]["shared_prefill"]
+        assert res[True][s.name]["shared_prefill"] == (s.name != "kvzip") and not res[False][s.name]["shared_prefill"]
         assert [t["output"] for t in res[True][s.name]["turns"]] == [t["output"] for t in res[False][s.name]["turns"]]
         assert len(res[True][s.name]["turns"]) == 2 and res[True][s.name]["turns"][1]["fed_tokens"] > 1
     assert res[True]["nexus"]["kv_bytes_after_prompt"] < res[True]["full"]["kv_bytes_after_prompt"]
