@@ -170,10 +170,10 @@ def provenance(args, desc: str) -> dict:
 def run(args) -> int:
     quiet_cache_warnings()
     model, tokenizer, desc = load_eval_model(args.model, args.quick)
+    # --methods runs exactly those labels (e.g. only a new method, paired later with the full cache
+    # of another run on the same seeded prompts); the default is the priority set.
     specs = {s.name: s for s in method_specs(args.methods or [FULL, "nestedkv", "nexus", "nexus-prompt-topk",
-                                                                 "snapkv"])}
-    if FULL not in specs:
-        specs = {FULL: method_specs([FULL])[0], **specs}
+                                                                 "snapkv", "kvzip"])}
     tasks = args.tasks or PRIORITY["tasks"]
     lengths = args.lengths or ([1024] if args.quick else PRIORITY["lengths"])
     cells = make_cells(tasks, lengths, args.n_prompts, args.densities, list(specs), args.start)
