@@ -123,6 +123,7 @@ def add_parser(subparsers):
     tk = sub.add_parser("tasks", help="follow-up turn and RULER-style tasks through the generate path")
     task_eval.add_args(tk, _common)
     tk.set_defaults(func=task_eval.cli_run)
+    task_eval.add_report_args(sub.add_parser("tasks-report", help="tables and figures from eval tasks runs"))
 
     rp = sub.add_parser("report", help="regenerate figures and docs/results.md from the JSON files")
     rp.add_argument("--out-dir", default=DEFAULT_OUT_DIR)

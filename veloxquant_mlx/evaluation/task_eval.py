@@ -25,6 +25,7 @@ import time
 from ..caches.accounting import kv_report
 from ..registry import get_method
 from .retrieval import FanOutCache, _arrays
+from .report_tasks import write_tasks_report
 from .results import (DEFAULT_OUT_DIR, FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches,
                       method_specs, now, quiet_cache_warnings, run_experiment)
 from .speed import feed_prompt, last_prompt_step
@@ -255,7 +256,18 @@ def cli_run(args) -> int:
     """``eval tasks``: run the cells, then regenerate the tasks report next to the JSON."""
     rc = run(args)
     if not args.no_report:
-        from .report_tasks import write_tasks_report
-
         print(f"wrote {write_tasks_report(args.out_dir)}")
     return rc
+
+
+def cli_report(args) -> int:
+    """``eval tasks-report``: tables and figures from one or several runs' folders."""
+    print(f"wrote {write_tasks_report(args.out_dir, args.md, args.inputs or [args.out_dir])}")
+    return 0
+
+
+def add_report_args(p):
+    p.add_argument("--inputs", nargs="+", default=None, help="folders holding tasks.json (default: --out-dir)")
+    p.add_argument("--out-dir", default=f"{DEFAULT_OUT_DIR}/tasks", help="where the figures go")
+    p.add_argument("--md", default=None, help="markdown path (default <out-dir>/tasks.md)")
+    p.set_defaults(func=cli_report)
