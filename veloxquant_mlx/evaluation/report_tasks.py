@@ -9,6 +9,7 @@ finished, by the exact McNemar test (only A right / only B right, p).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .results import FULL
@@ -166,14 +167,14 @@ def write_tasks_report(out_dir, md_path=None, inputs=None) -> Path:
     for src in data["sources"]:
         lines += _source_lines(src)
     lines.append("")
+    path = Path(md_path) if md_path else out_dir / "tasks.md"
     for d in sorted(outcomes(data), key=lambda v: -1 if v is None else v):
         lines += [f"## density {d}", ""] + table(data, d) + [""]
         png = plot(data, d, out_dir / f"tasks_{d}.png")
         if png:
-            lines += [f"![density {d}]({png.name})", ""]
+            lines += [f"![density {d}]({os.path.relpath(png, path.parent)})", ""]
     errs = [c for c in data.get("cells", {}).values() if "error" in c]
     if errs:
         lines += [f"{len(errs)} cells ended in an error, e.g. `{errs[0]['method']}`: {errs[0]['error'][:200]}", ""]
-    path = Path(md_path) if md_path else out_dir / "tasks.md"
     path.write_text("\n".join(lines))
     return path
