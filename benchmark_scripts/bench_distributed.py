@@ -39,6 +39,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from veloxquant_mlx.caches.shard import HeadShard  # noqa: E402
 from veloxquant_mlx.distributed import traffic  # noqa: E402
+from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "figures", "distributed")
 SHAPE = dict(hidden_size=512, num_hidden_layers=2, intermediate_size=1024, num_attention_heads=16,
@@ -223,6 +224,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     if group.size() == 1:  # one process: the closed-shape projection for a Llama-3-8B-like model
         doc = projection(prompt_len=args.projection_prompt)
+        doc["provenance"] = provenance(command_line())  # every method and the full cache
         with open(os.path.join(OUT, "projection_llama3_8b_like.json"), "w") as f:
             json.dump(doc, f, indent=1)
         for name, m in doc["methods"].items():
@@ -253,7 +255,7 @@ def main():
                          **SHAPE, "prompt_tokens": args.prompt, "decode_tokens": args.decode,
                          "budget": args.budget, "prefill_step_size": args.prefill_step_size,
                          "prompt_eviction": "end (default)"},
-               "measured": results}
+               "measured": results, "provenance": provenance(command_line())}
         with open(os.path.join(OUT, "bench_distributed.json"), "w") as f:
             json.dump(doc, f, indent=1)
 

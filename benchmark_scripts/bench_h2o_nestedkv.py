@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.caches.h2o import H2OKVCache  # noqa: E402
 from veloxquant_mlx.caches.nestedkv import NestedKVKVCache  # noqa: E402
+from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 
 B, H, HQ, D, BUDGET, CHUNK = 1, 8, 8, 128, 512, 2048
 SCALE = D ** -0.5
@@ -139,10 +140,11 @@ def main():
         ts = []
         for r in range(args.repeats + 1):
             c = prefill(nkv_cache, k[:, :, :T - 1], v[:, :, :T - 1], q[:, :, :T - 1])
-            k1, v1 = k[:, :, T - 1:], v[:, :, T - 1:]
             t0 = time.perf_counter()
-            K, V = c.update_and_fetch(k1, v1)  # the prompt's last token: compression runs here
-            mx.eval(K, V, c.state)
+            # the prompt's last token as its own step (as mlx_lm.generate feeds it): the one-shot
+            # compression runs in its observe_queries, after that token attends to the whole prompt
+            o = layer_step(c, k[:, :, T - 1:], v[:, :, T - 1:], q[:, :, T - 1:])
+            mx.eval(o, c.state)
             if r:
                 ts.append(time.perf_counter() - t0)
         comp = statistics.median(ts) * 1e3
@@ -155,6 +157,7 @@ def main():
             "real_rows_per_head_mean": float(c.kept_per_head().astype(mx.float32).mean().item())}
         print(f"NestedKV {T}: compression {comp:.1f} ms, decode {n_med:.2f} ms vs KVCache {kv_med:.2f} ms "
               f"({n_med / kv_med:.2f}x), stored rows {c.size()}", flush=True)
+    res["provenance"] = provenance(command_line(), ["full", "h2o", "nestedkv"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print("wrote", args.out)

@@ -537,6 +537,7 @@ def main(argv=None):
 
     import veloxquant_mlx
     from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance, resumed
     from veloxquant_mlx.evaluation.results import quiet_cache_warnings
 
     quiet_cache_warnings()
@@ -558,9 +559,14 @@ def main(argv=None):
         if not args.figures_only:
             t0 = time.perf_counter()
 
-            def save(res, _t0=t0, _path=path):
+            extends = args.resume and path.exists()  # a resumed file keeps runs of the code that made them
+            old = json.loads(path.read_text()).get("provenance") if extends else None
+
+            def save(res, _t0=t0, _path=path, _old=old, _extends=extends):
                 res["meta"] = {**meta, "wall_s": round(time.perf_counter() - _t0, 1),
                                "load_average_now": os.getloadavg()}
+                new = provenance(command_line(), ["full", *methods])
+                res["provenance"] = resumed(_old, new) if _extends else new
                 tmp = _path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(res, indent=1) + "\n")
                 os.replace(tmp, _path)

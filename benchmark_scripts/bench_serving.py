@@ -212,7 +212,11 @@ def main(argv=None):
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None, **blas_info()}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
+
+    prov = provenance(command_line(), ["full", *args.methods])
+    (out / "bench_serving.json").write_text(json.dumps({"meta": meta, "results": results, "provenance": prov},
+                                                       indent=1) + "\n")
     figure(results, meta, out / "bench_serving.png")
     for r in results:
         print(f"{r['cache']:>10s} n={r['concurrency']}: KV {r['kv_vs_kvcache']:.3f}x kvcache, "

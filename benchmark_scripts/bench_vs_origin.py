@@ -573,6 +573,9 @@ def driver_main(args) -> int:
         "raw": [{pkg: r[pkg]["results"] for pkg in ("ours", "origin")} for r in rounds],
         "wall_s": time.time() - t_start,
     }
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
+
+    res["provenance"] = provenance(command_line(), ["full", *args.methods])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(markdown(s, args.lengths, args.methods))

@@ -25,6 +25,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from veloxquant_mlx.evaluation import planted as P  # noqa: E402
+from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 
 DOC_HEADER = """# Benchmarks
 
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
     bar.close()
     results["openblas_preloaded"] = P.blas_preloaded()
     results["preset"] = "quick" if args.quick else "full"
+    results["provenance"] = provenance(command_line(), sorted({v.method for v in variants} | {"full"}))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")

@@ -36,6 +36,7 @@ def main(argv=None):
     import numpy as np
 
     from veloxquant_mlx.evaluation.results import load_eval_model, make_caches, method_specs, quiet_cache_warnings
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import key_token_spans, make_keys, make_prompt
     from veloxquant_mlx.evaluation.speed import prefill
     from veloxquant_mlx.ops.nexus import forced_blocks, select_blocks
@@ -90,6 +91,7 @@ def main(argv=None):
         out["prompts"][p] = {"prompt_tokens": len(toks), "budget": budget, "key_spans": spans, "per_n": per_n}
         print(p, json.dumps(per_n), flush=True)
         out["wall_s"] = round(time.time() - t0, 1)
+        out["provenance"] = provenance(command_line(), ["nexus"])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))  # after every prompt: a cut run keeps its prompts
     print(f"wrote {args.out} ({out['wall_s']} s)")

@@ -1,9 +1,10 @@
-"""A complete eviction method in one file: keep the keys with the smallest L2 norm.
+"""A complete eviction method in one file: TOVA, keep the tokens the newest query attends to most.
 
-The rule is Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
-(EMNLP 2024). Importing this file registers it; tests/conftest.py does, so the whole test suite
-(contract, batching, save/load, memory, distributed) runs it like a built-in method. See
-docs/add_a_method.md.
+The rule is Oren et al., "Transformers are Multi-State RNNs" (EMNLP 2024). Deviation: the paper
+averages the newest query's attention over all heads of a layer; here each KV head ranks its own rows
+by its query group's average (per-head budgets, like the other methods). Importing this file registers
+it; tests/conftest.py does, so the whole test suite (contract, batching, save/load, memory,
+distributed) runs it like a built-in method. See docs/add_a_method.md.
 """
 
 import dataclasses
@@ -11,22 +12,26 @@ import dataclasses
 import mlx.core as mx
 
 from veloxquant_mlx import EvictionCache, register
+from veloxquant_mlx.ops import window_attention_probs
 from veloxquant_mlx.options import option
 
 
 @dataclasses.dataclass
-class KeyNormOptions:
+class TOVAOptions:
     evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
 
 
-@register("keynorm")
-class KeyNormKVCache(EvictionCache):
-    """KeyNorm: keep sinks, the recent window and the keys with the smallest L2 norm."""
+@register("tova")
+class TOVAKVCache(EvictionCache):
+    """TOVA: keep sinks, the recent window and the tokens the newest query attends to most."""
 
-    Options = KeyNormOptions
-    needs_queries = False  # the score reads the keys only
+    Options = TOVAOptions
+    query_window = 1  # the newest query is the only one that scores
 
     def scores(self):
-        # Devoto et al.: a low key norm goes with high attention, so the smallest norms score highest.
-        keys = self.stored("keys").astype(mx.float32)
-        return -mx.sqrt((keys * keys).sum(axis=-1))
+        q, q_pos = self.window_queries()
+        if q is None:  # no query observed yet (no tap): the newest key stands in for it
+            q, q_pos = self.stored("keys")[:, :, -1:], mx.array([self.offset - 1])
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        probs = window_attention_probs(q, self.stored("keys"), q_pos, self.stored("positions"), scale)
+        return probs.mean(axis=(2, 3))  # (B, H, G, 1, rows) -> (B, H, rows)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.options import small_options
@@ -19,7 +19,7 @@ from veloxquant_mlx.registry import get_method
 
 
 def _register_example_method():
-    """examples/add_a_method.py registers "keynorm" like a built-in method, so every registry-driven
+    """examples/add_a_method.py registers "tova" like a built-in method, so every registry-driven
     test (contract, batching, memory, save/load, distributed) runs it: a new method needs no test edits."""
     path = Path(__file__).resolve().parents[1] / "examples" / "add_a_method.py"
     spec = importlib.util.spec_from_file_location("add_a_method", path)
@@ -34,20 +34,29 @@ VOCAB = 128
 SMALL_BUDGET = 32  # the budget the methods' small= options are sized for
 
 
-def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2):
-    """A tiny fp32 model with GQA (``heads`` query heads, ``kv_heads`` KV heads, head_dim 16)."""
+def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    **args):
+    """A tiny fp32 model with GQA (``heads`` query heads, ``kv_heads`` KV heads, head_dim 16; gemma3:
+    head_dim 32 with sliding-window layers). ``args`` override fields of the architecture's ModelArgs."""
     mx.random.seed(seed)
+    if arch == "gemma3":
+        model = gemma3_text.Model(gemma3_text.ModelArgs(**{
+            "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": layers, "intermediate_size": 96,
+            "num_attention_heads": heads, "head_dim": 32, "num_key_value_heads": kv_heads, "vocab_size": VOCAB,
+            **args}))
+        mx.eval(model.parameters())
+        return model
     common = dict(hidden_size=16 * heads, num_hidden_layers=layers, intermediate_size=128,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=VOCAB,
                   max_position_embeddings=4096)
     if arch == "llama":
-        model = llama.Model(llama.ModelArgs(model_type="llama", tie_word_embeddings=False, **common))
+        model = llama.Model(llama.ModelArgs(**{"model_type": "llama", "tie_word_embeddings": False, **common, **args}))
     elif arch == "qwen3":
-        model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", head_dim=16, rope_theta=10000.0,
-                                            tie_word_embeddings=True, **common))
+        model = qwen3.Model(qwen3.ModelArgs(**{"model_type": "qwen3", "head_dim": 16, "rope_theta": 10000.0,
+                                               "tie_word_embeddings": True, **common, **args}))
     elif arch == "qwen2":  # has pipeline()
-        model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", rope_theta=10000.0, tie_word_embeddings=True,
-                                            **common))
+        model = qwen2.Model(qwen2.ModelArgs(**{"model_type": "qwen2", "rope_theta": 10000.0,
+                                               "tie_word_embeddings": True, **common, **args}))
     else:
         raise ValueError(arch)
     mx.eval(model.parameters())

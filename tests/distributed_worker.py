@@ -20,6 +20,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
@@ -37,7 +38,16 @@ NAIVE = ("nestedkv", "random", "h2o-ada", "nexus-topk", "h2o")
 
 
 def make_model(arch: str, seed: int = 0):
-    """Tiny fp32 model: 8 query heads, 4 KV heads (GQA 2), head_dim 16, 2 layers (2 KV heads per rank)."""
+    """Tiny fp32 model: 8 query heads, 4 KV heads (GQA 2), head_dim 16, 2 layers (2 KV heads per rank);
+    "llama-hd32": head_dim 32, so quantized rows fit 32-element groups."""
+    if arch == "llama-hd32":
+        mx.random.seed(seed)
+        model = llama.Model(llama.ModelArgs(
+            model_type="llama", tie_word_embeddings=False, head_dim=32, hidden_size=128, num_hidden_layers=2,
+            intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+            vocab_size=VOCAB, max_position_embeddings=4096))
+        mx.eval(model.parameters())
+        return model
     return make_tiny_model(arch, seed=seed, heads=8, kv_heads=4)
 
 
@@ -46,6 +56,12 @@ def cases(kind: str, arch: str):
     small = dict(budget=48, n_sink=4, seed=3, prompt_eviction="stream")
     # Every registered method with its own small= options (a new method joins without edits here).
     opts = {m: {f"{m}_{k}": v for k, v in small_options(get_method(m).Options).items()} for m in methods()}
+    if kind == "tensor-q4":  # 4-bit kept rows (config.kv_bits), every method and the Ada variants
+        q = dict(small, kv_bits=4, kv_group_size=32)
+        out = [(m, KVCacheConfig(m, **q, **opts[m])) for m in methods()]
+        out += [(m + "-ada", KVCacheConfig(m, allocation="ada", **q, **opts[m])) for m in ("nexus", "h2o")]
+        return out + [("nestedkv-end", KVCacheConfig("nestedkv", budget=48, seed=3, nestedkv_window=16,
+                                                     kv_bits=4, kv_group_size=32))]
     out = [("full", None), ("nexus-no-eviction", KVCacheConfig("nexus", budget=512, seed=3, **opts["nexus"]))]
     for m in methods():
         out.append((m, KVCacheConfig(m, **small, **opts[m])))
@@ -113,7 +129,7 @@ def build(model, config, group=None):
 def run(kind, arch, group):
     rank = group.rank()
     ref_model, model = make_model(arch), make_model(arch)
-    if kind == "tensor":
+    if kind.startswith("tensor"):
         model.shard(group)
     else:
         model.model.pipeline(group)
@@ -133,11 +149,11 @@ def run(kind, arch, group):
              "max_logprob_diff": float(np.abs(lps - ref_lps).max()), "traffic": traffic(caches)}
         if config is None:
             full_lps = lps
-        elif lps.shape == full_lps.shape:  # the split model with this cache vs with mlx-lm's KVCache
+        elif full_lps is not None and lps.shape == full_lps.shape:  # the split model with this cache vs with mlx-lm's KVCache
             r["logprob_diff_vs_kvcache"] = float(np.abs(lps - full_lps).max())
         if config is not None:
-            h_l = [c.keys.shape[1] for c in caches]
-            if kind == "tensor":  # this rank's heads of every layer
+            h_l = [c.positions.shape[1] for c in caches]
+            if kind.startswith("tensor"):  # this rank's heads of every layer
                 want = [k[rank * h:(rank + 1) * h] for k, h in zip(ref_kept, h_l)]
             else:  # this rank's layers, all heads
                 want = ref_kept[start:start + len(caches)]
@@ -215,7 +231,8 @@ def main():
     out_dir = sys.argv[1]
     group = mx.distributed.init()
     runs = {f"{kind}/{arch}": run(kind, arch, group)
-            for kind, arch in (("tensor", "llama"), ("tensor", "qwen3"), ("pipeline", "qwen2"))}
+            for kind, arch in (("tensor", "llama"), ("tensor", "qwen3"), ("pipeline", "qwen2"),
+                               ("tensor-q4", "llama-hd32"))}
     runs["top_k"] = top_k_checks(group)
     try:
         runs["batched"] = batched_checks(group)

@@ -99,6 +99,7 @@ def test_probe_rejects_a_preload_whose_dependencies_do_not_resolve():
 
 @linux
 @needs_openblas
+@pytest.mark.integration
 def test_launcher_preloads_openblas_and_beats_the_reference_blas():
     ref, _ = _report(["-c", _REPORT], _clean_env(**{blas.REEXEC_GUARD_ENV: "1"}))
     fast, err = _report(["-m", "veloxquant_mlx._blas", "-c", _REPORT], _clean_env())
@@ -112,6 +113,7 @@ def test_launcher_preloads_openblas_and_beats_the_reference_blas():
 
 @linux
 @needs_openblas
+@pytest.mark.integration
 def test_cli_fast_blas_reexecs_once_and_names_the_library():
     done = subprocess.run([sys.executable, "-m", "veloxquant_mlx", "--fast-blas", "methods"], env=_clean_env(),
                           capture_output=True, text=True, timeout=120)

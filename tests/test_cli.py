@@ -20,6 +20,7 @@ def _generated_text(out: str) -> str:
     return out.split("=" * 10)[0]
 
 
+@pytest.mark.model
 @needs_model
 def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
     args = ["generate", "--prompt", "List three colours of the rainbow.", "--max-tokens", "24",
@@ -34,6 +35,27 @@ def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
 
     kv = re.search(r"KV cache: allocated (.+?) = ([\d.]+)x of the full cache's (.+?) \(kept rows (.+?)\)", out_nexus)
     assert kv and kv.group(3) == kv.group(4)  # nothing evicted: every token's K/V is kept
+
+
+@needs_model
+def test_generate_with_4_bit_rows_equals_mlx_lm_quantized_cache(capsys):
+    """--kv-bits 4 at a budget above the prompt gives mlx-lm's own QuantizedKVCache text (--method full
+    --kv-bits 4), and the KV line counts the packed bytes: the kept rows are ~0.16x of the fp32 rows
+    (both caches preallocate 256-row steps for a short prompt, so the allocated fraction is higher)."""
+    import re
+
+    args = ["generate", "--prompt", "List three colours of the rainbow.", "--max-tokens", "16",
+            "--prefill-step-size", "8", "--kv-bits", "4"]
+    rc_full, out_full, _ = _run(capsys, *args, "--method", "full")
+    rc_nexus, out_nexus, _ = _run(capsys, *args, "--method", "nexus", "--budget", "4096")
+    assert rc_full == rc_nexus == 0
+    assert _generated_text(out_nexus) == _generated_text(out_full)
+    assert "4-bit rows" in out_nexus
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for out in (out_full, out_nexus):
+        kv = re.search(r"of the full cache's ([\d.]+) (\S+) \(kept rows ([\d.]+) (\S+)\)", out)
+        full, kept = float(kv[1]) * units[kv[2]], float(kv[3]) * units[kv[4]]
+        assert 0.14 < kept / full < 0.18, out  # (32 B words + 2 x 4 B scale/bias) / 256 B per row
 
 
 def _demo_table(out: str) -> dict:
@@ -52,6 +74,8 @@ def _demo_table(out: str) -> dict:
     return table
 
 
+@pytest.mark.slow  # ~15 s alone on 2 cores (4 real-model passes over a 1000-token prompt)
+@pytest.mark.model
 @needs_model
 def test_demo_passkey_at_20_percent(capsys):
     rc, out, _ = _run(capsys, "demo")  # the README's demo, defaults: 1K tokens, 20%, full / nexus / snapkv
@@ -77,6 +101,10 @@ def test_demo_passkey_at_20_percent(capsys):
     (["demo", "--methods", "nexus:bogus=1"], "bad method spec"),
     (["generate", "--method", "streaming", "--allocation", "ada", "--budget", "64"], "not supported"),
     (["demo", "--methods", "nexus:n_samples=abc"], "bad value"),
+    (["generate", "--method", "nexus", "--budget", "64", "--kv-bits", "3"], r"kv_bits=3 is not supported.*\[4, 8\]"),
+    (["generate", "--method", "full", "--kv-bits", "2"], r"--kv-bits 2 is not supported.*\[4, 8\]"),
+    (["generate", "--method", "nexus", "--budget", "64", "--kv-bits", "4", "--kv-group-size", "48"],
+     r"kv_group_size=48 is not supported"),
 ])
 def test_bad_inputs_exit_nonzero_with_one_line(capsys, argv, msg):
     import re

@@ -75,6 +75,7 @@ def _cases(ranks, run):
 RUNS = ["tensor/llama", "tensor/qwen3", "pipeline/qwen2"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("run", RUNS)
 def test_tokens_and_kept_rows_equal_one_process(ranks, run):
     names = {name for _, name, _ in _cases(ranks, run)}
@@ -89,6 +90,22 @@ def test_tokens_and_kept_rows_equal_one_process(ranks, run):
         assert c["tokens"] == ranks[0]["runs"][run][name]["tokens"]
 
 
+@pytest.mark.integration
+def test_quantized_rows_two_ranks_equal_one_process(ranks):
+    """4-bit kept rows (kv_bits=4, groups of 32): every method and the Ada variants keep exactly what one
+    process keeps and generate the same tokens."""
+    run = "tensor-q4/llama-hd32"
+    names = {name for _, name, _ in _cases(ranks, run)}
+    assert set(methods()) | {"nexus-ada", "h2o-ada", "nestedkv-end"} <= names
+    bad = [(rank, name) for rank, name, c in _cases(ranks, run)
+           if c["tokens"] != c["ref_tokens"] or not c["kept_equal"]]
+    assert not bad, f"quantized rows: 2 ranks differ from one process for {bad}"
+    for rank, name, c in _cases(ranks, run):
+        assert c["max_logprob_diff"] <= 1e-3, (rank, name, c["max_logprob_diff"])
+        assert max(c["evictions"]) >= 1 and not c["kept_all"], (rank, name)  # PyramidKV: layer 0 holds more
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("run", RUNS)
 def test_budget_evicts_during_prompt_and_decode(ranks, run):
     for rank, name, c in _cases(ranks, run):
@@ -102,6 +119,7 @@ def test_budget_evicts_during_prompt_and_decode(ranks, run):
             assert not c["kept_all"], (run, name)
 
 
+@pytest.mark.integration
 def test_nothing_evicted_equals_kvcache(ranks):
     for run in ("tensor/llama", "tensor/qwen3"):
         for rank, name, c in _cases(ranks, run):
@@ -114,6 +132,7 @@ def test_nothing_evicted_equals_kvcache(ranks):
             assert c["traffic"]["bytes"] == 0
 
 
+@pytest.mark.integration
 def test_a_rank_that_ignores_the_others_is_caught(ranks):
     """The same comparison on caches built with group=False (each rank selects from its own heads
     only): every head-combining selection then differs from one process's; per-head H2O does not."""
@@ -127,6 +146,7 @@ def test_a_rank_that_ignores_the_others_is_caught(ranks):
     assert all(naive["h2o"])  # per-head: nothing to combine
 
 
+@pytest.mark.integration
 def test_traffic_only_where_heads_combine(ranks):
     for rank, name, c in _cases(ranks, "tensor/llama"):
         if name in PER_HEAD or name in ("full", "nexus-no-eviction"):
@@ -137,6 +157,7 @@ def test_traffic_only_where_heads_combine(ranks):
         assert c["traffic"]["bytes"] == 0
 
 
+@pytest.mark.integration
 def test_no_host_sync_in_the_sharded_hot_path(ranks):
     for r in ranks:
         for name, h in r["runs"]["tensor/llama"]["hot_path"].items():
@@ -145,12 +166,14 @@ def test_no_host_sync_in_the_sharded_hot_path(ranks):
         assert r["runs"]["tensor/llama"]["hot_path"]["nexus"]["traffic"]["bytes"] > 0
 
 
+@pytest.mark.integration
 def test_layer_wide_top_k_over_two_ranks_equals_one_argsort(ranks):
     """Ada-KV's layer-wide ranking without gathering the scores: radix select + tie counts."""
     for r in ranks:
         assert r["runs"]["top_k"]["checked"] == 12 and r["runs"]["top_k"]["bad"] == []
 
 
+@pytest.mark.integration
 def test_batched_generation_on_the_split_model(ranks):
     """batch_generate (per-row caches copied into a BatchEvictionCache) on 2 ranks == each prompt
     generated alone by one process."""
@@ -162,6 +185,7 @@ def test_batched_generation_on_the_split_model(ranks):
             assert v["batched"] == v["alone"], (r["rank"], name)
 
 
+@pytest.mark.integration
 def test_pipeline_ranks_keep_global_layer_numbers(ranks):
     got = {}
     for rank, name, c in _cases(ranks, "pipeline/qwen2"):

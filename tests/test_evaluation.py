@@ -59,6 +59,21 @@ def test_method_specs_follow_registry():
         R.method_specs(["streaming-ada"])
 
 
+def test_quantized_and_nocap_labels(tiny):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    q4, full4, nocap, ada8 = R.method_specs(["nexus-4bit", "full-4bit", "nestedkv-nocap", "h2o-ada-8bit"])
+    assert (q4.method, q4.kv_bits, full4.method, full4.kv_bits) == ("nexus", 4, None, 4)
+    assert (ada8.allocation, ada8.kv_bits) == ("ada", 8)
+    model, _ = tiny
+    assert all(c.config.kv_bits == 4 for c in R.make_caches(model, q4, budget=128))
+    assert all(c.config.max_head_factor is None for c in R.make_caches(model, nocap, budget=64))
+    assert all(isinstance(c, QuantizedKVCache) and c.bits == 4 for c in R.make_caches(model, full4, budget=64))
+    for bad in ("nexus-3bit", "full-nocap", "bogus-4bit"):
+        with pytest.raises(ValueError, match="unknown method"):
+            R.method_specs([bad])
+
+
 def test_ada_spec_builds_ada_caches(tiny):
     model, _ = tiny
     caches = R.make_caches(model, R.method_specs(["snapkv-ada"])[0], budget=64)

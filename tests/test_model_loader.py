@@ -71,6 +71,7 @@ def test_bundled_gguf_found():
     assert path.is_file() and path.stat().st_size > 10_000_000
 
 
+@pytest.mark.model
 def test_converted_config(smollm2):
     config = json.loads((smollm2.folder / "config.json").read_text())
     assert config["model_type"] == "llama"
@@ -85,6 +86,7 @@ def test_converted_config(smollm2):
     assert smollm2.model.model.embed_tokens.weight.dtype == mx.float32
 
 
+@pytest.mark.model
 def test_perplexity_on_pydoc_topics(smollm2):
     tok, model = smollm2.tokenizer, smollm2.model
     ids = tok.encode(_reference_text(), verbose=False)[:PPL_TOKENS]
@@ -98,6 +100,7 @@ def test_perplexity_on_pydoc_topics(smollm2):
     assert ppl < PPL_THRESHOLD
 
 
+@pytest.mark.model
 def test_greedy_generation_says_paris(smollm2):
     from mlx_lm import generate
 
@@ -106,6 +109,7 @@ def test_greedy_generation_says_paris(smollm2):
     assert "Paris" in text, text
 
 
+@pytest.mark.model
 def test_tokenizer_round_trip(smollm2):
     tok = smollm2.tokenizer
     samples = [
@@ -119,6 +123,7 @@ def test_tokenizer_round_trip(smollm2):
         assert tok.decode(ids) == text
 
 
+@pytest.mark.model
 def test_tokenizer_splits_digits(smollm2):
     tok = smollm2.tokenizer
     ids = tok.encode("12345")
@@ -126,6 +131,7 @@ def test_tokenizer_splits_digits(smollm2):
     assert [tok.decode([i]) for i in ids] == list("12345")
 
 
+@pytest.mark.model
 def test_tokenizer_special_tokens_and_chat_template(smollm2):
     tok = smollm2.tokenizer
     assert tok.eos_token == "<|im_end|>"
@@ -139,6 +145,7 @@ def test_tokenizer_special_tokens_and_chat_template(smollm2):
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.model
 def test_cache_is_reused(smollm2):
     marker = smollm2.folder / gguf_common._MARKER_FILE
     before = marker.stat().st_mtime_ns

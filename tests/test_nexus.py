@@ -364,13 +364,14 @@ def _np_ada_blocks(score, n_lead, n_trail, K, alpha):
 
 def _ada_cfg(**kw):
     base = dict(budget=40, n_sink=2, recent=3, nexus_block_size=4, nexus_window=4, nexus_walk_depth=2,
-                allocation="ada")
+                allocation="ada", max_head_factor=None)  # the spec's bound (the default cap is tested apart)
     return _config(**{**base, **kw})
 
 
 def _ada_cache(**kw):
     base = dict(budget=40, n_sink=2, recent=3, nexus_block_size=4, nexus_window=4, nexus_walk_depth=2,
-                allocation="ada", prompt_eviction="stream")
+                allocation="ada", prompt_eviction="stream",
+                max_head_factor=None)  # the spec's bound (the default cap is tested apart)
     return make_cache("nexus", **{**base, **kw})
 
 

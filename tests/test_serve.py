@@ -131,6 +131,7 @@ def template(served, messages):
     return served["tokenizer"].apply_chat_template(messages, add_generation_prompt=True)
 
 
+@pytest.mark.integration
 def test_concurrent_answers_equal_standalone_generations(served):
     conversations = [[{"role": "user", "content": words(n, seed)}] for n, seed in ((40, 1), (12, 2), (27, 3))]
     with ThreadPoolExecutor(len(conversations)) as pool:
@@ -147,6 +148,7 @@ def test_concurrent_answers_equal_standalone_generations(served):
     assert "KV allocated" in log  # each finished request logs its allocated KV bytes
 
 
+@pytest.mark.integration
 def test_streaming(served):
     messages = [{"role": "user", "content": words(21, 4)}]
     chunks = list(chat(served["client"], messages, stream=True))
@@ -156,6 +158,7 @@ def test_streaming(served):
     assert "".join(deltas) == standalone(served, template(served, messages))[0]
 
 
+@pytest.mark.integration
 def test_malformed_requests_get_http_errors_and_the_server_keeps_serving(served):
     with pytest.raises(openai.BadRequestError):
         chat(served["client"], [{"role": "user", "content": "t1 t2"}], top_p=3.0)
@@ -169,6 +172,7 @@ def test_malformed_requests_get_http_errors_and_the_server_keeps_serving(served)
         standalone(served, template(served, messages))[0]
 
 
+@pytest.mark.integration
 def test_client_disconnecting_mid_stream_leaves_the_server_serving(served):
     stream = served["client"].chat.completions.create(
         model="default_model", messages=[{"role": "user", "content": words(15, 6)}], temperature=0.0,
@@ -184,6 +188,7 @@ def test_client_disconnecting_mid_stream_leaves_the_server_serving(served):
         assert json.loads(r.read())["status"] == "ok"
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:.*earlier generation")  # the stand-alone second turn, on purpose
 def test_second_turn_continues_the_first_turns_cache(served):
     first = [{"role": "user", "content": words(30, 8)}]
@@ -202,6 +207,8 @@ def test_second_turn_continues_the_first_turns_cache(served):
 
 
 @pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.integration
 def test_bundled_model_serves_with_nexus(tmp_path):
     from veloxquant_mlx.models import load_model
 
@@ -265,6 +272,44 @@ def test_model_provider_serves_our_caches_batched(config):
             provider.load("default_model", None, "some/draft-model")
     finally:
         KVCacheBuilder.uninstall(model)
+
+
+def test_model_provider_serves_quantized_rows_batched():
+    """--kv-bits on serve: our caches store 4-bit rows and still batch (mlx-lm's server alone would
+    serve kv_bits requests one at a time); the merged batch takes mlx-lm's quantized attention."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx.cli.serve import _model_provider_class, server_args
+    from test_quantized import make_model
+
+    model = make_model("llama")
+    config = KVCacheConfig(method="nexus", budget=48, kv_bits=4, nexus_block_size=4, nexus_window=8)
+    provider = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), config)
+    try:
+        provider.load("default_model")
+        assert provider.is_batchable
+        caches = make_prompt_cache(model)
+        assert caches[0].bits == 4 and caches[0].merge(caches[:1]).bits == 4
+    finally:
+        KVCacheBuilder.uninstall(model)
+
+
+def test_serve_kv_bits_flags(monkeypatch):
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli import serve as serve_mod
+
+    seen = {}
+    monkeypatch.setattr(serve_mod, "serve", lambda model, tok, config, model_name, **o: seen.update(config=config, **o))
+    monkeypatch.setattr(serve_mod, "load_model_for_cli", lambda spec: (None, None))
+    monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
+    args = build_parser().parse_args(["serve", "--method", "h2o", "--budget", "64", "--kv-bits", "4",
+                                      "--kv-group-size", "32"])
+    assert serve_mod.cmd_serve(args) == 0
+    assert (seen["config"].kv_bits, seen["config"].kv_group_size) == (4, 32)
+    assert "kv_bits" not in seen  # not handed to mlx-lm's server: requests stay batchable
+    args = build_parser().parse_args(["serve", "--method", "full", "--kv-bits", "8"])
+    assert serve_mod.cmd_serve(args) == 0
+    assert seen["config"] is None and seen["kv_bits"] == 8  # full cache: mlx-lm's own QuantizedKVCache
 
 
 def test_serve_flags():

@@ -65,6 +65,11 @@ class KVCacheBuilder:
         tapped = bool(install_query_tap(model))
         if getattr(cls, "needs_model_pass", False):
             install_model_pass(model, tokenizer)
+        if config.kv_bits is not None and not tapped:
+            raise ValueError(
+                f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
+                f"scaled_dot_product_attention (its quantized path reads the packed rows); "
+                f"{type(model).__module__} does not: use kv_bits=None")
         if not tapped and cls.needs_queries and id(model) not in _warned_no_tap:
             _warned_no_tap.add(id(model))
             warnings.warn(

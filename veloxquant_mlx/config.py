@@ -29,6 +29,11 @@ ALLOCATIONS = ("uniform", "ada")
 #        before the question has arrived. Peak = budget + one chunk + headroom per layer.
 PROMPT_EVICTIONS = ("end", "stream")
 
+# Quantized kept rows (mlx-lm's QuantizedKVCache layout; see caches/quant.py). 2 bits is left out on
+# purpose: at equal memory it tends to collapse ("More Tokens, Lower Precision", arXiv 2412.12706).
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+
 
 class KVCacheConfig:
     """How each attention layer's cache evicts.
@@ -49,6 +54,17 @@ class KVCacheConfig:
             through decode; peak = the prompt's KV) or ``"stream"`` (evict at every prompt chunk too;
             peak = budget + one chunk). Prefill-only methods compress when the prompt ends either way;
             under ``"stream"`` they also compress at every chunk.
+        max_head_factor: ragged per-head budgets (NestedKV's cross-head pool, Ada-KV, Ada-Nexus) keep at
+            most ``max_head_factor x budget`` rows in one head, the layer's total unchanged (the other
+            heads take the rest). Storage is as wide as the widest head, so this keeps the allocated
+            bytes within ``max_head_factor`` x the kept rows (plus decode headroom). ``None``: the
+            specs' own bound (up to ``H x budget`` minus the floors: storage up to 1.6x the kept rows
+            was measured for NestedKV). Ignored by uniform allocations.
+        kv_bits: ``None`` (rows stored in the model's dtype) or 4 / 8: kept rows stored quantized in
+            mlx-lm's ``QuantizedKVCache`` layout (packed words + scales + biases), read by mlx-lm's own
+            quantized attention. Eviction gathers packed rows, never requantizing them.
+        kv_group_size: elements per quantization group along head_dim (32, 64 or 128; must divide
+            head_dim). mlx-lm's names and default.
         options: the method's options dataclass (or a dict of its fields).
         **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
             option field of the chosen method, e.g. ``nexus_window=16``, ``nestedkv_budget=512``.
@@ -57,7 +73,8 @@ class KVCacheConfig:
     def __init__(self, method: str = "nexus", budget: int | None = None, n_sink: int | None = None,
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
                  options: Any = None, allocation: str = "uniform", floor_alpha: float = 0.2,
-                 prompt_eviction: str = "end", **flat):
+                 prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int = 64,
+                 max_head_factor: float | None = 1.1, **flat):
         cls = get_method(method)
         self.method = method
         core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
@@ -118,6 +135,22 @@ class KVCacheConfig:
         self.prompt_eviction = check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
                                             dict(kind=str, low=None, high=None, low_open=False,
                                                  choices=PROMPT_EVICTIONS, allow_none=False))
+        self.max_head_factor = check_value("KVCacheConfig", "max_head_factor", max_head_factor,
+                                            dict(kind=float, low=1.0, high=None, low_open=False, choices=None,
+                                                 allow_none=True))
+        if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+            raise ValueError(f"kv_bits={kv_bits!r} is not supported: use None (full precision) or one of "
+                             f"{list(KV_BITS)}")
+        if not isinstance(kv_group_size, int) or isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size={kv_group_size!r} is not supported: use one of {list(KV_GROUP_SIZES)}")
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        if kv_bits is not None:
+            reason = cls.kv_bits_unsupported_reason()
+            if reason:
+                raise ValueError(f"kv_bits={kv_bits} is not supported by method {method!r}: {reason}")
+            if self.head_dim is not None and self.head_dim % kv_group_size:
+                raise ValueError(f"kv_group_size={kv_group_size} does not divide head_dim={self.head_dim}: "
+                                 "quantized rows need whole groups")
         if not cls.supports_allocation(self.allocation):
             raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r}: "
                              f"{cls.allocation_unsupported_reason(self.allocation)}")
@@ -137,6 +170,11 @@ class KVCacheConfig:
     def cache_class(self):
         return get_method(self.method)
 
+    def head_cap_rows(self, budget: int) -> int | None:
+        """Most rows one head may keep under ragged per-head budgets (None: no cap)."""
+        f = self.max_head_factor
+        return None if f is None else max(int(f * budget), budget)
+
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with some fields changed (options fields may be passed flat or via options=)."""
         d = self.to_dict()
@@ -153,7 +191,8 @@ class KVCacheConfig:
         return {"method": self.method, "budget": self.budget, "n_sink": self.n_sink,
                 "recent": self.recent, "seed": self.seed, "head_dim": self.head_dim,
                 "allocation": self.allocation, "floor_alpha": self.floor_alpha,
-                "prompt_eviction": self.prompt_eviction, "options": {k: (list(v) if isinstance(v, tuple) else v)
+                "prompt_eviction": self.prompt_eviction, "kv_bits": self.kv_bits,
+                "kv_group_size": self.kv_group_size, "max_head_factor": self.max_head_factor, "options": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in dataclasses.asdict(self.options).items()}}
 
     @classmethod
@@ -172,4 +211,6 @@ class KVCacheConfig:
         return (f"KVCacheConfig(method={self.method!r}, budget={self.budget}, n_sink={self.n_sink}, "
                 f"recent={self.recent}, seed={self.seed}, allocation={self.allocation!r}, "
                 f"floor_alpha={self.floor_alpha}, prompt_eviction={self.prompt_eviction!r}, "
+                f"kv_bits={self.kv_bits}, kv_group_size={self.kv_group_size}, "
+                f"max_head_factor={self.max_head_factor}, "
                 f"{self.method}=({opts}))")

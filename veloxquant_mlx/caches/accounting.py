@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .quant import buf_dtype, buf_nbytes, buf_shape, bytes_per_row, row_dim
 from .storage import PAD_POSITION
 
 
@@ -14,17 +15,27 @@ class Accounting:
     def nbytes(self) -> int:
         """Bytes this cache really holds: the allocated capacity (not just the kept rows) of the
         key/value buffers plus everything kept beside them (positions, per-row method state, the
-        observed-query window, method state arrays)."""
+        observed-query window, method state arrays). Quantized keys/values count their packed
+        words, scales and biases."""
         if self.keys is None:
             return 0
-        held = [self.keys, self.values, self.positions, *self.row_extras.values(), self._window_q,
-                *self.extra_state().values()]
-        return sum(a.nbytes for a in held if isinstance(a, mx.array))
+        held = [self.positions, *self.row_extras.values(), self._window_q, *self.extra_state().values()]
+        return (buf_nbytes(self.keys) + buf_nbytes(self.values)
+                + sum(a.nbytes for a in held if isinstance(a, mx.array)))
 
     # Reporting only, never called from update_and_fetch: with ragged storage the kept counts are
     # data, so tokens_kept / kept_bytes read them back from the device (a host sync).
     def _row_bytes(self) -> int:
-        return self.keys.shape[3] * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
+        """Stored bytes of one kept row (K and V of one head): packed words + scales + biases when
+        quantized."""
+        return bytes_per_row(self.keys) + bytes_per_row(self.values)
+
+    def _full_row_bytes(self) -> int:
+        """Bytes of one row of the uncompressed cache the model would hold (mlx-lm's KVCache: K and V
+        in the model's dtype), the reference of ``full_seq_bytes`` whether or not rows are quantized."""
+        bits = self.kv_bits
+        return (row_dim(self.keys, bits) * buf_dtype(self.keys).size
+                + row_dim(self.values, bits) * buf_dtype(self.values).size)
 
     def kept_per_head(self) -> mx.array:
         """(B, H) number of real kept rows per batch row and KV head."""
@@ -56,7 +67,7 @@ class Accounting:
     def kept_bytes(self) -> int:
         if self.keys is None:
             return 0
-        B, H = self.keys.shape[:2]
+        B, H = self.positions.shape[:2]
         n = B * H * self._rows if not self.is_ragged else int(self.kept_per_head().sum().item())
         return n * self._row_bytes()
 
@@ -64,8 +75,8 @@ class Accounting:
     def full_seq_bytes(self) -> int:
         if self.keys is None:
             return 0
-        B, H = self.keys.shape[:2]
-        return B * H * self.offset * self._row_bytes()
+        B, H = self.positions.shape[:2]
+        return B * H * self.offset * self._full_row_bytes()
 
     @property
     def compression_ratio(self) -> float:
@@ -96,10 +107,11 @@ def kv_report(caches) -> dict:
             kept += c.kept_bytes
             full += c.full_seq_bytes
         elif getattr(c, "keys", None) is not None:
-            k, v = c.keys, c.values
-            row = k.shape[0] * k.shape[1] * (k.shape[3] * k.dtype.size + v.shape[3] * v.dtype.size)
-            kept += row * min(c.offset, k.shape[2])
-            full += row * c.offset
+            k, v = c.keys, c.values  # mlx-lm's QuantizedKVCache holds (words, scales, biases) tuples
+            bits = getattr(c, "bits", None)
+            B, H, cap = buf_shape(k, bits)[:3]
+            kept += B * H * (bytes_per_row(k) + bytes_per_row(v)) * min(c.offset, cap)
+            full += B * H * (row_dim(k, bits) * buf_dtype(k).size + row_dim(v, bits) * buf_dtype(v).size) * c.offset
             other += held
     return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full,
             "fraction": alloc / full if full else 0.0, "other_allocated_bytes": other}

@@ -26,6 +26,7 @@ from ..ops import gather_rows, keep_top_rows
 from ..ops.allocation import ada_keep
 from .accounting import Accounting
 from .batch import BatchMerge
+from .quant import row_dim, rows_map
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage, with_headroom
 
@@ -47,6 +48,9 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # and keeps the base select_rows, which is where the allocation is applied).
     supports_ada: bool | None = None
     dist = None  # HeadShard of this rank under tensor parallelism (caches.shard); None: alone
+    # Can the method store its kept rows quantized (config.kv_bits)? A method whose state cannot live
+    # in packed rows sets this False and says why in kv_bits_unsupported_reason.
+    supports_kv_bits = True
 
     # -- construction -----------------------------------------------------------------------
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
@@ -59,6 +63,11 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
             raise ValueError(f"need 0 <= layer_idx < n_layers, got layer_idx={layer_idx}, n_layers={n_layers}")
         self.config = config
         self.options = config.options
+        self.kv_bits, self.kv_group_size = config.kv_bits, config.kv_group_size
+        if config.kv_bits is not None:
+            # mlx-lm's scaled_dot_product_attention picks its quantized path by hasattr(cache, "bits"):
+            # the attributes exist only on quantized caches (an unquantized cache must not have them).
+            self.bits, self.group_size = config.kv_bits, config.kv_group_size
         self.layer_idx = layer_idx
         self.n_layers = n_layers
         self.n_sink = config.n_sink
@@ -95,6 +104,11 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     @classmethod
     def check_config(cls, config: KVCacheConfig) -> None:
         """Extra cross-field validation for a method (raise ValueError)."""
+
+    @classmethod
+    def kv_bits_unsupported_reason(cls):
+        """None when this method can store its kept rows quantized, else why not."""
+        return None if cls.supports_kv_bits else f"{cls.__name__} cannot store quantized rows"
 
     @classmethod
     def allocation_unsupported_reason(cls, allocation: str):
@@ -166,7 +180,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         """(idx, real): Ada-KV allocation of this layer's H x budget rows over (B, H, rows) scores."""
         # Tensor parallel (self.dist): the layer-wide steps combine every rank's heads (radix top-k).
         return ada_keep(scores, self.stored("positions"), self.offset, self.budget, self.n_sink,
-                        self.recent, self.config.floor_alpha, PAD_POSITION, layer=self.dist)
+                        self.recent, self.config.floor_alpha, PAD_POSITION, layer=self.dist,
+                        cap=self.config.head_cap_rows(self.budget))
 
     def evict_threshold(self) -> int:
         """Stored rows above which a (decode-bounded) method runs an eviction step."""
@@ -212,7 +227,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
             raise ValueError(f"queries must be a 4-D mx.array (B, H_q, S, D), got "
                              f"{getattr(queries, 'shape', type(queries).__name__)}")
         B, Hq, S, D = queries.shape
-        kB, kH, _, kD = self.keys.shape
+        kB, kH = self.positions.shape[:2]
+        kD = row_dim(self.keys, self.kv_bits)
         if B != kB or D != kD or Hq % kH != 0 or S > self.offset:
             raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
                              f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
@@ -292,10 +308,17 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         rows, n_queries = pos.shape[-1], queries.shape[2]
         if not ragged:
             return create_causal_mask(n_queries, offset=rows - n_queries)
-        q_pos = mx.arange(self.offset - n_queries, self.offset)
+        return self.ragged_mask(pos, mx.arange(self.offset - n_queries, self.offset), queries)
+
+    def ragged_mask(self, pos: mx.array, q_pos: mx.array, queries: mx.array) -> mx.array:
+        """Per-head mask: row positions ``pos`` (B, H_kv, rows) visible to query positions ``q_pos``."""
         visible = mx.expand_dims(pos, 2) <= q_pos[:, None]  # (B, H_kv, N, rows)
         group = queries.shape[1] // pos.shape[1]
-        return mx.repeat(visible, group, axis=1) if group > 1 else visible
+        # mlx-lm's quantized attention scores GQA as (B, H_kv, group, N, rows) and broadcasts a 4-D mask
+        # over the group axis, so it takes the per-KV-head mask as is; the fp path wants one per query head.
+        if group == 1 or self.kv_bits is not None:
+            return visible
+        return mx.repeat(visible, group, axis=1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -327,8 +350,9 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
         # buffers (row indices are < rows) keeps the flattening free.
         extra = self.headroom_after_eviction(K)
-        self.keys = with_headroom(gather_rows(self.keys, idx), extra)
-        self.values = with_headroom(gather_rows(self.values, idx), extra)
+        # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
+        self.keys = rows_map(lambda a: with_headroom(gather_rows(a, idx), extra), self.keys)
+        self.values = rows_map(lambda a: with_headroom(gather_rows(a, idx), extra), self.values)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)

@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from .quant import empty_rows, rows_map, rows_zip
 from .storage import PAD_POSITION
 
 
@@ -43,9 +44,9 @@ def unbatchable_reason(cache):
     if not getattr(cache, "tap_active", False):
         return ("the query tap is not active for this model, so per-layer masks cannot reach "
                 "attention (a batch of rows with different kept counts needs them)")
-    keys = getattr(cache, "keys", None)
-    if keys is not None and keys.shape[0] != 1:
-        return f"it already holds a batch of {keys.shape[0]} sequences (merge takes one per cache)"
+    pos = getattr(cache, "positions", None)
+    if pos is not None and pos.shape[0] != 1:
+        return f"it already holds a batch of {pos.shape[0]} sequences (merge takes one per cache)"
     return None
 
 
@@ -64,13 +65,18 @@ class BatchMerge:
         return BatchEvictionCache.merge
 
 
-def _pad_left(x: mx.array, rows: int) -> mx.array:
-    """(1, H, r, D) -> (1, H, rows, D) with zero rows in front."""
+def _pad_left_part(x: mx.array, rows: int) -> mx.array:
     r = x.shape[2]
     if r == rows:
         return x
     pad = mx.zeros((x.shape[0], x.shape[1], rows - r, x.shape[3]), x.dtype)
     return mx.concatenate([pad, x], axis=2) if r else pad
+
+
+def _pad_left(x, rows: int):
+    """(1, H, r, D) -> (1, H, rows, D) with zero rows in front (each part of quantized rows alike:
+    zero words, scales and biases dequantize to 0, and the mask hides them anyway)."""
+    return rows_map(lambda a: _pad_left_part(a, rows), x)
 
 
 class BatchEvictionCache(_BaseCache):
@@ -91,7 +97,19 @@ class BatchEvictionCache(_BaseCache):
         self._skip = [0] * len(self.rows)
         self._rpad = None  # right padding announced without lengths: resolved at the next update
         self._step = None  # (spans, fetched row counts, ragged) of the last update_and_fetch
+        self._sync_bits()
 
+    def _sync_bits(self):
+        """Quantized rows (config.kv_bits): expose ``bits`` / ``group_size`` so mlx-lm's attention takes
+        its quantized path for the whole batch; unquantized batches must not have them."""
+        bits = self.rows[0].kv_bits if self.rows else None
+        if any(r.kv_bits != bits or r.kv_group_size != self.rows[0].kv_group_size for r in self.rows):
+            raise ValueError("a batch mixes rows stored with different kv_bits / kv_group_size")
+        if bits is not None:
+            self.bits, self.group_size = bits, self.rows[0].kv_group_size
+        else:
+            self.__dict__.pop("bits", None)
+            self.__dict__.pop("group_size", None)
     @staticmethod
     def _check_row(row):
         # An EvictionCache (or subclass): the only classes that declare BatchMerge as their merge.
@@ -137,6 +155,7 @@ class BatchEvictionCache(_BaseCache):
         self._todo.extend(other._todo)
         self._skip.extend(other._skip)
         self._step = None
+        self._sync_bits()
 
     def extract(self, idx: int):
         """An independent copy of row ``idx``'s cache (the batch keeps using its own)."""
@@ -192,8 +211,8 @@ class BatchEvictionCache(_BaseCache):
         ks, vs, counts, ragged = [], [], [], False
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
             if n == 0:  # nothing real for this row in this call (its outputs are discarded)
-                ks.append(mx.zeros((1, H, 0, keys.shape[3]), keys.dtype))
-                vs.append(mx.zeros((1, H, 0, values.shape[3]), values.dtype))
+                ks.append(empty_rows(1, H, 0, keys.shape[3], keys.dtype, row.kv_bits, row.kv_group_size))
+                vs.append(empty_rows(1, H, 0, values.shape[3], values.dtype, row.kv_bits, row.kv_group_size))
                 counts.append(0)
                 continue
             k, v = keys, values
@@ -204,14 +223,17 @@ class BatchEvictionCache(_BaseCache):
             k, v = row.update_and_fetch(k, v)
             ks.append(k)
             vs.append(v)
-            counts.append(k.shape[2])
+            counts.append((k[0] if isinstance(k, tuple) else k).shape[2])
             ragged = ragged or row.fetched_ragged
         self._step = (spans, counts, ragged)
         if B == 1:
             return ks[0], vs[0]
         R = max(counts)
-        return (mx.concatenate([_pad_left(k, R) for k in ks], axis=0),
-                mx.concatenate([_pad_left(v, R) for v in vs], axis=0))
+
+        def cat(*parts):
+            return mx.concatenate(parts, axis=0)
+
+        return (rows_zip(cat, *[_pad_left(k, R) for k in ks]), rows_zip(cat, *[_pad_left(v, R) for v in vs]))
 
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
@@ -270,7 +292,10 @@ class BatchEvictionCache(_BaseCache):
         q_pos = mx.where((t < 0) | (t >= n_new), PAD_POSITION - 1, base + t)  # (B, S)
         visible = mx.expand_dims(pos, 2) <= q_pos[:, None, :, None]  # (B, H, S, R)
         group = queries.shape[1] // H
-        return mx.repeat(visible, group, axis=1) if group > 1 else visible
+        # quantized attention broadcasts a per-KV-head mask over the GQA group (EvictionCache.attention_mask)
+        if group == 1 or getattr(self, "bits", None) is not None:
+            return visible
+        return mx.repeat(visible, group, axis=1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:

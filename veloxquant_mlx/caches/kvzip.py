@@ -35,6 +35,7 @@ from ..options import option
 from ..ops.kvzip import reconstruction_scores, window_max_scores
 from ..registry import register
 from .base import EvictionCache
+from .quant import dequantize_rows, quantize_rows, rows_map, rows_zip
 from .storage import with_headroom
 
 
@@ -157,7 +158,7 @@ class KVzipCache(EvictionCache):
             W = min(self.options.window, r)
             q, q_pos = self.stored("keys")[:, :, r - W:], mx.arange(self.offset - W, self.offset, dtype=mx.int32)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        s = window_max_scores(q, self.keys[:, :, r - n:r], q_pos, self.positions[:, :, r - n:r], scale)
+        s = window_max_scores(q, self.stored("keys")[:, :, r - n:r], q_pos, self.positions[:, :, r - n:r], scale)
         self._set_pending_scores(s)
 
     def _set_pending_scores(self, s):
@@ -219,7 +220,16 @@ class KVzipCache(EvictionCache):
         self._fetched_ragged = self.is_ragged
         if self.queries_from_keys:  # no tap: keys stand in for the queries, as everywhere else
             self._score_chunk(keys, keys.shape[-1] ** -0.5)
-        return mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+        # Quantized rows: the pass's own rows join in the stored layout, so attention takes one path.
+        return self._join(k, keys), self._join(v, values)
+
+    def _join(self, stored, new):
+        new = quantize_rows(new, self.kv_bits, self.kv_group_size)
+        return rows_zip(lambda a, b: mx.concatenate([a, b], axis=2), stored, new)
+
+    def _key_rows(self, lo, hi):
+        """Stored keys lo:hi as attention reads them (dequantized when the rows are quantized)."""
+        return dequantize_rows(rows_map(lambda x: x[:, :, lo:hi], self.keys), self.kv_bits, self.kv_group_size)
 
     def observe_queries(self, queries, scale=None):
         if self._chunk is None:
@@ -228,9 +238,9 @@ class KVzipCache(EvictionCache):
 
     def _score_chunk(self, queries, scale):
         lo, hi, lead = self._chunk
-        ctx = self.keys[:, :, lo:hi]
+        ctx = self._key_rows(lo, hi)
         if lead:
-            ctx = mx.concatenate([self.keys[:, :, :lead], ctx], axis=2)
+            ctx = mx.concatenate([self._key_rows(0, lead), ctx], axis=2)
         self._parts.append(reconstruction_scores(queries, ctx, self._own, scale, lead, self.options.q_block))
 
     def attention_mask(self, mask, queries):
@@ -239,10 +249,7 @@ class KVzipCache(EvictionCache):
         S = queries.shape[2]
         if not self.is_ragged:
             return create_causal_mask(S, offset=self._rows) if isinstance(mask, mx.array) else mask
-        pos = self._fetched_positions
-        visible = mx.expand_dims(pos, 2) <= mx.arange(self.offset, self.offset + S)[:, None]
-        group = queries.shape[1] // pos.shape[1]
-        return mx.repeat(visible, group, axis=1) if group > 1 else visible
+        return self.ragged_mask(self._fetched_positions, mx.arange(self.offset, self.offset + S), queries)
 
     def step_state(self):
         return [] if self._chunk is not None else super().step_state()  # a scoring step stores nothing

@@ -46,7 +46,8 @@ class NestedKVOptions:
     gap_frac: float = option(0.10, low=0.0, low_open=True, high=0.5, doc="top/bottom fraction of the gap")
     cross_head: bool = option(True, doc="cross-head budget competition (needs the query tap)")
     max_head_factor: float = option(None, kind=float, low=1.0, allow_none=True,
-                                    doc="optional cap on one head's rows, in budgets (None: spec bound)")
+                                    doc="cap on one head's rows, in budgets (None: KVCacheConfig.max_head_factor, "
+                                        "default 1.1; set both to None for the spec's bound)")
 
     def check(self):
         if len(self.prior) != 3 or any((not isinstance(p, (int, float))) or p <= 0 for p in self.prior):
@@ -70,8 +71,12 @@ class NestedKVKVCache(EvictionCache):
         return min(int(math.floor(self.options.safeguard_alpha * self.budget)), self.budget)
 
     def head_cap(self) -> int | None:
+        """Most rows one head keeps: storage is as wide as the widest head, so the cap keeps it near the
+        kept rows (the pool still fills H x budget: capped heads' slots go to the others)."""
         f = self.options.max_head_factor
-        return None if f is None else max(int(f * self.budget), self.budget)
+        if f is None:
+            return self.config.head_cap_rows(self.budget)
+        return max(int(f * self.budget), self.budget)
 
     @property
     def cross_head_active(self) -> bool:

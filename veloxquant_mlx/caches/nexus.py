@@ -37,6 +37,7 @@ from ..ops.nexus import (ada_select_blocks, block_distribution, block_max, block
 from ..registry import register
 from .base import PAD_POSITION, EvictionCache
 from .nestedkv import NestedKVOptions
+from .quant import dequantize_rows
 from .shard import head_means, shard_of, shared_block_weights
 
 _ANOMALY = NestedKVOptions()  # the key prior scores rows with NestedKV's defaults
@@ -167,7 +168,8 @@ class NexusKVCache(EvictionCache):
             # Head-averaged Q and K vectors (App. A.1, literal); positions agree across heads (uniform
             # storage). Average over the whole contiguous buffer, then slice: MLX reduces a strided
             # row-slice view ~50x slower (measured), and the unused capacity is < one storage step.
-            buf = self.keys if self.keys.dtype == mx.float32 else self.keys.astype(mx.float32)
+            buf = dequantize_rows(self.keys, self.kv_bits, self.kv_group_size)  # quantized: one dequantization
+            buf = buf if buf.dtype == mx.float32 else buf.astype(mx.float32)
             if d is None:
                 k_mean, q_mean = buf.mean(axis=1, keepdims=True)[:, :, :N], q.mean(axis=1, keepdims=True)
             else:  # the means over every rank's heads
@@ -210,7 +212,7 @@ class NexusKVCache(EvictionCache):
 
     def select_rows(self):
         o = self.options
-        B, H, N = self.keys.shape[0], self.keys.shape[1], self._rows
+        (B, H), N = self.positions.shape[:2], self._rows
         b = o.block_size
         mask, n_forced, forced_rows = forced_blocks(N, b, self.n_sink, self.recent)
         n_free = max((self.budget - forced_rows) // b, 0)
@@ -230,8 +232,10 @@ class NexusKVCache(EvictionCache):
             valid = self.stored("positions")[..., ::b] != PAD_POSITION  # a block is all real or all padding
 
             def ada(w, valid):
+                f = self.config.max_head_factor  # per-head cap, in selectable blocks
+                cap = None if f is None else max(int(f * n_free), n_free)
                 blocks, real = ada_select_blocks(block_priority(w, n, key), valid, n_lead,
-                                                 n_forced - n_lead, n_free, self.config.floor_alpha)
+                                                 n_forced - n_lead, n_free, self.config.floor_alpha, cap=cap)
                 return self._trim_ada_blocks(blocks, real, n_lead, n_forced - n_lead)
 
             # Tensor parallel: every rank runs the layer-wide allocation over all heads (one all_gather).

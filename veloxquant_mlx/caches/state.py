@@ -23,8 +23,14 @@ class StateRoundTrip:
     def state(self):
         if self.keys is None:
             return {}
-        st = {"keys": self.stored("keys"), "values": self.stored("values"),
-              "positions": self.stored("positions"), "rng": self._rng}
+        st = {"positions": self.stored("positions"), "rng": self._rng}
+        for name in ("keys", "values"):
+            # Quantized rows are saved as held (packed words, scales, biases): a round trip is exact.
+            rows = self.stored_raw(name)
+            if isinstance(rows, tuple):
+                st[name], st[name + ".scales"], st[name + ".biases"] = rows
+            else:
+                st[name] = rows
         for name in self.row_extras:
             st["row." + name] = self.stored(name)
         if self._window_q is not None:
@@ -42,6 +48,15 @@ class StateRoundTrip:
         if not required <= set(st):
             raise ValueError(f"{type(self).__name__} state is missing {sorted(required - set(st))}")
         self.keys, self.values, self.positions = st["keys"], st["values"], st["positions"]
+        quant_parts = {f"{n}.{p}" for n in ("keys", "values") for p in ("scales", "biases")}
+        if self.kv_bits is not None:
+            if not quant_parts <= set(st):
+                raise ValueError(f"{type(self).__name__} state is missing {sorted(quant_parts - set(st))} "
+                                 f"(the config stores {self.kv_bits}-bit rows)")
+            self.keys = (st["keys"], st["keys.scales"], st["keys.biases"])
+            self.values = (st["values"], st["values.scales"], st["values.biases"])
+        elif quant_parts & set(st):
+            raise ValueError(f"{type(self).__name__} state holds quantized rows but the config has kv_bits=None")
         self._rng = st["rng"]
         self.row_extras = {k[4:]: v for k, v in st.items() if k.startswith("row.")}
         want = set(self.extra_row_fields())
@@ -50,8 +65,9 @@ class StateRoundTrip:
                              f"expected {sorted(want)}")
         self._window_q = st.get("window_q")
         self.set_extra_state({k[6:]: v for k, v in st.items() if k.startswith("extra.")})
-        rows = self.keys.shape[2]
-        if self.values.shape[2] != rows or self.positions.shape != self.keys.shape[:3]:
+        rows = self.positions.shape[2]
+        parts = [p for buf in (self.keys, self.values) for p in (buf if isinstance(buf, tuple) else (buf,))]
+        if any(p.shape[:3] != self.positions.shape for p in parts):
             raise ValueError("inconsistent cache state: keys/values/positions row counts differ")
         self._rows = rows
 

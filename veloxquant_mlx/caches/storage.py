@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .quant import (buf_dtype, buf_shape, check_group, dequantize_rows, quantize_rows, row_dim, rows_map,
+                    rows_zip)
 from .shard import group_max
 
 # Position stored for padding rows (ragged per-head storage); larger than any real position so a
@@ -63,21 +65,30 @@ class RowStorage:
         hd = self.config.head_dim
         if hd is not None and keys.shape[-1] != hd:
             raise ValueError(f"config.head_dim={hd} but the model sends keys with head_dim={keys.shape[-1]}")
-        if self.keys is not None:
-            B, H, _, Dk = self.keys.shape
-            if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, self.values.shape[3]):
+        bits = self.kv_bits
+        if self.keys is None:
+            check_group(keys.shape[-1], bits, self.kv_group_size)
+            check_group(values.shape[-1], bits, self.kv_group_size)
+        else:
+            B, H, _, Dk = buf_shape(self.keys, bits)
+            Dv = row_dim(self.values, bits)
+            if (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) != (B, H, Dk, Dv):
                 raise ValueError(f"new keys {keys.shape}/values {values.shape} do not match the stored "
-                                 f"(B={B}, H_kv={H}, D_k={Dk}, D_v={self.values.shape[3]})")
-            if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
-                raise TypeError(f"dtype changed: stored {self.keys.dtype}/{self.values.dtype}, "
-                                f"new {keys.dtype}/{values.dtype}")
+                                 f"(B={B}, H_kv={H}, D_k={Dk}, D_v={Dv})")
+            kd, vd = buf_dtype(self.keys), buf_dtype(self.values)
+            if keys.dtype != kd or values.dtype != vd:
+                raise TypeError(f"dtype changed: stored {kd}/{vd}, new {keys.dtype}/{values.dtype}")
 
     def _append(self, keys, values):
         B, H, S, _ = keys.shape
         prev, need = self._rows, self._rows + S
         pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
         fields = self.extra_row_fields()
-        if self.keys is None or need > self.keys.shape[2]:
+        # Quantized storage (config.kv_bits): each new row is quantized once, here, exactly as mlx-lm's
+        # QuantizedKVCache does it; later steps only move packed rows.
+        keys = quantize_rows(keys, self.kv_bits, self.kv_group_size)
+        values = quantize_rows(values, self.kv_bits, self.kv_group_size)
+        if self.keys is None or need > self.positions.shape[2]:
             # Prompt text held to the end of the prompt grows like mlx-lm's KVCache (steps of ``step``);
             # a chunk evicted right after this step gets exactly its rows; a single token that does not
             # fit (unbounded decode) adds ``decode_step`` rows. New buffers, never views.
@@ -93,14 +104,21 @@ class RowStorage:
                 rows = new if old is None or not prev else mx.concatenate([old[:, :, :prev], new], axis=2)
                 return with_headroom(rows, extra, fill)
 
-            self.keys = grown(self.keys, keys, 0)
-            self.values = grown(self.values, values, 0)
+            def grown_kv(old, new):
+                if old is None or not prev:
+                    return rows_map(lambda n: with_headroom(n, extra), new)
+                return rows_zip(lambda o, n: grown(o, n, 0), old, new)
+
+            self.keys = grown_kv(self.keys, keys)
+            self.values = grown_kv(self.values, values)
             self.positions = grown(self.positions, pos, PAD_POSITION)
             for name, fill in fields.items():
                 self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
         else:
-            self.keys[:, :, prev:need] = keys
-            self.values[:, :, prev:need] = values
+            for buf, new in ((self.keys, keys), (self.values, values)):
+                parts, rows = (buf, new) if isinstance(buf, tuple) else ((buf,), (new,))
+                for part, r in zip(parts, rows, strict=True):
+                    part[:, :, prev:need] = r
             self.positions[:, :, prev:need] = pos
             for name, fill in fields.items():
                 self.row_extras[name][:, :, prev:need] = fill
@@ -109,16 +127,29 @@ class RowStorage:
 
     def _fetch(self):
         r = self._rows
-        if r == self.keys.shape[2]:
+        if r == self.positions.shape[2]:
             return self.keys, self.values
-        return self.keys[:, :, :r], self.values[:, :, :r]
+        return rows_map(lambda a: a[:, :, :r], self.keys), rows_map(lambda a: a[:, :, :r], self.values)
 
-    def stored(self, name: str = "keys") -> mx.array:
-        """The stored rows of ``keys``, ``values``, ``positions`` or a row extra (no padding trim)."""
+    def stored_raw(self, name: str = "keys"):
+        """The stored rows of a buffer as held: quantized keys/values stay (words, scales, biases)."""
         arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
         if arr is None:
             arr = self.row_extras[name]
-        return arr[:, :, :self._rows]
+        r = self._rows
+        return rows_map(lambda a: a[:, :, :r], arr)
+
+    def stored(self, name: str = "keys") -> mx.array:
+        """The stored rows of ``keys``, ``values``, ``positions`` or a row extra (no padding trim).
+
+        Quantized keys/values come back dequantized: a score that reads key values reads exactly
+        the values attention reads (one dequantization of the stored rows per call)."""
+        return dequantize_rows(self.stored_raw(name), self.kv_bits, self.kv_group_size)
+
+    @property
+    def kv_shape(self) -> tuple:
+        """Logical (B, H_kv, capacity, D_k) of the key buffer (quantized or not)."""
+        return buf_shape(self.keys, self.kv_bits)
 
     def headroom_after_eviction(self, kept: int) -> int:
         """Rows allocated beyond the ``kept`` ones: what the method needs before its next eviction

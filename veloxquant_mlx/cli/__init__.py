@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import _blas as blas
 from ..registry import methods
 from . import compress, demo, generate, serve
 from . import eval as eval_cmd
@@ -42,8 +43,6 @@ def _fast_blas() -> bool:
     """--fast-blas: re-exec with OpenBLAS preloaded, or say at once (before any slow work) why not.
     Returns whether it printed the slow-BLAS hint."""
     import os
-
-    from .. import _blas as blas
 
     if blas.openblas_preloaded():
         if not os.environ.get(blas.REEXEC_GUARD_ENV):  # else the re-exec already named the library

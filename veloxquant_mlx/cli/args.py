@@ -16,6 +16,9 @@ class CLIError(Exception):
 
 
 def parse_value(kind, allow_none):
+    """An argparse ``type=`` for an option of ``kind`` (bool: true/false; tuple: comma separated;
+    ``none`` / ``inf`` is None when ``allow_none``)."""
+
     def parse(text):
         if allow_none and text.lower() in ("none", "inf"):
             return None
@@ -33,6 +36,7 @@ def parse_value(kind, allow_none):
 
 
 def add_method_options(parser):
+    """``--<method>-<option>`` for every option of every registered method (read from its Options)."""
     group = parser.add_argument_group("method options (only the chosen --method's apply)")
     for name in methods():
         for f in dataclasses.fields(get_method(name).Options):
@@ -46,6 +50,8 @@ def add_method_options(parser):
 
 
 def add_cache_args(parser, default_method="nexus"):
+    """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
+    policy, method options); :func:`config_from_args` turns them into a config."""
     parser.add_argument("--method", default=default_method,
                         help=f"eviction method, or '{FULL}' for mlx-lm's full KVCache (default {default_method})")
     parser.add_argument("--budget", type=int, default=None, help="tokens kept per KV head per layer")
@@ -60,6 +66,11 @@ def add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
                              "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
+    parser.add_argument("--kv-bits", type=int, default=None,
+                        help="store the kept rows quantized, 4 or 8 bits (mlx-lm's QuantizedKVCache layout, read by "
+                             "its quantized attention); with --method full: mlx-lm's QuantizedKVCache")
+    parser.add_argument("--kv-group-size", type=int, default=64,
+                        help="quantization group along head_dim: 32, 64 (default) or 128")
     add_method_options(parser)
 
 
@@ -69,6 +80,7 @@ def config_from_args(args, prompt_len: int):
     if args.method == FULL:
         if extra:
             raise CLIError(f"--method {FULL} takes no method options (got {_flags(extra)})")
+        _check_full_kv_bits(args)
         return None
     get_method(args.method)  # unknown method -> ValueError listing the known ones
     wrong = {k: v for k, v in extra.items() if k.split("__")[1] != args.method}
@@ -83,9 +95,22 @@ def config_from_args(args, prompt_len: int):
         budget = max(int(round(args.density * prompt_len)), 1)
     options = {k.split("__")[2]: v for k, v in extra.items()}
     alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
-                               ("prompt_eviction", getattr(args, "prompt_eviction", None))) if v is not None}
+                               ("prompt_eviction", getattr(args, "prompt_eviction", None)),
+                               ("kv_bits", getattr(args, "kv_bits", None)),
+                               ("kv_group_size", getattr(args, "kv_group_size", None))) if v is not None}
     return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
                          seed=args.cache_seed, options=options, **alloc)
+
+
+def _check_full_kv_bits(args):
+    """--method full --kv-bits: mlx-lm's own QuantizedKVCache; same supported values as ours."""
+    from ..config import KV_BITS, KV_GROUP_SIZES
+
+    bits = getattr(args, "kv_bits", None)
+    if bits is not None and bits not in KV_BITS:
+        raise CLIError(f"--kv-bits {bits} is not supported: use one of {list(KV_BITS)} (or leave it out)")
+    if getattr(args, "kv_group_size", 64) not in KV_GROUP_SIZES:
+        raise CLIError(f"--kv-group-size {args.kv_group_size} is not supported: use one of {list(KV_GROUP_SIZES)}")
 
 
 def _flags(extra):
@@ -119,6 +144,7 @@ def load_model_for_cli(spec):
 
 
 def fmt_bytes(n):
+    """``123 B``, ``4.0 KiB``, ... ``1.5 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"

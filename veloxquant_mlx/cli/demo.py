@@ -5,6 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
+from .._blas import blas_hint, describe
+from ..builder import KVCacheBuilder
+from ..evaluation.passkey import extract_digits, make_passkey_prompt
 from ..registry import FULL
 from .args import CLIError, fmt_bytes, load_model_for_cli, parse_method_spec
 
@@ -17,8 +20,6 @@ def demo_row(model, tokenizer, tokens, config, bar, prefill_step_size, max_token
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
-
-    from ..builder import KVCacheBuilder
 
     caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
     mx.clear_cache()
@@ -46,8 +47,6 @@ def demo_row(model, tokenizer, tokens, config, bar, prefill_step_size, max_token
 def cmd_demo(args):
     from tqdm import tqdm
 
-    from .._blas import blas_hint, describe
-    from ..evaluation.passkey import extract_digits, make_passkey_prompt
 
     for spec in args.methods:
         parse_method_spec(spec, 10**6)  # reject bad specs before loading the model

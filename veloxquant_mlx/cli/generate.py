@@ -7,6 +7,8 @@ import sys
 import time
 
 from .. import distributed
+from .._blas import blas_hint
+from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (add_cache_args, config_from_args, fmt_bytes, load_compressed_document, load_model_for_cli,
@@ -20,19 +22,23 @@ def encode_prompt(tokenizer, prompt: str, use_chat: bool):
 
 
 def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
-                   prefill_step_size=2048, on_text=None, caches=None) -> dict:
-    """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache)."""
+                   prefill_step_size=2048, on_text=None, caches=None, kv_bits=None, kv_group_size=64) -> dict:
+    """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache; with
+    ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache). ``caches``: caches
+    to continue instead (a loaded prompt cache)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from ..builder import KVCacheBuilder
-
     mx.random.seed(seed)
-    if caches is None:  # else: caches to continue (a loaded prompt cache)
-        caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(
-            model, config, tokenizer=tokenizer)
+    if caches is None and config is not None:
+        caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)
+    elif caches is None:
+        caches = make_prompt_cache(model)
+        if kv_bits is not None:
+            caches = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
+                      for c in caches]
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
@@ -52,8 +58,6 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
 
 
 def _blas_footer():
-    from .._blas import blas_hint
-
     hint = blas_hint()
     if hint:
         print(f"note: {hint}", file=sys.stderr)
@@ -79,12 +83,14 @@ def cmd_generate(args):
     config = None if args.prompt_cache else config_from_args(args, len(tokens))
     out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
                          args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
-                         caches=loaded if args.prompt_cache else None)
+                         caches=loaded if args.prompt_cache else None,
+                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     print()
     print("=" * 10)
-    loaded_label = f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL
+    bits = "" if args.kv_bits is None else f", {args.kv_bits}-bit rows (groups of {args.kv_group_size})"
+    loaded_label = f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL + bits
     label = loaded_label if config is None else (f"{config.method} (budget {config.budget}/head, "
-                                                 f"prompt_eviction={config.prompt_eviction})")
+                                                 f"prompt_eviction={config.prompt_eviction}{bits})")
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")

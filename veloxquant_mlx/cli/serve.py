@@ -24,6 +24,7 @@ import logging
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
+from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
@@ -142,8 +143,6 @@ def _model_provider_class():
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import ModelProvider
 
-    from ..builder import KVCacheBuilder
-
     class EvictionModelProvider(ModelProvider):
         """Serves one already loaded model with ``config``'s eviction caches (None: mlx-lm's own)."""
 
@@ -203,10 +202,18 @@ def cmd_serve(args):
     config = config_from_args(args, 0)
 
     options = {k: getattr(args, k) for k in vars(server_args()) if hasattr(args, k) and k != "model"}
+    if config is not None:
+        # Our caches store quantized rows themselves (config.kv_bits) and keep batching; mlx-lm's server
+        # given kv_bits would serve sequentially and try to convert caches. Only --method full hands
+        # --kv-bits to mlx-lm (its own QuantizedKVCache, sequential requests).
+        options.pop("kv_bits", None)
+        options.pop("kv_group_size", None)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     label = FULL if config is None else f"{config.method}, budget {config.budget}/head"
+    if getattr(args, "kv_bits", None) is not None:
+        label += f", {args.kv_bits}-bit rows"
     log.info(f"veloxquant serve: {label} on http://{args.host}:{args.port}/v1")
     serve(model, tokenizer, config, model_name=args.model, **options)
     return 0

@@ -188,6 +188,21 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
     lines.append("")
 
 
+def _source_line(out_dir, name, data, lines):
+    """Name the file a section reads and say whether the code has changed since it was measured."""
+    from .provenance import stale_methods
+
+    path = (Path(out_dir) / f"{name}.json").as_posix()
+    prov = data.get("provenance") or {}
+    why = stale_methods(data.get("provenance"))
+    if why:
+        detail = why.get("*") or "; ".join(f"{m}: {w}" for m, w in why.items())
+        lines.append(f"Source: `{path}`, **stale**: {detail} (`python benchmark_scripts/check_figures.py`).\n")
+    else:
+        lines.append(f"Source: `{path}`, measured {str(prov.get('date', '?'))[:10]} at commit "
+                     f"{prov.get('commit', '?')}; the methods behave the same today (fingerprints match).\n")
+
+
 def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note: str = "") -> Path:
     """Regenerate the figures under ``out_dir`` and the markdown report from the JSON files there."""
     out_dir = Path(out_dir)
@@ -243,6 +258,7 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
     ]
     lines.append("## 1. Passkey / needle retrieval\n")
     if pk_data:
+        _source_line(out_dir, "passkey", pk_data, lines)
         g = pk_data.get("grid", {})
         lines.append(f"Greedy decoding of {g.get('max_new_tokens', '?')} new tokens; the answer is the first "
                      "digit run of the output and must equal the key. Haystacks: `grass` = the repeated "
@@ -268,14 +284,21 @@ def write_report(out_dir=DEFAULT_OUT_DIR, md_path=DEFAULT_RESULTS_MD, title_note
                      f"first run separately, re-run through one shared pass): identical outputs for {same}/{len(cmp_)} "
                      f"caches ({', '.join(cmp_)}).\n")
     pk = _passkey_tables(pk_data, lines, out_dir, figures) if pk_data else {}
-    _seed_n_table(_load_json(out_dir, "nexus_seed_n"), lines)
+    seed_n = _load_json(out_dir, "nexus_seed_n")
+    _seed_n_table(seed_n, lines)
+    if seed_n:
+        _source_line(out_dir, "nexus_seed_n", seed_n, lines)
     if pk_data:
         _meta_block("passkey", pk_data, lines)
     lines.append("## 2. Streaming perplexity\n")
+    if ppl_data:
+        _source_line(out_dir, "perplexity", ppl_data, lines)
     ppl = _perplexity_tables(ppl_data, lines, out_dir, figures) if ppl_data else {}
     if ppl_data:
         _meta_block("perplexity", ppl_data, lines)
     lines.append("## 3. Speed and memory\n")
+    if sp_data:
+        _source_line(out_dir, "speed", sp_data, lines)
     sp = _speed_tables(sp_data, lines, out_dir, figures) if sp_data else {}
     if sp_data:
         _meta_block("speed", sp_data, lines)

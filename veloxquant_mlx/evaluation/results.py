@@ -21,7 +21,10 @@ import time
 import warnings
 from pathlib import Path
 
-from ..registry import FULL
+from .._blas import openblas_preloaded
+from ..builder import KVCacheBuilder
+from ..config import KVCacheConfig
+from ..registry import FULL, get_method, methods
 
 
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
@@ -56,6 +59,14 @@ class MethodSpec:
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
     allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
+    # Further KVCacheConfig fields, sorted (key, value) pairs: kv_bits (label suffix "-4bit" / "-8bit";
+    # for the full cache, mlx-lm's QuantizedKVCache), max_head_factor (label suffix "-nocap": None),
+    # floor_alpha (Ada-KV's per-head floor; kvzip-paper sets 0).
+    extra: tuple = ()
+
+    @property
+    def kv_bits(self):
+        return dict(self.extra).get("kv_bits")
 
     @property
     def opts(self) -> dict:
@@ -67,8 +78,6 @@ class MethodSpec:
         then the prefill + decode regime is identical to the prefill-only one."""
         if self.method is None:
             return True
-        from ..registry import get_method
-
         return bool(getattr(get_method(self.method), "prefill_only", False))
 
 
@@ -77,8 +86,6 @@ def method_specs(names=None, ablations: bool = True) -> list:
 
     ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed; ``"<method>-ada"``
     is the method with Ada-KV allocation, for methods that support it; opt-in only)."""
-    from ..registry import get_method, methods
-
     specs = {FULL: MethodSpec(FULL, None)}
     for m in methods():
         specs[m] = MethodSpec(m, m)
@@ -93,26 +100,40 @@ def method_specs(names=None, ablations: bool = True) -> list:
     if ablations and "nexus" in specs:
         for label, (m, opts) in OPT_IN_ABLATIONS.items():
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
+    if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
+        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
+                                                   allocation="ada", extra=(("floor_alpha", 0.0),)))
     out = []
     for n in names:
-        if n not in specs:
-            raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)}")
-        out.append(specs[n])
+        base, extra = n, {}
+        while base not in specs and base.endswith(tuple(_CONFIG_SUFFIXES)):
+            suffix = next(x for x in _CONFIG_SUFFIXES if base.endswith(x))
+            base, extra = base[:-len(suffix)], {**_CONFIG_SUFFIXES[suffix], **extra}
+        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits"}):
+            raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)} (each may end in "
+                             f"{', '.join(_CONFIG_SUFFIXES)})")
+        spec = specs[base]
+        out.append(dataclasses.replace(spec, name=n, extra=tuple(sorted({**dict(spec.extra), **extra}.items())))
+                   if extra else spec)
     return out
+
+
+# Label suffixes that set KVCacheConfig fields: quantized kept rows, and the specs' own per-head bound.
+_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None}}
 
 
 def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
     """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
     ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     if spec.method is None:
-        return make_prompt_cache(model)
-    from ..builder import KVCacheBuilder
-    from ..config import KVCacheConfig
-
+        caches = make_prompt_cache(model)
+        if spec.kv_bits is not None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
+            caches = [QuantizedKVCache(group_size=64, bits=spec.kv_bits) if type(c) is KVCache else c for c in caches]
+        return caches
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation, prompt_eviction=prompt_eviction)
+                           allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
     return KVCacheBuilder.for_model(model, config)
 
 
@@ -174,8 +195,6 @@ _MODEL_DESCRIPTIONS = {
 
 def machine_info() -> dict:
     import mlx.core as mx
-
-    from .._blas import openblas_preloaded
 
     info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),
@@ -259,6 +278,18 @@ class ResultStore:
             self._write(data)
             return True
 
+    def stamp(self):
+        """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
+        from .provenance import command_line, provenance, resumed
+
+        with self._locked():
+            data = self.load()
+            cells = [c for c in data["cells"].values() if isinstance(c, dict)]
+            labels = {c["method"] for c in cells if "method" in c} | {m for c in cells for m in c.get("caches", ())}
+            new = provenance(command_line(), sorted(labels) or None)
+            data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
+            self._write(data)
+
     def update_meta(self, meta: dict | None = None, grid: dict | None = None, run: dict | None = None):
         with self._locked():
             data = self.load()
@@ -341,6 +372,7 @@ def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
     res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
                     max_cells=args.max_cells, desc=store.experiment, progress=not args.no_progress)
     store.update_meta(run={"finished": now(), "shard": list(args.shard), **res})
+    store.stamp()
     print(f"{store.experiment}: {res}")
     return 0
 

@@ -316,6 +316,7 @@ def run(args) -> int:
         prompt = (p["haystack"], p["context"], p["depth"], p["key"])
         done = store.done()
         group = [(cid, q) for cid, q in cells if q["regime"] == "prefill" and cid not in done
+                 and specs[q["method"]].kv_bits is None  # quantized rows: the prompt's attention differs
                  and (q["haystack"], q["context"], q["depth"], q["key"]) == prompt]
         group = [(cid, q) for cid, q in group if store.claim(cid)]  # skip cells another worker holds
         named, budgets, errs = {}, {}, {}
@@ -355,7 +356,9 @@ def run(args) -> int:
         spec = specs[p["method"]]
         my = cell_id(exp="passkey", **{f: p[f] for f in ("haystack", "context", "depth", "key", "density",
                                                           "regime", "method", "seed")})
-        if p["regime"] == "prefill" and args.shared_prefill:
+        # The shared pass attends over full-precision rows; a quantized cache alone attends over its
+        # quantized rows from the first chunk on (what mlx_lm.generate does), so it runs alone.
+        if p["regime"] == "prefill" and args.shared_prefill and spec.kv_bits is None:
             if my not in pending:
                 t = time.perf_counter()
                 recs = run_group(p, toks, pos)

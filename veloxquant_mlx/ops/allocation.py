@@ -43,7 +43,7 @@ def ada_head_budgets(counts: mx.array, sel_budget: int, alpha: float) -> mx.arra
 
 
 def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_sink: int, n_recent: int,
-             alpha: float, pad_position: int, layer=None):
+             alpha: float, pad_position: int, layer=None, cap: int | None = None):
     """Ada-KV selection over stored rows.
 
     scores (B, H, R) (higher = keep); positions (B, H, R) absolute positions, ``pad_position`` for
@@ -55,6 +55,10 @@ def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_
     ``veloxquant_mlx.caches.shard.HeadShard``, whose layer-wide top-k / gather / sum stand in for the
     three layer-wide steps (winners, head budgets, leftover slots), so each rank gets exactly its
     heads' part of the one-process result.
+
+    ``cap``: most rows one head keeps (forced included; None: Ada-KV's own bound). The layer total is
+    unchanged: slots a capped head cannot take go to the best candidates of the other heads (the
+    leftover step), so storage as wide as the widest head stays within ``cap`` rows.
     """
     B, H, R = scores.shape
     H_layer = H if layer is None else layer.total_heads(H)
@@ -62,6 +66,8 @@ def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_
     sel = budget - F
     n_total = H_layer * sel
     kc = ada_width(R, H_layer, budget, F, alpha) - F
+    if cap is not None:
+        kc = min(kc, max(cap, budget) - F)
     valid = positions != pad_position
     forced = valid & ((positions < n_sink) | (positions >= offset - n_recent))
     cand = valid & ~forced

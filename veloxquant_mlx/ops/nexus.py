@@ -62,12 +62,6 @@ def block_distribution(q: mx.array, k: mx.array, q_pos: mx.array, k_pos: mx.arra
 
 
 @mx.compile
-def direct_score(s_hat: mx.array) -> mx.array:
-    """a = (1/W) Σ_q a^(q)  (Eq. 3 / Eq. 1): (..., W, N_k) -> (..., N_k)."""
-    return s_hat.mean(axis=-2)
-
-
-@mx.compile
 def walk(rows: mx.array) -> mx.array:
     """The Nexus walk over the given rows in order (Eq. 4): rows (..., H, N_k) -> C^(H) (..., N_k).
 
@@ -233,7 +227,8 @@ def ada_block_width(n_blocks_total: int, n_heads: int, n_forced: int, n_sel: int
     return ada_width(n_blocks_total, n_heads, n_forced + n_sel, n_forced, alpha)
 
 
-def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: int, n_sel: int, alpha: float):
+def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: int, n_sel: int, alpha: float,
+                      cap: int | None = None):
     """Ada-KV head-adaptive block allocation on Nexus priorities (Nexus App. C, "Ada-Nexus").
 
     score (B, H, N_k): per-KV-head block priority (log π or w), comparable across heads (each head's
@@ -249,10 +244,14 @@ def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: in
     static bound ``ada_block_width``. Per head: the lead blocks, its K_h (+ extra) selected blocks in
     ascending order, padding blocks (real False), then the trailing blocks, so padding is whole blocks
     and the last slot is the newest (possibly partial) block N_k - 1: the block grid survives.
+    ``cap``: most selected blocks one head keeps (None: the static bound); the total is unchanged, the
+    capped heads' leftover goes to the others.
     """
     B, H, nk = score.shape
     n_forced = n_lead + n_trail
     k_max = ada_block_width(nk, H, n_forced, n_sel, alpha) - n_forced
+    if cap is not None:
+        k_max = min(k_max, max(cap, n_sel))
     j = mx.arange(nk)
     lead, trail = j < n_lead, j >= nk - n_trail
     cand = valid & ~(lead | trail)

@@ -1,0 +1,131 @@
+"""Figure provenance: per-method behaviour fingerprints and check_figures' stale-quote check."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from veloxquant_mlx.caches.h2o import H2OKVCache
+from veloxquant_mlx.evaluation import provenance as P
+from veloxquant_mlx.evaluation.results import ResultStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+import check_figures  # noqa: E402
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(P, "_cache", {})
+
+
+def test_fingerprint_is_deterministic_and_per_method(fresh_cache):
+    a = P.fingerprint(["h2o", "streaming"])
+    P._cache.clear()
+    b = P.fingerprint(["h2o-ada", "streaming"])  # labels map to their method
+    assert a == b and set(a) == {"h2o", "streaming"}
+    assert all(len(h) == 12 and int(h, 16) >= 0 for h in a.values())
+    assert a["h2o"] != a["streaming"]
+
+
+def test_fingerprint_changes_with_the_kept_set_of_that_method_only(fresh_cache, monkeypatch):
+    before = P.fingerprint(["h2o", "streaming"])
+    P._cache.clear()
+    original = H2OKVCache.scores
+    monkeypatch.setattr(H2OKVCache, "scores", lambda self: -original(self))  # keep the least attended
+    after = P.fingerprint(["h2o", "streaming"])
+    assert after["h2o"] != before["h2o"]
+    assert after["streaming"] == before["streaming"]
+
+
+def test_method_of_labels():
+    assert P.method_of("nexus-topk") == "nexus"
+    assert P.method_of("snapkv-ada") == "snapkv"
+    assert P.method_of("kvcache") == P.method_of("rotating") == "full"
+    assert P.method_of("nope") == "nope"
+
+
+def test_stale_methods_and_resumed():
+    cur = {"nexus": "a" * 12, "full": "b" * 12}
+    assert P.stale_methods({"fingerprint": dict(cur)}, cur) == {}
+    assert set(P.stale_methods({"fingerprint": {"nexus": "c" * 12, "full": "b" * 12}}, cur)) == {"nexus"}
+    assert "*" in P.stale_methods(None, cur)
+    assert "*" in P.stale_methods({"fingerprint": dict(cur), "stale_reason": "old harness"}, cur)
+    new = {"commit": "x", "fingerprint": dict(cur)}
+    assert "stale_reason" not in P.resumed({"fingerprint": dict(cur)}, new)
+    assert "nexus" in P.resumed({"fingerprint": {"nexus": "c" * 12}}, new)["stale_reason"]
+    assert "stale_reason" in P.resumed({"stale_reason": "old"}, new)
+
+
+def test_result_store_stamps_the_methods_of_its_cells(tmp_path, fresh_cache):
+    store = ResultStore(tmp_path / "x.json", "passkey")
+    store.put("a", {"method": "streaming"})
+    store.put("b", {"method": "full"})
+    store.stamp()
+    prov = json.loads((tmp_path / "x.json").read_text())["provenance"]
+    assert set(prov["fingerprint"]) == {"streaming", "full"} and "stale_reason" not in prov
+    assert prov["fingerprint"] == P.fingerprint(["streaming", "full"])
+    # a later run that extends the file keeps it fresh only while the code is the same
+    data = json.loads((tmp_path / "x.json").read_text())
+    data["provenance"]["fingerprint"]["streaming"] = "0" * 12
+    (tmp_path / "x.json").write_text(json.dumps(data))
+    store.stamp()
+    assert "streaming" in json.loads((tmp_path / "x.json").read_text())["provenance"]["stale_reason"]
+
+
+def _figure(root: Path, rel: str, prov):
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"x": 1, **({"provenance": prov} if prov is not None else {})}))
+
+
+def _doc(root: Path, rel: str, text: str):
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+def test_check_figures_flags_a_quoted_stale_figure_and_passes_fresh_ones(tmp_path):
+    cur = {"streaming": "a" * 12, "full": "b" * 12}
+    _figure(tmp_path, "figures/fresh.json", {"commit": "c", "fingerprint": dict(cur)})
+    _figure(tmp_path, "figures/sub/old.json", {"commit": "c", "fingerprint": {"streaming": "f" * 12}})
+    _figure(tmp_path, "figures/none.json", None)
+    _doc(tmp_path, "README.md", "Speed: see `figures/fresh.json`.\n")
+    _doc(tmp_path, "docs/a/b.md", "Nothing quoted here.\n")
+    res = check_figures.check(tmp_path, current=cur)
+    assert set(res["fresh"]) == {"figures/fresh.json"}
+    assert set(res["stale"]) == {"figures/sub/old.json", "figures/none.json"}
+    assert res["failing"] == []
+
+    _doc(tmp_path, "docs/a/b.md", "intro\nRetention 0.42 (figures/sub/old.json)\n")
+    res = check_figures.check(tmp_path, current=cur)
+    assert res["failing"] == [("figures/sub/old.json", "docs/a/b.md", 2)]
+    assert "figures/sub/old.json" in check_figures.report(res)
+
+    # a quote that tells the reader the figure is stale is listed, not failing
+    _doc(tmp_path, "docs/a/b.md", "Retention 0.42 (figures/sub/old.json, stale: before the fix)\n")
+    res = check_figures.check(tmp_path, current=cur)
+    assert res["failing"] == [] and res["quotes"]["figures/sub/old.json"] == [("docs/a/b.md", 1, True)]
+
+
+def test_check_figures_main_exit_code(tmp_path, monkeypatch):
+    monkeypatch.setattr(check_figures, "fingerprint", lambda: {"streaming": "a" * 12})
+    _figure(tmp_path, "figures/old.json", {"commit": "c", "fingerprint": {"streaming": "f" * 12}})
+    _doc(tmp_path, "docs/x.md", "figures/old.json says 3x\n")
+    assert check_figures.main(["--root", str(tmp_path)]) == 1
+    _doc(tmp_path, "docs/x.md", "no quote\n")
+    assert check_figures.main(["--root", str(tmp_path)]) == 0
+
+
+def test_generated_report_names_its_source_and_says_when_it_is_stale(tmp_path, fresh_cache):
+    from veloxquant_mlx.evaluation.report import _source_line
+
+    lines = []
+    _source_line(tmp_path, "speed", {"cells": {}}, lines)  # no provenance
+    fresh = {"provenance": {"commit": "abc", "date": "2026-12-01", "fingerprint": P.fingerprint(["streaming"])}}
+    _source_line(tmp_path, "passkey", fresh, lines)
+    path = (tmp_path / "speed.json").as_posix()
+    assert path in lines[0] and "stale" in lines[0]
+    assert (tmp_path / "passkey.json").as_posix() in lines[1] and "stale" not in lines[1]

@@ -1,0 +1,202 @@
+"""Provenance of a published figure: the commit and command that produced it, its date, and a
+behaviour fingerprint per method, so ``benchmark_scripts/check_figures.py`` can tell which figures
+the code has since moved away from.
+
+The fingerprint of a method is 12 hex digits of a sha256 over what the method does on a fixed tiny
+random llama (2 layers, 2 KV heads, fp32) and a fixed 512-token prompt at budget 192, run through
+mlx-lm's own ``generate_step`` with 40 greedy decode steps (so decode evicts too), in three
+settings: ``prompt_eviction="end"``, ``"stream"`` (128-token chunks) and ``allocation="ada"`` (or the refusal's text when the method
+refuses Ada-KV). Hashed: every layer's kept positions per head, the caches' allocated bytes, the
+generated tokens and their log-probabilities rounded to 0.01 (coarse on purpose: BLAS libraries sum
+in different orders, and a finer grid would flip a digit now and then; a real change moves the
+kept set or the tokens). ``"full"`` is mlx-lm's ``KVCache`` on the same run, the reference every
+figure compares against. One method per hash, so adding or changing one method leaves the other
+methods' figures valid. All methods take a few seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+FULL = "full"
+_PROMPT_LEN, _BUDGET, _DECODE, _CHUNK, _VOCAB = 512, 192, 40, 128, 128
+_REPO = Path(__file__).resolve().parents[2]
+_cache: dict = {}  # method -> hash, per process (the code does not change under a running process)
+
+
+def _tiny_model():
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(1234)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                           vocab_size=_VOCAB, max_position_embeddings=4096, tie_word_embeddings=False)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _prompt():
+    import numpy as np
+
+    return np.random.default_rng(1234).integers(0, _VOCAB, size=_PROMPT_LEN).tolist()
+
+
+def _run(model, caches, prefill_step: int) -> list:
+    """One generation through mlx-lm's generate_step: what the method kept, allocated and produced."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for tok, logprobs in generate_step(mx.array(_prompt()), model, prompt_cache=caches, max_tokens=_DECODE,
+                                       prefill_step_size=prefill_step):
+        lp = float(logprobs.astype(mx.float32)[int(tok)])
+        out.append([int(tok), round(lp, 2)])
+    for c in caches:
+        kept = getattr(c, "kept_positions", None)
+        pos = np.array(kept()).tolist() if kept is not None else int(c.offset)
+        out.append({"kept": pos, "nbytes": int(c.nbytes)})
+    return out
+
+
+def _settings(method: str):
+    """(name, KVCacheConfig or the reason it was refused, prefill step) for the three settings."""
+    from ..config import KVCacheConfig
+
+    for name, kw, step in (("end", {}, 2048), ("stream", {"prompt_eviction": "stream"}, _CHUNK),
+                           ("ada", {"allocation": "ada"}, 2048)):
+        try:
+            cfg = KVCacheConfig(method=method, budget=_BUDGET, seed=0, **kw)
+        except ValueError as e:  # a method that refuses Ada-KV: its refusal is behaviour
+            if name != "ada":
+                raise
+            cfg = f"ValueError: {e}"
+        yield name, cfg, step
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def method_fingerprint(method: str) -> str:
+    """The behaviour hash of one registered method (or ``"full"``, mlx-lm's KVCache)."""
+    if method in _cache:
+        return _cache[method]
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..builder import KVCacheBuilder
+
+    model = _tiny_model()
+    if method == FULL:
+        record = {"end": _run(model, make_prompt_cache(model), 2048)}
+    else:
+        record = {}
+        for name, cfg, step in _settings(method):
+            record[name] = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg), step)
+        KVCacheBuilder.uninstall(model)
+    _cache[method] = _digest(record)
+    return _cache[method]
+
+
+def all_methods() -> list:
+    from ..registry import methods
+
+    return [FULL, *methods()]
+
+
+def fingerprint(methods=None) -> dict:
+    """``{method: hash}`` for ``methods`` (labels allowed, see :func:`method_of`; default every
+    registered method and the full cache)."""
+    names = sorted({method_of(m) for m in (all_methods() if methods is None else methods)})
+    return {m: method_fingerprint(m) for m in names}
+
+
+def method_of(label: str) -> str:
+    """The registry method behind a figure's label: ``nexus-topk`` -> ``nexus``, ``snapkv-ada`` ->
+    ``snapkv`` (the longest registered name the label starts with); mlx-lm's own caches
+    (``kvcache``, ``rotating``) -> ``full``; anything else is returned as is."""
+    from ..registry import methods
+
+    if label in (FULL, "kvcache", "rotating"):
+        return FULL
+    hits = [m for m in methods() if label == m or label.startswith(m + "-")]
+    return max(hits, key=len) if hits else label
+
+
+def commit() -> str:
+    """HEAD of this checkout, with ``-dirty`` when tracked files differ from it (``unknown`` outside git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=_REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=_REPO, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def provenance(command: str, methods=None) -> dict:
+    """What a figure's JSON carries under ``"provenance"``."""
+    return {"commit": commit(), "command": command,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": fingerprint(methods)}
+
+
+def command_line() -> str:
+    """The running command as a user would type it (for ``provenance(command_line(), ...)``)."""
+    import shlex
+    import sys
+
+    argv = list(sys.argv)
+    if argv and argv[0].endswith("__main__.py"):
+        argv[0] = "-m " + Path(argv[0]).parent.name
+    elif argv:
+        try:
+            argv[0] = str(Path(argv[0]).resolve().relative_to(_REPO))
+        except ValueError:
+            pass
+    return "python " + " ".join(shlex.quote(a) if i else a for i, a in enumerate(argv))
+
+
+def stale_methods(stored: dict, current: dict | None = None) -> dict:
+    """``{method: why}`` for every method of a stored provenance whose hash no longer matches.
+
+    A provenance without a fingerprint, or with a ``stale_reason``, is stale as a whole (key ``"*"``)."""
+    if not isinstance(stored, dict):
+        return {"*": "no provenance"}
+    if stored.get("stale_reason"):
+        return {"*": stored["stale_reason"]}
+    fp = stored.get("fingerprint") or {}
+    if not fp:
+        return {"*": "no fingerprint"}
+    out = {}
+    for m, h in sorted(fp.items()):
+        now = (current or {}).get(m) if current is not None else None
+        if now is None:
+            try:
+                now = method_fingerprint(m)
+            except ValueError:  # no longer registered
+                out[m] = "method no longer registered"
+                continue
+        if now != h:
+            out[m] = f"fingerprint {h} -> {now}"
+    return out
+
+
+def resumed(old: dict | None, new: dict) -> dict:
+    """The provenance of a file that a run extended (resumable cells): ``new``, stale when the cells
+    it kept came from code whose fingerprint differs (or is unknown). Re-run into a fresh file to
+    clear it."""
+    why = stale_methods(old, new.get("fingerprint")) if old != new else {}
+    why = {m: w for m, w in why.items() if m == "*" or m in new.get("fingerprint", {})}
+    if why:
+        detail = why.get("*") or "; ".join(f"{m}: {w}" for m, w in why.items())
+        return {**new, "stale_reason": f"extends cells from other code ({detail})",
+                "resumed_from": (old or {}).get("commit")}
+    return new
