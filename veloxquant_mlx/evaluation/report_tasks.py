@@ -138,7 +138,8 @@ def load(dirs) -> dict:
         one = json.loads((Path(d) / "tasks.json").read_text())
         data["cells"].update(one.get("cells", {}))
         data["sources"].append({"path": str(Path(d) / "tasks.json"), "meta": one.get("meta", {}),
-                                "grid": one.get("grid", {}), "runs": one.get("runs", [])})
+                                "grid": one.get("grid", {}), "runs": one.get("runs", []),
+                                "provenance": one.get("provenance")})
         for m in one.get("grid", {}).get("methods", []):
             if m not in data["grid"]["methods"]:
                 data["grid"]["methods"].append(m)
@@ -154,7 +155,10 @@ def _source_lines(src: dict) -> list:
             f"prompt_eviction={meta.get('prompt_eviction')}, shared prefill={meta.get('shared_prefill')} "
             f"(plain path: {', '.join(meta.get('plain_path_methods', []))}), prefill step {meta.get('prefill_step')}, "
             f"OpenBLAS preloaded={m.get('openblas_preloaded')} ({m.get('openblas_num_threads')} threads), "
-            f"methods {', '.join(src['grid'].get('methods', []))}"]
+            f"methods {', '.join(src['grid'].get('methods', []))}; "
+            + (f"fingerprints {json.dumps(src['provenance'].get('fingerprint'))}"
+               + (f", STALE: {src['provenance']['stale_reason']}" if src["provenance"].get("stale_reason") else "")
+               if src.get("provenance") else "no provenance stamp")]
 
 
 def write_tasks_report(out_dir, md_path=None, inputs=None) -> Path:

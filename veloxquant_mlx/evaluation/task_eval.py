@@ -160,7 +160,7 @@ def _git(*args) -> str:
         return ""
 
 
-def provenance(args, desc: str) -> dict:
+def run_meta(args, desc: str) -> dict:
     return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
             "command": " ".join(sys.argv), "date": now(), "model": desc, "densities": list(args.densities),
             "prompt_eviction": args.prompt_eviction, "prefill_step": PREFILL_STEP,
@@ -179,7 +179,7 @@ def run(args) -> int:
     lengths = args.lengths or ([1024] if args.quick else PRIORITY["lengths"])
     cells = make_cells(tasks, lengths, args.n_prompts, args.densities, list(specs), args.start)
     store = ResultStore(f"{args.out_dir}/tasks.json", "tasks")
-    store.update_meta(meta={**provenance(args, desc), "quick": args.quick, "n_facts": args.n_facts,
+    store.update_meta(meta={**run_meta(args, desc), "quick": args.quick, "n_facts": args.n_facts,
                             "seed": args.seed},
                       grid={"tasks": tasks, "lengths": lengths, "n_prompts": args.n_prompts, "start": args.start,
                             "densities": list(args.densities), "methods": list(specs), "n_cells": len(cells)})
