@@ -156,9 +156,16 @@ def _source_lines(src: dict) -> list:
             f"(plain path: {', '.join(meta.get('plain_path_methods', []))}), prefill step {meta.get('prefill_step')}, "
             f"OpenBLAS preloaded={m.get('openblas_preloaded')} ({m.get('openblas_num_threads')} threads), "
             f"methods {', '.join(src['grid'].get('methods', []))}; "
-            + (f"fingerprints {json.dumps(src['provenance'].get('fingerprint'))}"
-               + (f", STALE: {src['provenance']['stale_reason']}" if src["provenance"].get("stale_reason") else "")
-               if src.get("provenance") else "no provenance stamp")]
+            + _staleness(src.get("provenance"))]
+
+
+def _staleness(prov) -> str:
+    """The source's fingerprints and, when the code has moved since, which rows are stale."""
+    from .provenance import stale_methods
+
+    why = stale_methods(prov)
+    text = f"fingerprints {json.dumps((prov or {}).get('fingerprint'))}"
+    return text + (f"; stale: {'; '.join(f'{m}: {w}' for m, w in why.items())}" if why else "; current")
 
 
 def write_tasks_report(out_dir, md_path=None, inputs=None) -> Path:
