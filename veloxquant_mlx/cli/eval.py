@@ -118,6 +118,13 @@ def add_parser(subparsers):
         p.add_argument("--no-report", action="store_true", help="do not regenerate the report after the run")
         p.set_defaults(func=_cmd(mod))
 
+    from ..evaluation import task_eval  # method x task x density through the generate path (its own module)
+
+    tk = sub.add_parser("tasks", help="follow-up turn and RULER-style tasks through the generate path")
+    task_eval.add_args(tk, _common)
+    tk.set_defaults(func=task_eval.cli_run)
+    task_eval.add_report_args(sub.add_parser("tasks-report", help="tables and figures from eval tasks runs"))
+
     rp = sub.add_parser("report", help="regenerate figures and docs/results.md from the JSON files")
     rp.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     rp.add_argument("--results-md", default=None)

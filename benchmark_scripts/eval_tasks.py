@@ -1,0 +1,16 @@
+"""Thin wrapper: `python benchmark_scripts/eval_tasks.py [--quick] [...]` ==
+`python -m veloxquant_mlx [--fast-blas] eval tasks ...` (see `--help`). Results go to figures/eval/tasks/tasks.json and
+<out-dir>/tasks.md is regenerated afterwards; finished cells are skipped on a re-run."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    pre = ["--fast-blas"] if "--fast-blas" in argv else []
+    argv = [a for a in argv if a != "--fast-blas"]
+    sys.exit(main(pre + ["eval", "tasks"] + argv))
