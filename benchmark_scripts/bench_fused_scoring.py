@@ -59,7 +59,7 @@ def main(argv=None):
     from veloxquant_mlx.models import load_model
 
     model, tok = load_model(None)
-    result = {"provenance": provenance(argv) | {"command": "python -m veloxquant_mlx._blas "
+    result = {"provenance": provenance(argv, ["full", "h2o"]) | {"command": "python -m veloxquant_mlx._blas "
                                                 "benchmark_scripts/bench_fused_scoring.py " + " ".join(argv)},
               "machine": machine_info(), "blas": blas_info(), "model": "bundled SmolLM2-135M (fp32)",
               "settings": {"density": a.density, "decode_tokens": a.decode, "rounds": a.rounds,

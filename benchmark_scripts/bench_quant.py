@@ -18,7 +18,9 @@ are meant to be quoted (a shared CPU).
     python -m veloxquant_mlx._blas benchmark_scripts/bench_quant.py --part speed
 
 Results: figures/memory/quant.json, figures/eval/quant_speed.json (resumable: finished runs are kept),
-each with provenance (commit, command, date, machine, BLAS).
+each with the project's provenance (commit, command, date, behaviour fingerprint of every label in
+the file; stale when a run extends rows of other code) and each run's machine and BLAS under
+``runs_provenance``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 MIB = 2**20
 
 
-def provenance() -> dict:
+def run_info() -> dict:
     from veloxquant_mlx._blas import blas_info
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -50,6 +52,16 @@ def provenance() -> dict:
     return {"commit": commit, "package_dirty": dirty, "command": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.platform(),
             "processor": platform.processor(), "blas": blas}
+
+
+def stamp(res: dict, labels):
+    """The figure's provenance over ``labels`` (every label it holds) plus this run's machine record."""
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance, resumed
+
+    new = provenance(command_line(), sorted({parse_label(lb)[0] for lb in labels}))
+    old = res.get("provenance")
+    res["provenance"] = new if old is None else resumed(old if isinstance(old, dict) else None, new)
+    res.setdefault("runs_provenance", []).append(run_info())
 
 
 def parse_label(label: str):
@@ -135,7 +147,7 @@ def run_memory(args):
     res.update({"what": "allocated KV through plain mlx_lm.generate (generate_step defaults), 20 % budget, "
                         "prompt_eviction='end'", "model": "SmolLM2-135M-Instruct (bundled GGUF, float32)",
                 "density": args.density, "max_tokens": args.max_tokens})
-    res.setdefault("provenance", []).append(provenance())
+    stamp(res, [k.split("|")[1] for k in res["runs"]] + args.labels)
     for n in args.contexts:
         prompt = _prompt(tokenizer, n)
         budget = max(int(round(args.density * n)), 1)
@@ -144,7 +156,7 @@ def run_memory(args):
             if key in res["runs"]:
                 continue
             r = measure_memory(model, prompt, label, budget, args.max_tokens)
-            r["commit"] = res["provenance"][-1]["commit"]
+            r["commit"] = res["runs_provenance"][-1]["commit"]
             res["runs"][key] = r
             derive(res)
             save(path, res)
@@ -167,7 +179,8 @@ def run_speed(args):
                         "generation_tps), alternating order per round; quote ratios only",
                 "model": "SmolLM2-135M-Instruct (bundled GGUF, float32)", "context": args.speed_context,
                 "density": args.density, "decode_tokens": args.decode_tokens})
-    res.setdefault("provenance", []).append(provenance())
+    methods = [k.split("|")[0] for k in res["runs"]] + args.speed_methods
+    stamp(res, methods + [m + "-4bit" for m in methods])
     prompt = _prompt(tokenizer, args.speed_context)
     budget = max(int(round(args.density * args.speed_context)), 1)
     for method in args.speed_methods:
@@ -247,7 +260,7 @@ def run_replay(args):
     real_runs = load(Path(args.out_memory))["runs"]  # the real generate runs (written by --part memory)
     path = Path(args.out_memory).with_name("quant_replay.json")
     res = load(path)
-    res.setdefault("provenance", []).append(provenance())
+    stamp(res, [k.split("|")[1] for k in res.get("replay", {})] + args.labels)
     shapes = {"layers": 30, "kv_heads": 3, "q_heads": 9, "head_dim": 64}  # SmolLM2-135M
     res["what"] = replay_bytes.__doc__.split("\n\n")[0].replace("\n", " ")
     res.setdefault("replay", {})

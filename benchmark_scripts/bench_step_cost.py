@@ -309,17 +309,12 @@ def summarize(setting, methods, variants):
     return out
 
 
-def provenance(argv):
-    import datetime
-    import subprocess
+def provenance(argv, labels):
+    """The project's provenance (commit, command, date, behaviour fingerprint of ``labels``)."""
+    from veloxquant_mlx.evaluation.provenance import provenance as project_provenance
 
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    dirty = bool(git("status", "--porcelain", "-uno"))
-    return {"commit": git("rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else ""),
-            "command": "python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py " + " ".join(argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return project_provenance("python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py "
+                              + " ".join(argv), labels)
 
 
 def table(path) -> str:
@@ -375,7 +370,7 @@ def main(argv=None):
     from veloxquant_mlx._blas import blas_info
     from veloxquant_mlx.evaluation.results import machine_info
 
-    result = {"provenance": provenance(argv), "machine": machine_info(), "blas": blas_info(),
+    result = {"provenance": provenance(argv, ["full"] + methods), "machine": machine_info(), "blas": blas_info(),
               "settings": {"density": a.density, "rounds": a.rounds, "steps": a.steps, "methods": methods,
                            "variants": variants, "prompt_eviction": "end (state synthesized, no prefill)"},
               "runs": []}

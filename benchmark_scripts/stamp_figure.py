@@ -8,6 +8,8 @@ into a temporary folder, with today's fingerprint code copied in), so a figure m
 since changed gets that code's hash and shows up stale in check_figures.py. When the fingerprint
 cannot be computed there (code older than the settings it runs), the figure gets a
 ``stale_reason`` instead. The figure's date defaults to C's commit date.
+What an older provenance recorded besides (machine, BLAS, its note, its commit as ``recorded_commit``)
+is kept; a writer's list of per-run records moves to ``runs_provenance``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ def fingerprint_at(rev: str, methods) -> tuple:
     return json.loads(r.stdout.strip().splitlines()[-1]), ""
 
 
+def merged(old, prov: dict) -> dict:
+    """The new provenance, keeping what an older one recorded besides it (machine, BLAS, a note, the
+    commit it named when that differs)."""
+    if not isinstance(old, dict):
+        return prov if old is None else {**prov, "before_stamp": old}
+    out = {**{k: v for k, v in old.items() if k not in ("fingerprint", "stale_reason")}, **prov}
+    if old.get("commit") and not str(prov["commit"]).startswith(str(old["commit"])[:12]):
+        out["recorded_commit"] = old["commit"]
+        if "dirty" in old:  # the old commit's state, not the stamped one's
+            out["recorded_dirty"] = out.pop("dirty")
+    if old.get("note"):
+        out["note"] = f"{prov['note']}. Recorded note: {old['note']}"
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("figures", nargs="+")
@@ -75,10 +92,13 @@ def main(argv=None) -> int:
         path = Path(f)
         text = path.read_text()
         data = json.loads(text)
-        data["provenance"] = prov
+        old = data.get("provenance")
+        if isinstance(old, list):  # a writer's per-run records (machine, BLAS): kept as data
+            data["runs_provenance"], old = old, None
+        data["provenance"] = merged(old, prov)
         indent = 2 if text.startswith("{\n  \"") else 1
         path.write_text(json.dumps(data, indent=indent) + "\n")
-        print(f"{f}: {json.dumps(prov)}")
+        print(f"{f}: {json.dumps(data['provenance'])[:300]}")
     return 0
 
 

@@ -134,3 +134,15 @@ def test_generated_report_names_its_source_and_says_when_it_is_stale(tmp_path, f
     path = (tmp_path / "speed.json").as_posix()
     assert path in lines[0] and "stale" in lines[0]
     assert (tmp_path / "passkey.json").as_posix() in lines[1] and "stale" not in lines[1]
+
+
+def test_stamp_keeps_what_an_older_provenance_recorded():
+    import stamp_figure
+
+    new = {"commit": "bbbbbbbbbbbb", "command": "c", "date": "d", "fingerprint": {"h2o": "x"}, "note": "stamped"}
+    old = {"commit": "aaaaaaaaaaaa", "dirty": True, "blas": "OpenBLAS", "note": "4K: round 1", "fingerprint": {}}
+    out = stamp_figure.merged(old, new)
+    assert out["fingerprint"] == {"h2o": "x"} and out["commit"] == "bbbbbbbbbbbb" and out["blas"] == "OpenBLAS"
+    assert out["recorded_commit"] == "aaaaaaaaaaaa" and out["recorded_dirty"] is True and "dirty" not in out
+    assert "4K: round 1" in out["note"] and out["note"].startswith("stamped")
+    assert stamp_figure.merged(None, new) == new
