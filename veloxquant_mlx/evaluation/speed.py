@@ -60,14 +60,15 @@ def prefill(model, x, caches, prefill_step: int):
     return last_prompt_step(model, x, caches)
 
 
-def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=()) -> list:
+def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=(), stop=None) -> list:
     """Token ids: ``y`` (the first new token, an mx scalar) and up to ``max_new_tokens - 1`` more
-    greedy single-token steps through ``caches``, stopping after an id in ``eos_ids``."""
+    greedy single-token steps through ``caches``, stopping after an id in ``eos_ids`` or once
+    ``stop(ids so far)`` is true."""
     import mlx.core as mx
 
     out = [int(y.item())]
     for _ in range(max_new_tokens - 1):
-        if out[-1] in eos_ids:
+        if out[-1] in eos_ids or (stop is not None and stop(out)):
             break
         logits = model(y.reshape(1, 1), cache=caches)
         y = mx.argmax(logits[0, -1], axis=-1)

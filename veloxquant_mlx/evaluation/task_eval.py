@@ -28,7 +28,7 @@ from .retrieval import FanOutCache, _arrays
 from .report_tasks import write_tasks_report
 from .results import (DEFAULT_OUT_DIR, FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches,
                       method_specs, now, quiet_cache_warnings, run_experiment)
-from .speed import feed_prompt, last_prompt_step
+from .speed import feed_prompt, greedy_continue, last_prompt_step
 from .task_prompts import continuation, reply_text, score
 from .tasks import TASKS, build
 
@@ -72,20 +72,11 @@ def number_done(text: str) -> bool:
 
 
 def greedy_until(model, tokenizer, caches, y, max_new_tokens: int, eos_ids=(), stop_after_number=False) -> list:
-    """Greedy decoding from the first new token ``y`` (an mx scalar), as ``speed.greedy_continue``,
+    """Greedy decoding from the first new token ``y`` (an mx scalar) by ``speed.greedy_continue``,
     also stopping once a "number" turn's first number is complete (only that number is scored; the
     reply ends there, as a short answer does)."""
-    import mlx.core as mx
-
-    out = [int(y.item())]
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:
-        if stop_after_number and number_done(tokenizer.decode(out)):
-            break
-        logits = model(y.reshape(1, 1), cache=caches)
-        y = mx.argmax(logits[0, -1], axis=-1)
-        mx.eval(y)
-        out.append(int(y.item()))
-    return out
+    stop = (lambda ids: number_done(tokenizer.decode(ids))) if stop_after_number else None
+    return greedy_continue(model, caches, y, max_new_tokens, eos_ids, stop=stop)
 
 
 def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
