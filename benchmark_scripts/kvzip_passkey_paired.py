@@ -55,6 +55,13 @@ def main() -> int:
         s = paired(runs["kvzip"], runs["kvzip-paper"])
         print(f"| kvzip vs kvzip-paper | {s['n']} | {s['both']} | {s['only_a']} | {s['only_b']} | "
               f"{s['neither']} | {fmt_p(s['p'])} |")
+    print("\nmean fraction of the needle's key tokens kept over (layer, head) pairs, by haystack")
+    for m in ("kvzip", "kvzip-paper"):
+        for hay in ("grass", "text"):
+            fr = [c["needle_kept_frac"] for c in new.values() if c.get("method") == m and c.get("haystack") == hay
+                  and "needle_kept_frac" in c and c.get("key") == "67767"]
+            if fr:
+                print(f"{m} {hay}: {sum(fr) / len(fr):.3f} over {len(fr)} prompts")
     print("\nper prompt (haystack, depth): kvzip / kvzip-paper / full (this run)")
     for k in sorted(prompts):
         print(k, *(runs[m].get(k, "-") for m in NEW))
