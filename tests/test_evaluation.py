@@ -359,3 +359,13 @@ def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
     (tmp_path / "passkey.json").write_text(json.dumps(data))
     text = report.write_report(tmp_path, tmp_path / "r.md").read_text()
     assert "| grass:0.5 | 47 ± 5 | 70 ± 5 |" in text  # the one rendered-markdown check (a snapshot row)
+
+
+def test_passkey_out_name_writes_its_own_file(tmp_path):
+    out = tmp_path / "eval"
+    _run("eval", "passkey", "--quick", "--out-dir", str(out), "--no-progress", "--no-report", "--methods", "full",
+         "--contexts", "640", "--depths", "0.5", "--n-keys", "1", "--regimes", "prefill",
+         "--out-name", "study.json")
+    assert not (out / "passkey.json").exists()
+    data = json.loads((out / "study.json").read_text())
+    assert len(data["cells"]) == 1 and "provenance" in data

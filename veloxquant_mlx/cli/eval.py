@@ -85,6 +85,8 @@ def add_parser(subparsers):
     pk.add_argument("--regimes", nargs="+", choices=["prefill", "decode"], default=None)
     pk.add_argument("--depths", type=float, nargs="+", default=None)
     pk.add_argument("--n-keys", type=int, default=3)
+    pk.add_argument("--out-name", default="passkey.json",
+                    help="result file inside --out-dir (a separate study keeps the published grid untouched)")
     pk.add_argument("--seeds", type=int, nargs="+", default=None, help="Nexus reservoir seeds (custom grid)")
     pk.add_argument("--chunk", type=int, default=256, help="prefill chunk of the prefill + decode regime")
     pk.add_argument("--max-new-tokens", type=int, default=8)

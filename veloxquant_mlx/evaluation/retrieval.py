@@ -299,7 +299,7 @@ def run(args) -> int:
             "stage_counts": {st["name"]: sum(1 for _, p in cells if p["stage"] == st["name"]) for st in plan},
             "needles": {"grass": "The pass key is N. Remember it. N is the pass key.",
                                                "text": MAGIC_NEEDLE.format(key="N").strip()}}
-    store = ResultStore(f"{args.out_dir}/passkey.json", "passkey")
+    store = ResultStore(f"{args.out_dir}/{getattr(args, 'out_name', 'passkey.json')}", "passkey")
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
     prompts = {}
     eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
