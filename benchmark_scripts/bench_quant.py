@@ -74,17 +74,12 @@ def parse_label(label: str):
 
 
 def make_caches(model, label: str, budget: int):
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.caches.quant import model_caches
 
     method, extra = parse_label(label)
     if method == "kvcache":
-        caches = make_prompt_cache(model)
-        if "kv_bits" in extra:
-            caches = [QuantizedKVCache(group_size=64, bits=extra["kv_bits"]) if type(c) is KVCache else c
-                      for c in caches]
-        return caches
+        return model_caches(model, extra.get("kv_bits"))
     return KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=budget, **extra))
 
 

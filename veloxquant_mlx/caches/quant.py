@@ -94,3 +94,14 @@ def empty_rows(B: int, H: int, n: int, D: int, dtype, bits: int | None, group_si
         return mx.zeros((B, H, n, D), dtype)
     return (mx.zeros((B, H, n, D * bits // 32), mx.uint32), mx.zeros((B, H, n, D // group_size), dtype),
             mx.zeros((B, H, n, D // group_size), dtype))
+
+
+def model_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    """The model's own caches (no eviction); with ``kv_bits``, mlx-lm's ``QuantizedKVCache`` on the
+    layers that would hold a plain ``KVCache`` (sliding-window layers keep theirs)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    if kv_bits is None:
+        return caches
+    return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c for c in caches]

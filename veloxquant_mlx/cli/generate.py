@@ -10,6 +10,7 @@ from .. import distributed
 from .._blas import blas_hint
 from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
+from ..caches.quant import model_caches
 from ..registry import FULL
 from .args import (add_cache_args, config_from_args, fmt_bytes, load_compressed_document, load_model_for_cli,
                    question_tokens)
@@ -28,17 +29,13 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
     to continue instead (a loaded prompt cache)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
     if caches is None and config is not None:
         caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)
     elif caches is None:
-        caches = make_prompt_cache(model)
-        if kv_bits is not None:
-            caches = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
-                      for c in caches]
+        caches = model_caches(model, kv_bits, kv_group_size)
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .._blas import openblas_preloaded
 from ..builder import KVCacheBuilder
+from ..caches.quant import model_caches
 from ..config import KVCacheConfig
 from ..registry import FULL, get_method, methods
 
@@ -125,13 +126,8 @@ _CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4}, "-8bit": {"kv_bits": 8}, "-nocap": 
 def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
     """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
     ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
-    if spec.method is None:
-        caches = make_prompt_cache(model)
-        if spec.kv_bits is not None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
-            caches = [QuantizedKVCache(group_size=64, bits=spec.kv_bits) if type(c) is KVCache else c for c in caches]
-        return caches
+    if spec.method is None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
+        return model_caches(model, spec.kv_bits)
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
                            allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
     return KVCacheBuilder.for_model(model, config)
