@@ -535,8 +535,12 @@ def driver_main(args) -> int:
                 out = tmp / f"round{r}-{T}-{pkg}.json"
                 cmd = [pythons[pkg], str(Path(__file__).resolve()), "--worker", pkg, "--out", str(out),
                        "--steps", str(args.steps), "--lengths", str(T), "--methods", *args.methods]
-                # cwd outside the repo: the origin worker must not see our package on sys.path
-                subprocess.run(cmd, env=env, cwd=str(tmp), check=True)
+                # cwd outside the repo: the origin worker must not see our package on sys.path; ours'
+                # worker imports this checkout (PYTHONPATH), not whatever editable install pip points at
+                wenv = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+                if pkg == "ours":
+                    wenv["PYTHONPATH"] = str(REPO)
+                subprocess.run(cmd, env=wenv, cwd=str(tmp), check=True)
                 got = json.loads(out.read_text())
                 rec[pkg]["info"] = got["info"]
                 rec[pkg]["results"].update(got["results"])

@@ -205,7 +205,7 @@ def run(args) -> int:
     groups = [("core", n, core) for n in contexts]
     if not args.methods and not args.contexts:
         others = [m for m in specs if m not in (FULL, "nexus")]
-        groups.append(("others", contexts[0], ["kvcache"] + others))
+        groups.append(("others", contexts[0], ["kvcache", "rotating"] + others))  # rotating: the limit
     cells = []
     for k, (g, n, names) in enumerate(groups):
         p = {"group": g, "context": n, "caches": names, "rotate": k}
