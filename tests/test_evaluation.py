@@ -390,6 +390,14 @@ def test_speed_table_limit_column_pairs_rounds():
     assert lines[4].startswith("| h2o |")
     assert row[head.index("1K ×limit")] == "1.00× [0.50–2.00]"
     assert lines[3].split(" | ")[head.index("1K ×limit")] == "1.00× [1.00–1.00]"
+    # CPU time recorded by both: the ratio uses it (the wall clock mostly measures the machine's load)
+    for m in med.values():
+        for i, seg in enumerate(m["segments"]):
+            seg["decode_cpu_tps"] = 3.0 if m is med[("h2o", 1024)] else 4.0
+    assert limit_ratios(med[("h2o", 1024)], med[("rotating", 1024)]) == [0.75, 0.75, 0.75]
+    lines = []
+    _speed_block(med, lines, [1024], ["kvcache", "rotating", "h2o"], with_peak=False)
+    assert "1K ×limit (CPU time)" in lines[0] and "| 0.75× [0.75–0.75] |" in lines[4]
     # no limit cache in the run: no ×limit column at all
     lines = []
     _speed_block({k: v for k, v in med.items() if k[0] != "rotating"}, lines, [1024], ["kvcache", "h2o"],

@@ -91,10 +91,16 @@ def speed_summary(data, group: str = "core") -> dict:
 
 
 def limit_ratios(m, limit) -> list:
-    """Per-round decode tok/s of one cache over the limit's (RotatingKVCache at the same budget), paired
-    by round: segment r of both was decoded in the same interleaved round."""
+    """Per-round decode speed of one cache over the limit's (RotatingKVCache at the same budget), paired
+    by round: segment r of both was decoded in the same interleaved round. By CPU time where both runs
+    recorded it (a shared machine's wall clock measures the share of the cores a run got), else wall."""
     a, b = (m or {}).get("segments") or [], (limit or {}).get("segments") or []
-    return [x["decode_tps"] / y["decode_tps"] for x, y in zip(a, b)]
+    key = "decode_cpu_tps" if all(s.get("decode_cpu_tps") for s in a + b) else "decode_tps"
+    return [x[key] / y[key] for x, y in zip(a, b)]
+
+
+def _cpu_timed(med, ctxs) -> bool:
+    return all(s.get("decode_cpu_tps") for (c, n), m in med.items() if n in ctxs for s in m.get("segments") or [])
 
 
 def _ratio_cell(rs) -> str:
@@ -108,7 +114,8 @@ def _ratio_cell(rs) -> str:
 def _speed_block(med, lines, ctxs, caches, with_peak=True):
     mib = 1024 * 1024
     has_limit = any(("rotating", n) in med for n in ctxs)
-    lim_cols = [f"{_ctx_label(n)} ×limit" for n in ctxs] if has_limit else []
+    tag = " (CPU time)" if _cpu_timed(med, ctxs) else ""
+    lim_cols = [f"{_ctx_label(n)} ×limit{tag}" for n in ctxs] if has_limit else []
     lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} decode tok/s" for n in ctxs) + " | " +
                  " | ".join(f"{_ctx_label(n)} ×KVCache" for n in ctxs) + " | " +
                  "".join(f"{c} | " for c in lim_cols) + "prefill tok/s " +
@@ -185,8 +192,9 @@ def _speed_tables(data, lines, figs_dir, figures):
                  f"{g.get('repeats', 0) * seg if isinstance(seg, int) else '?'} decoded tokens per cache. "
                  f"Eviction budget = {g.get('density', 0.2):.0%} of the prompt; `rotating` = mlx-lm "
                  "RotatingKVCache(max_size=budget, keep=4), the limit: a cache of that many rows that does "
-                 "nothing else; ×limit = decode tok/s over `rotating`'s, paired per round: median [min–max] over "
-                 "rounds. Allocated KV = `sum(c.nbytes)` over all 30 layers: "
+                 "nothing else; ×limit = decode speed over `rotating`'s, paired per round: median [min–max] over "
+                 "rounds, by this process's CPU time when the run recorded it (tok/s columns: wall clock). "
+                 "Allocated KV = `sum(c.nbytes)` over all 30 layers: "
                  "every array the caches hold, capacity included (mlx-lm's caches by their own `nbytes`), after "
                  "prefill → at the end of decode; kept = K/V bytes of the kept rows only. Prefill peak Δ = "
                  "`mx.get_peak_memory()` during that cache's prefill minus the active memory before it (weights "
