@@ -39,8 +39,8 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, k_pos:
     queries (B, Hq, S, D) at positions ``q_start .. q_start+S-1``; keys / values (B, Hkv, N, D) whose
     last S rows are those positions (the rows just appended); k_pos (B, Hkv, N) absolute key positions
     (padding rows carry a large position, so they are hidden). Sub-block j reads only key rows
-    ``[0, N - S + end_j)``: for a chunk as long as the rows before it, about a third fewer scores than
-    a full (S x N) pass, which MLX's CPU kernel computes before masking. Same weights as
+    ``[0, N - S + end_j)``: about S²/2 fewer scores than the full (S x N) pass MLX's CPU kernel computes
+    before masking (half of a first chunk's, an eighth of a chunk behind 3 S rows). Same weights as
     :func:`window_attention_probs`; returns (B, Hq, S, Dv) in the queries' dtype."""
     B, Hq, S, D = queries.shape
     N = keys.shape[2]
