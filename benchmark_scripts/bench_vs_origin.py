@@ -400,7 +400,7 @@ def _recheck_lines(rc, budget_note=True):
            f"(`--methods kvcache nestedkv --lengths {' '.join(map(str, L))} --rounds {rc['rounds']} "
            f"--out figures/origin_compare_nestedkv.json`, {when}), per round (median in bold): ours ÷ origin, "
            f"the same ratio for mlx-lm's `KVCache` as the noise floor, and ours' NestedKV prefill ÷ ours' "
-           f"`KVCache` prefill (same worker: what NestedKV adds to an exact prefill):", "",
+           f"`KVCache` prefill (same worker):", "",
            "| prompt | NestedKV prefill | NestedKV prefill + end step | NestedKV decode | `KVCache` prefill "
            "| ours: NestedKV ÷ `KVCache` prefill |",
            "|---|---|---|---|---|---|"]
