@@ -42,7 +42,7 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, k_pos:
     ``[0, N - S + end_j)``: about S²/2 fewer scores than the full (S x N) pass MLX's CPU kernel computes
     before masking (half of a first chunk's, an eighth of a chunk behind 3 S rows). Same weights as
     :func:`window_attention_probs`; returns (B, Hq, S, Dv) in the queries' dtype."""
-    B, Hq, S, D = queries.shape
+    B, Hq, S, _ = queries.shape
     N = keys.shape[2]
     q = group_queries(queries, keys.shape[1])
     q_pos = mx.arange(q_start, q_start + S, dtype=mx.int32)
