@@ -5,17 +5,22 @@ mlx-lm batches sequences by merging their per-layer caches (``type(c).merge([...
 layer once over the batch, filters finished rows out and extends the batch with new ones. Eviction
 state (kept positions, scores, reservoir RNG, query window, counters) belongs to one sequence, and
 sequences of different lengths evict at different times, so :class:`BatchEvictionCache` keeps one
-single-row :class:`~veloxquant_mlx.caches.base.EvictionCache` per sequence and makes them look like
-one batch cache:
+single-row :class:`~veloxquant_mlx.caches.base.EvictionCache` per sequence for that state, while the
+keys and values of every row live in one (B, H, capacity, D) buffer per layer
+(``caches.batch_storage.BatchRows``):
 
-* ``update_and_fetch`` hands each row its own new keys/values (dropping the padding mlx-lm adds to
-  prompts of different lengths), lets that row's cache store/evict exactly as it would alone, and
-  returns the rows left-padded to the longest one;
+* ``update_and_fetch`` runs each row's own policy on its real new tokens (dropping the padding mlx-lm
+  adds to prompts of different lengths) and records them in the row's positions; in decode the batch
+  writes every row's token into the buffer with one slice assignment and returns a view of it, left
+  padded to the row that keeps most (no per-step copy of the batch's rows);
+* each row reads its kept rows as a view of the buffer (``row.keys``), so it scores and evicts exactly
+  as it would alone; an eviction gives the row its own buffer of kept rows, which the next step writes
+  back into that row's slice of the batch buffer (that row only);
 * the query tap (``veloxquant_mlx.tap``) gives each row its own queries and asks this cache for the
   layer's mask, which hides every row's padding and is causal by each row's own positions.
 
 So every row holds exactly what it would hold generating alone, and greedy tokens match a
-stand-alone run (tests/test_batching.py). The loop is over batch rows only (never heads or tokens),
+stand-alone run (tests/test_batching.py). The loops are over batch rows only (never heads or tokens),
 with Python-int bookkeeping and no host synchronization in ``update_and_fetch``.
 
 A cache can batch when the query tap reaches it (per-layer masks need it) and it holds a single
@@ -35,8 +40,13 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .quant import empty_rows, rows_map, rows_zip
-from .storage import PAD_POSITION
+from .batch_storage import BatchRows
+from .quant import buf_nbytes, quantize_rows, rows_map
+from .storage import PAD_POSITION, with_headroom
+
+# Free columns a new batch buffer gets (EvictionCache.decode_step): a copy of the batch's rows every
+# HEADROOM decode steps, whatever the batch size.
+HEADROOM = 64
 
 
 def unbatchable_reason(cache):
@@ -65,22 +75,9 @@ class BatchMerge:
         return BatchEvictionCache.merge
 
 
-def _pad_left_part(x: mx.array, rows: int) -> mx.array:
-    r = x.shape[2]
-    if r == rows:
-        return x
-    pad = mx.zeros((x.shape[0], x.shape[1], rows - r, x.shape[3]), x.dtype)
-    return mx.concatenate([pad, x], axis=2) if r else pad
-
-
-def _pad_left(x, rows: int):
-    """(1, H, r, D) -> (1, H, rows, D) with zero rows in front (each part of quantized rows alike:
-    zero words, scales and biases dequantize to 0, and the mask hides them anyway)."""
-    return rows_map(lambda a: _pad_left_part(a, rows), x)
-
-
 class BatchEvictionCache(_BaseCache):
-    """One layer's cache for a batch of sequences: a single-row EvictionCache per sequence.
+    """One layer's cache for a batch of sequences: a single-row EvictionCache per sequence (its eviction
+    state) and one key/value buffer for the batch (module docstring).
 
     Built by ``EvictionCache.merge``; mlx-lm drives it through ``prepare`` / ``finalize`` (padding
     of prompts of different lengths), ``filter`` / ``extend`` (rows leaving and joining) and
@@ -97,6 +94,13 @@ class BatchEvictionCache(_BaseCache):
         self._skip = [0] * len(self.rows)
         self._rpad = None  # right padding announced without lengths: resolved at the next update
         self._step = None  # (spans, fetched row counts, ragged) of the last update_and_fetch
+        self._kv = BatchRows(HEADROOM)
+        self._kv.n = [0] * len(self.rows)
+        # The (keys, values) views handed to each row. A row whose keys are not its view holds its own
+        # buffer (it joined with its rows, or evicted since): the next update writes it into the batch.
+        self._views = [None] * len(self.rows)
+        for r in self.rows:
+            r.kv_external = True
         self._sync_bits()
 
     def _sync_bits(self):
@@ -129,7 +133,7 @@ class BatchEvictionCache(_BaseCache):
         rows = []
         for c in caches:
             if isinstance(c, BatchEvictionCache):
-                rows.extend(copy.deepcopy(c.rows))
+                rows.extend(c.extract(i) for i in range(len(c.rows)))
                 continue
             cls._check_row(c)
             row = copy.deepcopy(c)
@@ -142,24 +146,76 @@ class BatchEvictionCache(_BaseCache):
     def filter(self, batch_indices):
         """Keep only the rows at ``batch_indices`` (in that order)."""
         idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        synced = [self._synced(i) for i in idx]
+        self._kv.filter(idx)
         self.rows = [self.rows[i] for i in idx]
+        self._views = [self._views[i] for i in idx]
         self._todo = [self._todo[i] for i in idx]
         self._skip = [self._skip[i] for i in idx]
         self._step = None
+        self._bind([i for i, ok in enumerate(synced) if ok])
 
     def extend(self, other):
         """Append ``other``'s rows (another BatchEvictionCache) after ours."""
         if not isinstance(other, BatchEvictionCache):
             raise TypeError(f"cannot extend a BatchEvictionCache with {type(other).__name__}")
+        synced = [self._synced(i) for i in range(len(self.rows))] + [other._synced(i) for i in range(len(other.rows))]
+        self._kv.extend(other._kv)
         self.rows.extend(other.rows)
+        self._views.extend(other._views)
         self._todo.extend(other._todo)
         self._skip.extend(other._skip)
         self._step = None
+        self._bind([i for i, ok in enumerate(synced) if ok])
         self._sync_bits()
 
     def extract(self, idx: int):
-        """An independent copy of row ``idx``'s cache (the batch keeps using its own)."""
-        return copy.deepcopy(self.rows[idx])
+        """An independent copy of row ``idx``'s cache with its own storage (the batch keeps its own)."""
+        row = self.rows[idx]
+        if not self._synced(idx) or row.positions is None:
+            out = copy.deepcopy(row)
+        else:
+            held = row.keys, row.values
+            extra = row.positions.shape[2] - row._rows  # a lone row's buffers match its positions' capacity
+            row.keys, row.values = (rows_map(lambda a: with_headroom(a, extra), buf) for buf in held)
+            try:
+                out = copy.deepcopy(row)
+            finally:
+                row.keys, row.values = held
+        out.kv_external = False
+        return out
+
+    # -- the rows' views of the batch buffer ----------------------------------------------------
+    def _synced(self, i: int) -> bool:
+        """Row i's keys/values are its view of the batch buffer (or it holds nothing yet)."""
+        row, view = self.rows[i], self._views[i]
+        return row.positions is None if view is None else row.keys is view[0]
+
+    def _bind(self, rows) -> None:
+        """Hand each row in ``rows`` fresh views of its rows in the batch buffer. Every step rebinds
+        every row, so no view of an older buffer outlives the step (a live view would make the next
+        in-place write copy the buffer)."""
+        for i in rows:
+            row = self.rows[i]
+            if row.positions is None:  # nothing stored yet (only padding so far)
+                self._views[i] = None
+                continue
+            self._views[i] = view = self._kv.row(i)
+            row.keys, row.values = view
+
+    def _held(self, i: int, n: int):
+        """Row i's rows before this step's tokens (n of them) as stored parts: its batch view, or its
+        own buffer's first n rows."""
+        if n == 0:
+            return [], []
+        row = self.rows[i]
+        if self._synced(i):
+            if self._kv.n[i] != n:
+                raise RuntimeError(f"batch row {i} holds {self._kv.n[i]} rows in the batch buffer, its cache {n}")
+            k, v = self._kv.row(i)
+        else:
+            k, v = (rows_map(lambda a: a[:, :, :n], buf) for buf in (row.keys, row.values))
+        return [k], [v]
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         """Announce the padding of the next prompt: ``right_padding`` (with each row's real
@@ -208,32 +264,46 @@ class BatchEvictionCache(_BaseCache):
         if B != len(self.rows):
             raise ValueError(f"keys hold {B} sequences but the batch cache has {len(self.rows)} rows")
         spans = self._spans(S)
-        ks, vs, counts, ragged = [], [], [], False
+        held = []  # per row: rows stored before this step's tokens
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
-            if n == 0:  # nothing real for this row in this call (its outputs are discarded)
-                ks.append(empty_rows(1, H, 0, keys.shape[3], keys.dtype, row.kv_bits, row.kv_group_size))
-                vs.append(empty_rows(1, H, 0, values.shape[3], values.dtype, row.kv_bits, row.kv_group_size))
-                counts.append(0)
-                continue
-            k, v = keys, values
-            if B > 1 or a or n != S:
-                k, v = keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n]
-            if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
-                row.input_span = (i, a, n)
-            k, v = row.update_and_fetch(k, v)
-            ks.append(k)
-            vs.append(v)
-            counts.append((k[0] if isinstance(k, tuple) else k).shape[2])
-            ragged = ragged or row.fetched_ragged
-        self._step = (spans, counts, ragged)
-        if B == 1:
-            return ks[0], vs[0]
-        R = max(counts)
-
-        def cat(*parts):
-            return mx.concatenate(parts, axis=0)
-
-        return (rows_zip(cat, *[_pad_left(k, R) for k in ks]), rows_zip(cat, *[_pad_left(v, R) for v in vs]))
+            if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
+                k, v = (keys, values) if (B == 1 and n == S) else (keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
+                if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
+                    row.input_span = (i, a, n)
+                row._check_kv(k, v)
+                row._before_append(n)
+            held.append(row._rows)
+            if n:
+                row._append(k, v)
+        bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
+        qk, qv = quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs)  # per row as alone: per group
+        kv = self._kv
+        if kv.keys is not None and all(a == 0 and n == S for a, n in spans) and max(held) <= kv.end:
+            # Decode (every row one real token): rows that evicted since the last step write their kept
+            # rows into their own slice, then one slice assignment stores the batch's new tokens.
+            for i in range(len(self.rows)):
+                if not self._synced(i):
+                    (k,), (v,) = self._held(i, held[i]) if held[i] else ((None,), (None,))
+                    kv.put_row(i, k, v, held[i])
+            kv.append_all(qk, qv)
+        else:  # prompt chunks of different lengths, rows that joined: one copy of the batch
+            parts_k, parts_v = [], []
+            for i, (a, n) in enumerate(spans):
+                pk, pv = self._held(i, held[i])
+                if n:
+                    pk.append(rows_map(lambda x: x[i:i + 1, :, a:a + n], qk))
+                    pv.append(rows_map(lambda x: x[i:i + 1, :, a:a + n], qv))
+                parts_k.append(pk)
+                parts_v.append(pv)
+            kv.rebuild(parts_k, parts_v, qk, qv)
+        self._bind(range(len(self.rows)))
+        ragged = False
+        for row in self.rows:
+            if row.positions is not None:
+                row.note_fetched()
+                ragged = ragged or row.fetched_ragged
+        self._step = (spans, list(kv.n), ragged)
+        return kv.fetch()
 
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
@@ -326,8 +396,10 @@ class BatchEvictionCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes every row's cache holds (allocated, not just kept)."""
-        return sum(r.nbytes for r in self.rows)
+        """Bytes the batch buffer and every row's own state hold (allocated, not just kept)."""
+        views = sum(buf_nbytes(r.keys) + buf_nbytes(r.values)
+                    for i, r in enumerate(self.rows) if self._synced(i))
+        return self._kv.nbytes + sum(r.nbytes for r in self.rows) - views
 
     def is_trimmable(self) -> bool:
         return False
