@@ -94,13 +94,7 @@ class BatchEvictionCache(_BaseCache):
         self._skip = [0] * len(self.rows)
         self._rpad = None  # right padding announced without lengths: resolved at the next update
         self._step = None  # (spans, fetched row counts, ragged) of the last update_and_fetch
-        self._kv = BatchRows(HEADROOM)
-        self._kv.n = [0] * len(self.rows)
-        # The (keys, values) views handed to each row. A row whose keys are not its view holds its own
-        # buffer (it joined with its rows, or evicted since): the next update writes it into the batch.
-        self._views = [None] * len(self.rows)
-        for r in self.rows:
-            r.kv_external = True
+        self._kv = BatchRows(self.rows, HEADROOM)  # every row's keys and values (caches.batch_storage)
         self._sync_bits()
 
     def _sync_bits(self):
@@ -146,33 +140,27 @@ class BatchEvictionCache(_BaseCache):
     def filter(self, batch_indices):
         """Keep only the rows at ``batch_indices`` (in that order)."""
         idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
-        synced = [self._synced(i) for i in idx]
-        self._kv.filter(idx)
         self.rows = [self.rows[i] for i in idx]
-        self._views = [self._views[i] for i in idx]
+        self._kv.filter(idx, self.rows)
         self._todo = [self._todo[i] for i in idx]
         self._skip = [self._skip[i] for i in idx]
         self._step = None
-        self._bind([i for i, ok in enumerate(synced) if ok])
 
     def extend(self, other):
         """Append ``other``'s rows (another BatchEvictionCache) after ours."""
         if not isinstance(other, BatchEvictionCache):
             raise TypeError(f"cannot extend a BatchEvictionCache with {type(other).__name__}")
-        synced = [self._synced(i) for i in range(len(self.rows))] + [other._synced(i) for i in range(len(other.rows))]
-        self._kv.extend(other._kv)
-        self.rows.extend(other.rows)
-        self._views.extend(other._views)
+        self.rows = self.rows + other.rows
+        self._kv.extend(other._kv, self.rows)
         self._todo.extend(other._todo)
         self._skip.extend(other._skip)
         self._step = None
-        self._bind([i for i, ok in enumerate(synced) if ok])
         self._sync_bits()
 
     def extract(self, idx: int):
         """An independent copy of row ``idx``'s cache with its own storage (the batch keeps its own)."""
         row = self.rows[idx]
-        if not self._synced(idx) or row.positions is None:
+        if not self._kv.synced(idx) or row.positions is None:
             out = copy.deepcopy(row)
         else:
             held = row.keys, row.values
@@ -184,38 +172,6 @@ class BatchEvictionCache(_BaseCache):
                 row.keys, row.values = held
         out.kv_external = False
         return out
-
-    # -- the rows' views of the batch buffer ----------------------------------------------------
-    def _synced(self, i: int) -> bool:
-        """Row i's keys/values are its view of the batch buffer (or it holds nothing yet)."""
-        row, view = self.rows[i], self._views[i]
-        return row.positions is None if view is None else row.keys is view[0]
-
-    def _bind(self, rows) -> None:
-        """Hand each row in ``rows`` fresh views of its rows in the batch buffer. Every step rebinds
-        every row, so no view of an older buffer outlives the step (a live view would make the next
-        in-place write copy the buffer)."""
-        for i in rows:
-            row = self.rows[i]
-            if row.positions is None:  # nothing stored yet (only padding so far)
-                self._views[i] = None
-                continue
-            self._views[i] = view = self._kv.row(i)
-            row.keys, row.values = view
-
-    def _held(self, i: int, n: int):
-        """Row i's rows before this step's tokens (n of them) as stored parts: its batch view, or its
-        own buffer's first n rows."""
-        if n == 0:
-            return [], []
-        row = self.rows[i]
-        if self._synced(i):
-            if self._kv.n[i] != n:
-                raise RuntimeError(f"batch row {i} holds {self._kv.n[i]} rows in the batch buffer, its cache {n}")
-            k, v = self._kv.row(i)
-        else:
-            k, v = (rows_map(lambda a: a[:, :, :n], buf) for buf in (row.keys, row.values))
-        return [k], [v]
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         """Announce the padding of the next prompt: ``right_padding`` (with each row's real
@@ -276,34 +232,15 @@ class BatchEvictionCache(_BaseCache):
             if n:
                 row._append(k, v)
         bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
-        qk, qv = quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs)  # per row as alone: per group
-        kv = self._kv
-        if kv.keys is not None and all(a == 0 and n == S for a, n in spans) and max(held) <= kv.end:
-            # Decode (every row one real token): rows that evicted since the last step write their kept
-            # rows into their own slice, then one slice assignment stores the batch's new tokens.
-            for i in range(len(self.rows)):
-                if not self._synced(i):
-                    (k,), (v,) = self._held(i, held[i]) if held[i] else ((None,), (None,))
-                    kv.put_row(i, k, v, held[i])
-            kv.append_all(qk, qv)
-        else:  # prompt chunks of different lengths, rows that joined: one copy of the batch
-            parts_k, parts_v = [], []
-            for i, (a, n) in enumerate(spans):
-                pk, pv = self._held(i, held[i])
-                if n:
-                    pk.append(rows_map(lambda x: x[i:i + 1, :, a:a + n], qk))
-                    pv.append(rows_map(lambda x: x[i:i + 1, :, a:a + n], qv))
-                parts_k.append(pk)
-                parts_v.append(pv)
-            kv.rebuild(parts_k, parts_v, qk, qv)
-        self._bind(range(len(self.rows)))
+        # every row's tokens quantized at once: the same as row by row (groups lie along head_dim)
+        self._kv.store(spans, held, quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs))
         ragged = False
         for row in self.rows:
             if row.positions is not None:
                 row.note_fetched()
                 ragged = ragged or row.fetched_ragged
-        self._step = (spans, list(kv.n), ragged)
-        return kv.fetch()
+        self._step = (spans, list(self._kv.n), ragged)
+        return self._kv.fetch()
 
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
@@ -396,10 +333,8 @@ class BatchEvictionCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the batch buffer and every row's own state hold (allocated, not just kept)."""
-        views = sum(buf_nbytes(r.keys) + buf_nbytes(r.values)
-                    for i, r in enumerate(self.rows) if self._synced(i))
-        return self._kv.nbytes + sum(r.nbytes for r in self.rows) - views
+        """Bytes the batch buffers and every row's own state hold (allocated, not just kept)."""
+        return self._kv.nbytes + sum(r.nbytes - buf_nbytes(r.keys) - buf_nbytes(r.values) for r in self.rows)
 
     def is_trimmable(self) -> bool:
         return False

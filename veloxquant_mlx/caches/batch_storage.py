@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .quant import rows_map, rows_zip
+from .quant import buf_nbytes, rows_map, rows_zip
 from .storage import with_headroom
 
 
@@ -42,11 +42,17 @@ def _write(buf, index, rows) -> None:
 class BatchRows:
     """The keys and values of B sequences, right-aligned at a shared end column (module docstring)."""
 
-    def __init__(self, headroom: int):
+    def __init__(self, rows: list, headroom: int):
         self.keys = self.values = None
         self.end = 0
-        self.n: list[int] = []  # kept rows of each sequence held here
+        self.rows = rows  # the row caches (EvictionCache), shared with the BatchEvictionCache
+        self.n: list[int] = [0] * len(rows)  # kept rows of each sequence held here
         self.headroom = headroom
+        # The (keys, values) views handed to each row. A row whose keys are not its view holds its own
+        # buffer (it joined with its rows, or evicted since): the next step writes it into the batch.
+        self.views: list = [None] * len(rows)
+        for r in rows:
+            r.kv_external = True
 
     @property
     def capacity(self) -> int:
@@ -55,6 +61,60 @@ class BatchRows:
     @property
     def width(self) -> int:
         return max(self.n, default=0)
+
+    # -- the rows' views of the buffers -----------------------------------------------------------
+    def synced(self, i: int) -> bool:
+        """Row i's keys/values are its view of the buffers (or it holds nothing yet)."""
+        view = self.views[i]
+        return self.rows[i].positions is None if view is None else self.rows[i].keys is view[0]
+
+    def bind(self, which) -> None:
+        """Hand each row in ``which`` fresh views of its rows. Every step rebinds every row, so no view
+        of an older buffer outlives the step (a live view makes the next in-place write copy it)."""
+        for i in which:
+            row = self.rows[i]
+            if row.positions is None:  # nothing stored yet (only padding so far)
+                self.views[i] = None
+                continue
+            self.views[i] = view = self.row(i)
+            row.keys, row.values = view
+
+    def held(self, i: int, n: int):
+        """Row i's first n rows (those before this step's tokens) as lists of stored parts: its view
+        of the buffers, or its own buffer's first n rows."""
+        if n == 0:
+            return [], []
+        if self.synced(i):
+            if self.n[i] != n:
+                raise RuntimeError(f"batch row {i} holds {self.n[i]} rows in the batch buffer, its cache {n}")
+            k, v = self.row(i)
+        else:
+            k, v = (rows_map(lambda a: a[:, :, :n], buf) for buf in (self.rows[i].keys, self.rows[i].values))
+        return [k], [v]
+
+    def store(self, spans: list, held: list, k, v) -> None:
+        """Store one step's new rows ``k``/``v`` (B, H, S, D as stored; row i's real ones are
+        ``spans[i]`` = (start, count)) after each row's ``held[i]`` earlier rows, then rebind the views."""
+        S = _first(k).shape[2]
+        if self.keys is not None and all(a == 0 and n == S for a, n in spans) and max(held) <= self.end:
+            # Decode (every row one real token): rows that evicted since the last step write their kept
+            # rows into their own slice, then one slice assignment stores the batch's new tokens.
+            for i in range(len(self.rows)):
+                if not self.synced(i):
+                    (ki,), (vi,) = self.held(i, held[i]) if held[i] else ((None,), (None,))
+                    self.put_row(i, ki, vi, held[i])
+            self.append_all(k, v)
+        else:  # prompt chunks of different lengths, rows that joined: one copy of the batch
+            parts_k, parts_v = [], []
+            for i, (a, n) in enumerate(spans):
+                pk, pv = self.held(i, held[i])
+                if n:
+                    pk.append(rows_map(lambda x: x[i:i + 1, :, a:a + n], k))
+                    pv.append(rows_map(lambda x: x[i:i + 1, :, a:a + n], v))
+                parts_k.append(pk)
+                parts_v.append(pv)
+            self.rebuild(parts_k, parts_v, k, v)
+        self.bind(range(len(self.rows)))
 
     # -- reads (views, no copies) -----------------------------------------------------------------
     def fetch(self):
@@ -123,18 +183,21 @@ class BatchRows:
         self.n = counts
 
     # -- the batch changes (rows leaving and joining) ---------------------------------------------
-    def filter(self, idx: list) -> None:
-        """Keep the rows at ``idx`` (one gather along the batch axis, as mlx-lm's batch caches do)."""
+    def filter(self, idx: list, rows: list) -> None:
+        """Keep the rows at ``idx`` (one gather along the batch axis, as mlx-lm's batch caches do);
+        ``rows``: the row caches kept, in that order."""
+        synced = [self.synced(i) for i in idx]
         self.n = [self.n[i] for i in idx]
-        if self.keys is None:
-            return
-        if not idx:
+        self.views = [self.views[i] for i in idx]
+        self.rows = rows
+        if self.keys is not None and not idx:
             self.keys = self.values = None
             self.end = 0
-            return
-        sel = mx.array(idx, dtype=mx.int32)
-        self.keys = rows_map(lambda a: a[sel], self.keys)
-        self.values = rows_map(lambda a: a[sel], self.values)
+        elif self.keys is not None:
+            sel = mx.array(idx, dtype=mx.int32)
+            self.keys = rows_map(lambda a: a[sel], self.keys)
+            self.values = rows_map(lambda a: a[sel], self.values)
+        self.bind([i for i, ok in enumerate(synced) if ok])
 
     def _aligned(self, buf, template, W: int, C: int):
         """This store's buffer with its last W columns at [0, W) of C (zeros where it holds fewer)."""
@@ -149,8 +212,10 @@ class BatchRows:
 
         return rows_map(one, buf)
 
-    def extend(self, other: BatchRows) -> None:
-        """Append ``other``'s rows: both aligned at the wider end, one copy of each (a join is rare)."""
+    def extend(self, other: BatchRows, rows: list) -> None:
+        """Append ``other``'s rows: both aligned at the wider end, one copy of each (a join is rare);
+        ``rows``: every row cache, ours then other's."""
+        synced = [self.synced(i) for i in range(len(self.n))] + [other.synced(i) for i in range(len(other.n))]
         if other.keys is not None or self.keys is not None:
             W = max(self.width, other.width)
             C = W + self.headroom
@@ -162,9 +227,12 @@ class BatchRows:
                 setattr(self, name, rows_zip(lambda x, y: mx.concatenate([x, y], axis=0), a, b))
             self.end = W
         self.n = self.n + other.n
+        self.views = self.views + other.views
+        self.rows = rows
+        self.bind([i for i, ok in enumerate(synced) if ok])
 
     @property
     def nbytes(self) -> int:
-        parts = [p for buf in (self.keys, self.values) if buf is not None
-                 for p in (buf if isinstance(buf, tuple) else (buf,))]
-        return sum(p.nbytes for p in parts)
+        """Bytes of the buffers, plus the rows' own buffers not written back yet."""
+        own = sum(buf_nbytes(r.keys) + buf_nbytes(r.values) for i, r in enumerate(self.rows) if not self.synced(i))
+        return buf_nbytes(self.keys) + buf_nbytes(self.values) + own
