@@ -12,7 +12,9 @@ server continues a stored conversation, and decode ``--tokens`` tokens each. Mea
 * aggregate decode tok/s: ``BatchGenerator.stats()`` (generated tokens of all rows / decode time).
 
 Each conversation's prompt is prefilled once per eviction method, alone (exactly what one row of a
-batch holds: tests/test_batching.py), and every concurrency level decodes copies of those caches.
+batch holds: tests/test_batching.py), its last token included, so eviction caches enter the batch
+compressed, as a conversation the server stored after its turn; every concurrency level decodes
+copies of those caches.
 Under ``--prompt-eviction end`` (default) an eviction cache holds every prompt row until the prompt
 ends, so mlx-lm's KVCache baseline is built from those same rows (bit-identical to its own prefill)
 instead of a second prefill, and the RotatingKVCache holds the last ``budget`` of them. ``--distinct``
@@ -85,7 +87,7 @@ def conversations(tokenizer, n, context, quick):
 
 
 def prefill(model, make_cache, prompt, step):
-    """Caches holding prompt[:-1] (the batch engine feeds the last token as the first decode input)."""
+    """Caches holding prompt[:-1] (``last_token`` feeds the last one)."""
     import mlx.core as mx
 
     caches = make_cache()
@@ -96,18 +98,29 @@ def prefill(model, make_cache, prompt, step):
     return caches
 
 
+def last_token(model, caches, prompt):
+    """Feed the prompt's last token (an eviction cache's one-shot compression runs here, as for a
+    conversation the server stored after its turn); returns the greedy next token."""
+    import mlx.core as mx
+
+    logits = model(mx.array(prompt[-1:])[None], cache=caches)
+    mx.eval(logits, [c.state for c in caches])
+    return int(mx.argmax(logits[0, -1]).item())
+
+
 def kv_total(gen):
     return sum(c.nbytes for c in gen._generation_batch.prompt_cache)
 
 
-def decode(model, prompts, caches, tokens, step):
-    """n conversations in one BatchGenerator: (stats, max total KV bytes after a decode step, tokens)."""
+def decode(model, prompts, caches, firsts, tokens, step):
+    """n conversations in one BatchGenerator, their caches holding the whole prompts and ``firsts``
+    their first decode inputs: (stats, max total KV bytes after a decode step, tokens)."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
                          prefill_step_size=step)
-    gen.insert([p[-1:] for p in prompts], [tokens] * len(prompts), caches=copy.deepcopy(caches),
-               all_tokens=[p[:-1] for p in prompts])
+    gen.insert([[t] for t in firsts], [tokens] * len(prompts), caches=copy.deepcopy(caches),
+               all_tokens=[list(p) for p in prompts])
     with gen.stats() as stats:
         peak = 0
         out = []
@@ -223,17 +236,23 @@ def main(argv=None):
             stored[label] = [prefill(model, lambda kw=kw: make_prompt_cache(model, **kw), p, args.prefill_step_size)
                              for p in prompts]
             prefill_s[label] = time.perf_counter() - t0
+    firsts = {}
+    for label in stored:  # the prompts' last tokens: eviction caches compress here, before the batch
+        t0 = time.perf_counter()
+        firsts[label] = [last_token(model, c, p) for c, p in zip(stored[label], prompts)]
+        prefill_s[label] += time.perf_counter() - t0
     prompts = [distinct[i % n_max] for i in range(max(args.concurrency))]  # conversations repeat past --distinct
+    firsts = {k: [v[i % n_max] for i in range(len(prompts))] for k, v in firsts.items()}
     stored = {k: [v[i % n_max] for i in range(len(prompts))] for k, v in stored.items()}
     configs = dict(caches_kinds)
     for label in configs:  # warm-up (compiles the eviction graphs)
-        decode(model, prompts[:1], stored[label][:1], 4, args.prefill_step_size)
+        decode(model, prompts[:1], stored[label][:1], firsts[label][:1], 4, args.prefill_step_size)
     results = []
     for rnd, n in ((rnd, n) for rnd in range(args.rounds) for n in args.concurrency):
         order = caches_kinds if rnd % 2 == 0 else caches_kinds[::-1]
         for label, config in order:  # interleaved: every cache sees the same machine load
             load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            stats, peak, n_tokens = decode(model, prompts[:n], stored[label][:n], args.tokens,
+            stats, peak, n_tokens = decode(model, prompts[:n], stored[label][:n], firsts[label][:n], args.tokens,
                                            args.prefill_step_size)
             row = {"cache": label, "round": rnd, "method": None if config is None else config.method,
                    "config": None if config is None else config.to_dict(), "concurrency": n,
@@ -254,6 +273,9 @@ def main(argv=None):
             "distinct_conversations": n_max, "engine": "mlx_lm.generate.BatchGenerator",
             "kvcache_prefill": ("rows of the first eviction method's prefill (prompt_eviction=end holds "
                                 "them all: identical to a KVCache prefill)") if derived else "own prefill",
+            "compression": ("the prompt's last token is fed before the batch, so eviction caches enter it "
+                            "compressed (as a conversation the server stored after its turn); that "
+                            "compression is prefill time"),
             "order": ("prefill all, warm-up each cache, then per round and concurrency every cache in turn, "
                       "the order reversed every other round"),
             "rotating": f"mlx-lm RotatingKVCache(max_size={budget}) -> BatchRotatingKVCache (the limit)",

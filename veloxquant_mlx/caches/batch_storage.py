@@ -9,8 +9,9 @@ columns ``[end - n[i], end)``. So
 * a row's eviction rewrites that row's slice only (``put_row``): its kept rows move to
   ``[end - kept, end)``, and the columns in front of them become stale rows the mask hides (they hold
   old finite values, so masked weights of exactly 0 keep the output exact);
-* when ``end`` reaches the capacity, one copy of the last ``max(n)`` columns starts a new buffer with
-  ``headroom`` free columns (``compact``): amortized, and the same for any batch size.
+* when ``end`` reaches the capacity, or the rows keep far fewer rows than the buffer holds (a prompt
+  was compressed), one copy of the last ``max(n)`` columns starts a new buffer with ``headroom`` free
+  columns (``compact``): amortized, and the same for any batch size.
 
 Quantized rows (``kv_bits``) are the ``(words, scales, biases)`` tuple of ``caches.quant``; every
 operation maps over the three parts alike.
@@ -103,6 +104,8 @@ class BatchRows:
                 if not self.synced(i):
                     (ki,), (vi,) = self.held(i, held[i]) if held[i] else ((None,), (None,))
                     self.put_row(i, ki, vi, held[i])
+            if self.capacity - self.width > 2 * self.headroom + S:
+                self.compact(S)  # every row keeps far fewer rows than the buffer holds (a prompt compressed)
             self.append_all(k, v)
         else:  # prompt chunks of different lengths, rows that joined: one copy of the batch
             parts_k, parts_v = [], []
