@@ -86,7 +86,6 @@ class RowStorage:
     def _append(self, keys, values):
         B, H, S, _ = keys.shape
         prev, need = self._rows, self._rows + S
-        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
         fields = self.extra_row_fields()
         # A row of a batch (kv_external): the batch stores its keys/values (caches.batch_storage); the
         # row keeps its positions and per-row state only.
@@ -119,6 +118,7 @@ class RowStorage:
             if kv:
                 self.keys = grown_kv(self.keys, keys)
                 self.values = grown_kv(self.values, values)
+            pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
             self.positions = grown(self.positions, pos, PAD_POSITION)
             for name, fill in fields.items():
                 self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
@@ -127,7 +127,9 @@ class RowStorage:
                 parts, rows = (buf, new) if isinstance(buf, tuple) else ((buf,), (new,))
                 for part, r in zip(parts, rows, strict=True):
                     part[:, :, prev:need] = r
-            self.positions[:, :, prev:need] = pos
+            # one token: a scalar write (no arange / broadcast nodes per step)
+            self.positions[:, :, prev:need] = (self.offset if S == 1 else
+                                               mx.arange(self.offset, self.offset + S, dtype=mx.int32))
             for name, fill in fields.items():
                 self.row_extras[name][:, :, prev:need] = fill
         self._rows = need
