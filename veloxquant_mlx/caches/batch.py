@@ -47,7 +47,6 @@ from .storage import PAD_POSITION, with_headroom
 # Free columns a new batch buffer gets (EvictionCache.decode_step): a copy of the batch's rows every
 # HEADROOM decode steps, whatever the batch size.
 HEADROOM = 64
-_BASE_OBSERVE = "EvictionCache.observe_queries"  # rows that keep it may skip its per-row checks
 
 
 def unbatchable_reason(cache):
@@ -222,15 +221,12 @@ class BatchEvictionCache(_BaseCache):
             raise ValueError(f"keys hold {B} sequences but the batch cache has {len(self.rows)} rows")
         spans = self._spans(S)
         held = []  # per row: rows stored before this step's tokens
-        check = True  # one token per row: one row's check covers the batch (same tensor, same buffer)
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
             if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
                 k, v = (keys, values) if (B == 1 and n == S) else (keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
                 if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
                     row.input_span = (i, a, n)
-                if check:
-                    row._check_kv(k, v)
-                    check = S > 1
+                row._check_kv(k, v)
                 row._before_append(n)
             held.append(row._rows)
             if n:
@@ -254,15 +250,10 @@ class BatchEvictionCache(_BaseCache):
         if queries.shape[0] != len(self.rows):
             raise ValueError(f"queries hold {queries.shape[0]} sequences, the batch has {len(self.rows)}")
         S = queries.shape[2]
-        checked = None  # the first row validates the queries' shape; the others share it
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
             if n:
                 q = queries if (len(self.rows) == 1 and n == S) else queries[i:i + 1, :, a:a + n]
-                if checked is None or type(row).observe_queries.__qualname__ != _BASE_OBSERVE:
-                    row.observe_queries(q, scale)
-                    checked = row.scale
-                else:  # same queries tensor, rows of one config: skip the per-row shape checks
-                    row._observe(q, checked)
+                row.observe_queries(q, scale)
 
     def step_state(self) -> list:
         """Every row's step state (EvictionCache.step_state), tied to the layer's output by the tap."""
