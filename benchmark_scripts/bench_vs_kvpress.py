@@ -159,7 +159,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--ours", nargs="*", default=None, help="our labels (default: every paired one)")
     ap.add_argument("--presses", nargs="*", default=None, help="kvpress presses (default: every listed one)")
-    ap.add_argument("--skip-ours", action="store_true", help="reuse <out-dir>/ours.json")
+    ap.add_argument("--skip-ours", action="store_true", help="reuse <out-dir>/ours*.json")
+    ap.add_argument("--skip-kvpress", action="store_true", help="reuse <out-dir>/kvpress_raw.json (a partial run "
+                    "compares the prompts both sides finished)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "figures" / "kvpress")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,15 +179,19 @@ def main() -> int:
 
     _, tok, _ = load_eval_model("bundled")
     prompts = []
-    for hay in args.haystacks:
-        for d in args.depths:
+    depths = sorted(args.depths)
+    bits = max(len(depths) - 1, 1).bit_length()
+    spread = [depths[i] for i in sorted(range(len(depths)), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))]
+    for d in spread:  # partial runs stay balanced: haystacks alternate, depths spread over (0, 1)
+        for hay in args.haystacks:
             tokens, _ = make_prompt(tok, hay, args.context, d, KEY)
             prompts.append({"id": f"{hay}:{d}", "tokens": [int(t) for t in tokens]})
     job = args.out_dir / "kvpress_job.json"
     job.write_text(json.dumps({"hf_dir": str(HF_DIR), "prompts": prompts, "presses": presses,
                                "density": args.density, "max_new_tokens": args.max_new_tokens}))
     raw = args.out_dir / "kvpress_raw.json"
-    subprocess.run([str(py), __file__, "--worker", str(job), str(raw)], check=True)
+    if not args.skip_kvpress:
+        subprocess.run([str(py), __file__, "--worker", str(job), str(raw)], check=True)
     theirs = {}
     for r in json.loads(raw.read_text()).values():
         if r["press"] in presses and r["prompt"] in {p["id"] for p in prompts}:
