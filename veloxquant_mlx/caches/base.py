@@ -98,6 +98,10 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self._attention_out = None
 
     # Hooks a method may override -------------------------------------------------------------
+    # KVCacheConfig fields this method defaults differently from HEAD_BUDGET_DEFAULTS (allocation,
+    # floor_alpha, max_head_factor), used where the config leaves them unset.
+    config_defaults: dict = {}
+
     @classmethod
     def default_recent(cls, budget: int, options) -> int:
         """Recent window used when the config leaves ``recent`` unset."""

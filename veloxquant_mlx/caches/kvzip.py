@@ -49,7 +49,9 @@ class KVzipOptions:
     # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
     # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
     # the total stays layers x heads x budget. Reads the L shares back once per pass.
-    layers: str = option("each", choices=("each", "global"), doc="budget across layers: each | global")
+    # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzip tests "global".
+    layers: str = option("global", choices=("each", "global"), small="each",
+                         doc="budget across layers: each | global")
 
 
 # -- what the model wrapper tells the caches during one forward (one thread = one generation) -------
@@ -84,6 +86,9 @@ class KVzipCache(EvictionCache):
     """KVzip: rows scored by the max attention of the model's reconstruction of its context."""
 
     Options = KVzipOptions
+    # Sec. 3 (non-uniform head budgets): one ranking of every head's rows, no per-head floor. The cap
+    # (2 x the layer's share in one head) is ours: storage is as wide as the widest head.
+    config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
     prefill_only = True
     needs_model_pass = True  # the builder installs veloxquant_mlx.model_pass for this method
 
