@@ -431,3 +431,34 @@ def test_method_default_head_budget():
     c = KVCacheConfig("kvzip", budget=64, allocation="uniform", max_head_factor=None, floor_alpha=0.2)
     assert (c.allocation, c.max_head_factor, c.floor_alpha) == ("uniform", None, 0.2)
     assert KVCacheConfig.from_dict(KVCacheConfig("kvzip", budget=64).to_dict()).max_head_factor == 2.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_reconstruction_pass_equals_separate(arch, monkeypatch):
+    """The one-pass reconstruction (the scoring softmax also gives the layer's output) keeps the same
+    rows and gives the same tokens as scoring beside mlx-lm's attention, and skips that attention."""
+    from veloxquant_mlx import tap
+
+    model = make_tiny_model(arch)
+    prompt = random_prompt(100, seed=6)
+    calls = []
+    original = tap._ORIGINAL_SDPA
+    runs = {}
+    for mode in ("fused", "separate"):
+        calls.clear()
+        caches = build(model, KVCacheConfig("kvzip", budget=24, n_sink=4, recent=4, kvzip_pass_attention=mode,
+                                            kvzip_q_block=40))
+        # counted after the tap is installed (it recognizes mlx-lm's own function)
+        monkeypatch.setattr(tap, "_ORIGINAL_SDPA", lambda *a, **k: calls.append(a[0].shape[2]) or original(*a, **k))
+        runs[mode] = (steps(model, prompt, caches, 6), [positions(c) for c in caches],
+                      [np.array(c.stored("zip_score")) for c in caches], max(calls))
+        monkeypatch.setattr(tap, "_ORIGINAL_SDPA", original)
+    (tok_f, lp_f), pos_f, sc_f, widest_f = runs["fused"]
+    (tok_s, lp_s), pos_s, sc_s, widest_s = runs["separate"]
+    assert widest_s > 100 and widest_f < 100  # the pass's own (>100-query) attention ran only when separate
+    assert tok_f == tok_s
+    np.testing.assert_allclose(lp_f, lp_s, atol=1e-4)
+    for a, b in zip(pos_f, pos_s):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(sc_f, sc_s):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
