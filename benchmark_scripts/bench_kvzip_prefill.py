@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="reconstruction chunk sizes whose pass peak is measured at the longest context")
     p.add_argument("--chunk-context", type=int, default=None, help="context of the chunk sweep (default: longest)")
+    p.add_argument("--pass-attention", default="auto", choices=("auto", "fused", "separate"),
+                   help="kvzip_pass_attention: the pass's attention from the scoring softmax (fused) or mlx-lm's")
     p.add_argument("--no-fast-blas", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "prefill_cost.json"))
@@ -103,7 +105,8 @@ def main(argv=None):
     chunk_default = 64 if args.quick else 2048
 
     def kvzip_caches(n, chunk=chunk_default):
-        cfg = KVCacheConfig("kvzip", budget=max(int(round(args.density * n)), 16), kvzip_chunk=chunk)
+        cfg = KVCacheConfig("kvzip", budget=max(int(round(args.density * n)), 16), kvzip_chunk=chunk,
+                            kvzip_pass_attention=args.pass_attention)
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
 
     rows, chunk_peaks = [], []

@@ -26,6 +26,11 @@ from conftest import VOCAB, greedy, make_tiny_model, random_prompt, tiny_tokeniz
 
 
 def kvzip(budget=32, **kw):
+    # Most tests check the per-layer, per-head contract exactly: uniform unless a test asks otherwise
+    # (the default, the paper's head budget, is tested in test_default_head_budget_follows_the_total).
+    kw.setdefault("allocation", "uniform")
+    if "options" not in kw:
+        kw.setdefault("kvzip_layers", "each")
     return KVCacheConfig("kvzip", budget=budget, n_sink=kw.pop("n_sink", 4), recent=kw.pop("recent", 4), **kw)
 
 
@@ -295,7 +300,10 @@ def test_cli_compress_once_then_ask_twice(tmp_path, capsys):
                  "--kvzip-chunk", "32", "--prefill-step-size", "16"]) == 0
     assert "Compressed 90 tokens with kvzip (budget 24/head)" in capsys.readouterr().out
     loaded = load_prompt_cache(out)
-    assert all(c.size() == 24 and c.offset == 90 and c.zip_passes == 1 for c in loaded)
+    assert all(c.offset == 90 and c.zip_passes == 1 for c in loaded)
+    kept = [sum(len(h) for h in positions(c)) for c in loaded]  # the paper's budget: one ranking
+    H = loaded[0].positions.shape[1]
+    assert abs(sum(kept) - len(loaded) * H * 24) <= len(loaded) * H  # per-layer rounding
 
     def ask(q):
         assert main(["generate", *common, "--prompt-cache", str(out), "--prompt", q, "--max-tokens", "8"]) == 0
@@ -384,13 +392,73 @@ def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monke
     assert [b for _, _, b in seen] == want == sizes
 
 
+def test_default_head_budget_follows_the_total():
+    """The default (paper Sec. 3): one ranking over every layer's and head's rows, no floor. The
+    layers' shares differ, the total is layers x heads x budget, and one head holds at most 2 x its
+    layer's share (our cap, max_head_factor=2.0)."""
+    model = make_tiny_model("llama")
+    prompt = random_prompt(120, seed=4)
+    caches = build(model, KVCacheConfig("kvzip", budget=24, n_sink=4, recent=4))
+    steps(model, prompt, caches, 1)
+    per_head = [[len(h) for h in positions(c)] for c in caches]
+    H = len(per_head[0])
+    assert abs(sum(map(sum, per_head)) - len(caches) * H * 24) <= len(caches) * H
+    assert len({sum(h) for h in per_head}) > 1 or len({n for h in per_head for n in h}) > 1  # not uniform
+    for h in per_head:
+        assert max(h) <= max(int(2.0 * sum(h) / H), 24) + 1
+
+
 def test_evaluation_labels():
     from veloxquant_mlx.evaluation.results import make_caches, method_specs
 
-    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-global", "kvzip-paper"])}
+    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-each", "kvzip-paper"])}
     assert (specs["kvzip"].method, specs["kvzip"].prefill_only) == ("kvzip", True)
-    assert specs["kvzip-ada"].allocation == "ada" and specs["kvzip-global"].opts == {"layers": "global"}
+    assert specs["kvzip-ada"].allocation == "ada" and specs["kvzip-each"].opts == {"layers": "each"}
     model = make_tiny_model("llama")
-    assert all(isinstance(c, KVzipCache) for c in make_caches(model, specs["kvzip-global"], 16))
-    paper = make_caches(model, specs["kvzip-paper"], 16)[0].config
-    assert (paper.allocation, paper.floor_alpha, paper.options.layers) == ("ada", 0.0, "global")
+    config = {n: make_caches(model, specs[n], 16)[0].config for n in ("kvzip", "kvzip-each", "kvzip-paper")}
+    fields = {n: (c.allocation, c.floor_alpha, c.max_head_factor, c.options.layers) for n, c in config.items()}
+    # the default is the paper's head budget (one ranking, no floor) with our per-head cap; -paper drops the cap
+    assert fields["kvzip"] == ("ada", 0.0, 2.0, "global")
+    assert fields["kvzip-paper"] == ("ada", 0.0, None, "global")
+    assert fields["kvzip-each"][0] == "uniform" and fields["kvzip-each"][3] == "each"
+
+
+def test_method_default_head_budget():
+    """kvzip defaults to the paper's head budgets; every other method keeps uniform; explicit values win."""
+    assert KVCacheConfig("kvzip", budget=64).allocation == "ada"
+    assert KVCacheConfig("snapkv", budget=64).allocation == "uniform"
+    assert KVCacheConfig("snapkv", budget=64).max_head_factor == 1.1
+    c = KVCacheConfig("kvzip", budget=64, allocation="uniform", max_head_factor=None, floor_alpha=0.2)
+    assert (c.allocation, c.max_head_factor, c.floor_alpha) == ("uniform", None, 0.2)
+    assert KVCacheConfig.from_dict(KVCacheConfig("kvzip", budget=64).to_dict()).max_head_factor == 2.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_reconstruction_pass_equals_separate(arch, monkeypatch):
+    """The one-pass reconstruction (the scoring softmax also gives the layer's output) keeps the same
+    rows and gives the same tokens as scoring beside mlx-lm's attention, and skips that attention."""
+    from veloxquant_mlx import tap
+
+    model = make_tiny_model(arch)
+    prompt = random_prompt(100, seed=6)
+    calls = []
+    original = tap._ORIGINAL_SDPA
+    runs = {}
+    for mode in ("fused", "separate"):
+        calls.clear()
+        caches = build(model, KVCacheConfig("kvzip", budget=24, n_sink=4, recent=4, kvzip_pass_attention=mode,
+                                            kvzip_q_block=40))
+        # counted after the tap is installed (it recognizes mlx-lm's own function)
+        monkeypatch.setattr(tap, "_ORIGINAL_SDPA", lambda *a, **k: calls.append(a[0].shape[2]) or original(*a, **k))
+        runs[mode] = (steps(model, prompt, caches, 6), [positions(c) for c in caches],
+                      [np.array(c.stored("zip_score")) for c in caches], max(calls))
+        monkeypatch.setattr(tap, "_ORIGINAL_SDPA", original)
+    (tok_f, lp_f), pos_f, sc_f, widest_f = runs["fused"]
+    (tok_s, lp_s), pos_s, sc_s, widest_s = runs["separate"]
+    assert widest_s > 100 and widest_f < 100  # the pass's own (>100-query) attention ran only when separate
+    assert tok_f == tok_s
+    np.testing.assert_allclose(lp_f, lp_s, atol=1e-4)
+    for a, b in zip(pos_f, pos_s):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(sc_f, sc_s):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

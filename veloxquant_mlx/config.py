@@ -34,6 +34,18 @@ PROMPT_EVICTIONS = ("end", "stream")
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 
+# Head-budget fields a method may default differently (``EvictionCache.config_defaults``; KVzip takes
+# the paper's non-uniform budget). A config left at ``METHOD_DEFAULT`` takes the method's value.
+HEAD_BUDGET_DEFAULTS = {"allocation": "uniform", "floor_alpha": 0.2, "max_head_factor": 1.1}
+
+
+class _MethodDefault:
+    def __repr__(self):
+        return "METHOD_DEFAULT"
+
+
+METHOD_DEFAULT = _MethodDefault()
+
 
 class KVCacheConfig:
     """How each attention layer's cache evicts.
@@ -47,7 +59,9 @@ class KVCacheConfig:
         head_dim: optional expected head dimension, checked against the keys the model sends.
         allocation: how a layer's ``H x budget`` rows are split across its KV heads: ``"uniform"``
             (every head keeps ``budget``) or ``"ada"`` (Ada-KV head-adaptive budgets; needs a method
-            with a per-head score, see ``EvictionCache.supports_allocation``).
+            with a per-head score, see ``EvictionCache.supports_allocation``). Left unset,
+            ``allocation``, ``floor_alpha`` and ``max_head_factor`` take the method's defaults
+            (``HEAD_BUDGET_DEFAULTS``; kvzip: ``"ada"``, 0.0 and 2.0, the paper's head budgets).
         floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
             (Ada-KV reference default 0.2). Ignored for ``"uniform"``.
         prompt_eviction: ``"end"`` (default: hold the prompt, compress once when it ends, then evict
@@ -72,10 +86,14 @@ class KVCacheConfig:
 
     def __init__(self, method: str = "nexus", budget: int | None = None, n_sink: int | None = None,
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
-                 options: Any = None, allocation: str = "uniform", floor_alpha: float = 0.2,
+                 options: Any = None, allocation: Any = METHOD_DEFAULT, floor_alpha: Any = METHOD_DEFAULT,
                  prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int = 64,
-                 max_head_factor: float | None = 1.1, **flat):
+                 max_head_factor: Any = METHOD_DEFAULT, **flat):
         cls = get_method(method)
+        given = {"allocation": allocation, "floor_alpha": floor_alpha, "max_head_factor": max_head_factor}
+        allocation, floor_alpha, max_head_factor = (
+            v if v is not METHOD_DEFAULT else {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}[k]
+            for k, v in given.items())
         self.method = method
         core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
         opt_fields = {f.name for f in dataclasses.fields(cls.Options)}

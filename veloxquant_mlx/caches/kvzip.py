@@ -32,7 +32,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ..options import option
-from ..ops.kvzip import reconstruction_scores, window_max_scores
+from ..ops.attention import fused_scoring_default
+from ..ops.kvzip import reconstruction_attend, reconstruction_scores, window_max_scores
 from ..registry import register
 from .base import EvictionCache
 from .quant import dequantize_rows, quantize_rows, rows_map, rows_zip
@@ -49,7 +50,13 @@ class KVzipOptions:
     # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
     # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
     # the total stays layers x heads x budget. Reads the L shares back once per pass.
-    layers: str = option("each", choices=("each", "global"), doc="budget across layers: each | global")
+    # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzip tests "global".
+    # One pass on the CPU (ops.attention.fused_scoring_default): the scoring softmax also gives the
+    # layer's output when the chunk's rows are every row attention reads (the first pass of <= chunk).
+    pass_attention: str = option("auto", choices=("auto", "fused", "separate"),
+                                 doc="reconstruction pass: auto | fused (one softmax) | separate")
+    layers: str = option("global", choices=("each", "global"), small="each",
+                         doc="budget across layers: each | global")
 
 
 # -- what the model wrapper tells the caches during one forward (one thread = one generation) -------
@@ -84,6 +91,9 @@ class KVzipCache(EvictionCache):
     """KVzip: rows scored by the max attention of the model's reconstruction of its context."""
 
     Options = KVzipOptions
+    # Sec. 3 (non-uniform head budgets): one ranking of every head's rows, no per-head floor. The cap
+    # (2 x the layer's share in one head) is ours: storage is as wide as the widest head.
+    config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
     prefill_only = True
     needs_model_pass = True  # the builder installs veloxquant_mlx.model_pass for this method
 
@@ -95,7 +105,7 @@ class KVzipCache(EvictionCache):
         self._ids_known = True  # every row since zip_scored has its token id
         self._zip_due = False
         self._chunk = None  # (first row, end row, sink rows) while a reconstruction chunk runs
-        self._own = None  # that chunk's own keys (never stored)
+        self._own = None  # that chunk's own keys and values (never stored)
         self._parts = []  # per-chunk scores of the pass in progress
         self.input_span = None  # (batch index, start, count) set by BatchEvictionCache per call
 
@@ -212,7 +222,7 @@ class KVzipCache(EvictionCache):
         if self._chunk is None:
             return super().update_and_fetch(keys, values)
         self._check_kv(keys, values)
-        self._own = keys
+        self._own = (keys, values)
         k, v = self._fetch()
         B, H, S = keys.shape[:3]
         new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
@@ -236,12 +246,24 @@ class KVzipCache(EvictionCache):
             return super().observe_queries(queries, scale)
         self._score_chunk(queries, queries.shape[-1] ** -0.5 if scale is None else float(scale))
 
+    def _fuse_attention(self, lo, hi, lead) -> bool:
+        mode = self.options.pass_attention
+        return (self.wants_attention_output() and mode != "separate" and (mode == "fused" or fused_scoring_default())
+                and lead == 0 and lo == 0 and hi == self._rows and self.kv_bits is None and not self.is_ragged)
+
     def _score_chunk(self, queries, scale):
         lo, hi, lead = self._chunk
+        own_keys, own_values = self._own
+        if self._fuse_attention(lo, hi, lead):  # the chunk's rows are all the rows attention reads
+            self._attention_out, s = reconstruction_attend(queries, self.stored("keys")[:, :, lo:hi], own_keys,
+                                                           self.stored("values")[:, :, lo:hi], own_values,
+                                                           scale, self.options.q_block)
+            self._parts.append(s)
+            return
         ctx = self._key_rows(lo, hi)
         if lead:
             ctx = mx.concatenate([self._key_rows(0, lead), ctx], axis=2)
-        self._parts.append(reconstruction_scores(queries, ctx, self._own, scale, lead, self.options.q_block))
+        self._parts.append(reconstruction_scores(queries, ctx, own_keys, scale, lead, self.options.q_block))
 
     def attention_mask(self, mask, queries):
         if self._chunk is None:

@@ -19,12 +19,13 @@ import platform
 import sys
 import time
 import warnings
+from typing import Any
 from pathlib import Path
 
 from .._blas import openblas_preloaded
 from ..builder import KVCacheBuilder
 from ..caches.quant import model_caches
-from ..config import KVCacheConfig
+from ..config import METHOD_DEFAULT, KVCacheConfig
 from ..registry import FULL, get_method, methods
 
 
@@ -42,7 +43,7 @@ OPT_IN_ABLATIONS = {
     "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
     "nexus-b16": ("nexus", {"block_size": 16}),
     "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
-    "kvzip-global": ("kvzip", {"layers": "global"}),  # KVzip's budget shared across layers (the paper's default)
+    "kvzip-global": ("kvzip", {"layers": "global"}),  # = kvzip's default since the head-budget change; kept for old runs
 }
 
 
@@ -59,10 +60,11 @@ class MethodSpec:
     name: str
     method: str | None
     options: tuple = ()  # sorted (key, value) pairs, hashable
-    allocation: str = "uniform"  # "ada": Ada-KV budget allocation across heads (label "<method>-ada")
+    # "ada": Ada-KV budget allocation across heads (label "<method>-ada"); unset: the method's default
+    allocation: Any = METHOD_DEFAULT
     # Further KVCacheConfig fields, sorted (key, value) pairs: kv_bits (label suffix "-4bit" / "-8bit";
     # for the full cache, mlx-lm's QuantizedKVCache), max_head_factor (label suffix "-nocap": None),
-    # floor_alpha (Ada-KV's per-head floor; kvzip-paper sets 0).
+    # floor_alpha (Ada-KV's per-head floor).
     extra: tuple = ()
 
     @property
@@ -101,9 +103,11 @@ def method_specs(names=None, ablations: bool = True) -> list:
     if ablations and "nexus" in specs:
         for label, (m, opts) in OPT_IN_ABLATIONS.items():
             specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
-    if "kvzip" in specs:  # the paper's setting: one ranking over every layer's and head's rows, no floor
-        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", (("layers", "global"),),
-                                                   allocation="ada", extra=(("floor_alpha", 0.0),)))
+    if "kvzip" in specs:
+        # kvzip's default is the paper's head budgets with our per-head cap; "kvzip-paper" drops the cap
+        # (exactly the paper), "kvzip-each" is the library's per-layer uniform contract (the old default).
+        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", extra=(("max_head_factor", None),)))
+        specs.setdefault("kvzip-each", MethodSpec("kvzip-each", "kvzip", (("layers", "each"),), allocation="uniform"))
     out = []
     for n in names:
         base, extra = n, {}

@@ -31,6 +31,44 @@ def _block_max(q, ctx, own, col_limit):
     return mx.exp((l_ctx - mx.expand_dims(lse, -1)).max(axis=(2, 3)))
 
 
+def _block_attend(q, ctx, own, col_limit, ctx_values, own_values):
+    # The same softmax as _block_max, also applied to the values: the layer's attention output over
+    # (context rows + own keys, causal) and the rows' max probability, from one query-key product.
+    l_ctx = q @ mx.expand_dims(ctx, 2).swapaxes(-1, -2)  # (B, H, G, s, C)
+    l_own = q @ mx.expand_dims(own.astype(mx.float32), 2).swapaxes(-1, -2)  # (B, H, G, s, S')
+    visible = mx.arange(own.shape[2])[None, :] <= col_limit[:, None]
+    l_own = mx.where(visible, l_own, -mx.inf)
+    lse = mx.expand_dims(mx.logaddexp(mx.logsumexp(l_ctx, axis=-1), mx.logsumexp(l_own, axis=-1)), -1)
+    p_ctx, p_own = mx.exp(l_ctx - lse), mx.exp(l_own - lse)
+    out = (p_ctx @ mx.expand_dims(ctx_values.astype(mx.float32), 2)
+           + p_own @ mx.expand_dims(own_values.astype(mx.float32), 2))  # (B, H, G, s, D)
+    return out, p_ctx.max(axis=(2, 3))
+
+
+def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, ctx_values: mx.array,
+                          own_values: mx.array, scale: float, q_block: int = 512):
+    """:func:`reconstruction_scores` (with no lead rows) plus the attention output, for a chunk whose
+    context rows are every row attention reads: one softmax serves both (the tap's one-pass path).
+
+    Returns (output (B, Hq, S, D) in the queries' dtype, scores float32 (B, H, C))."""
+    B, Hq, S, D = queries.shape
+    H = ctx_keys.shape[1]
+    if Hq % H or own_keys.shape[2] != S:
+        raise ValueError(f"queries {queries.shape} do not fit keys {ctx_keys.shape} / own keys {own_keys.shape}")
+    q = group_queries(queries.astype(mx.float32) * scale, H)
+    ctx = ctx_keys.astype(mx.float32)
+    outs, best = [], None
+    step = max(int(q_block), 1)
+    for start in range(0, S, step):  # a few query sub-blocks, not tokens
+        end = min(start + step, S)
+        o, s = _block_attend(q[:, :, :, start:end], ctx, own_keys[:, :, :end], mx.arange(start, end),
+                             ctx_values, own_values[:, :, :end])
+        outs.append(o)
+        best = s if best is None else mx.maximum(best, s)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, Hq, S, -1).astype(queries.dtype), best
+
+
 def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, scale: float,
                           n_lead: int = 0, q_block: int = 512) -> mx.array:
     """Max attention each context row receives from one reconstruction chunk.
