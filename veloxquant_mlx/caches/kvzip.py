@@ -274,7 +274,10 @@ class KVzipCache(EvictionCache):
         return self.ragged_mask(self._fetched_positions, mx.arange(self.offset, self.offset + S), queries)
 
     def step_state(self):
-        return [] if self._chunk is not None else super().step_state()  # a scoring step stores nothing
+        # A scoring step stores nothing; its scores are tied to the layer's output so each layer's
+        # max is taken as the pass reaches it, not after the last layer (which kept every layer's
+        # attention probabilities alive until then).
+        return self._parts[-1:] if self._chunk is not None else super().step_state()
 
     # -- save / load: the scoring bookkeeping travels with the rows ------------------------------
     @property
