@@ -51,3 +51,43 @@ def test_full_quantized_labels_fingerprint_as_full():
 
     assert key_of("full-4bit") == key_of("full-8bit-g32") == "full"
     assert key_of("nexus-4bit-g32") == "nexus"
+
+
+def _cell(method, density, depth, correct, nbytes):
+    return {"haystack": "grass", "context": 1024, "depth": depth, "key": "1", "density": density,
+            "regime": "prefill", "method": method, "seed": 0, "correct": correct, "kv_bytes_end": nbytes}
+
+
+def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+    import eval_quant_passkey as E
+    import quant_passkey_report as Q
+
+    assert (Q.fp_label("nexus-4bit-g32"), Q.storage("nexus-4bit-g32"), Q.fp_label("full-8bit")) == \
+        ("nexus", "4bit-g32", "full")
+    stages = E.plan(["full", "nexus"], "nestedkv", [0.1, 0.5], [0.1])
+    assert stages[0]["methods"] == ["full", "full-8bit", "full-4bit", "nexus", "nexus-8bit", "nexus-4bit"]
+    assert stages[1]["densities"] == [0.1, 0.5] and stages[1]["methods"][2] == "nestedkv-4bit"
+    cells = []
+    for i in range(6):  # nexus fp right on all 6; nexus-4bit wrong on 0..3; full right; full-4bit wrong on 0
+        d = i / 10
+        cells += [_cell("full", None, d, True, 1000), _cell("full-4bit", 0.2, d, i > 0, 160),
+                  _cell("nexus", 0.2, d, True, 200), _cell("nexus-4bit", 0.2, d, i > 3, 40 + i)]
+    cells.append(_cell("nexus", 0.2, 0.9, True, 200))  # a prompt the others lack: left out
+    data = {"meta": {"model": "m"}, "cells": {str(i): c for i, c in enumerate(cells)}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    outs, nbytes, _ = Q.index(str(path))
+    t = Q.table(outs, 0.2, ["full", "full-4bit", "nexus", "nexus-4bit"])
+    assert t["n_prompts"] == 6
+    assert t["rows"]["nexus-4bit"]["correct"] == 2
+    assert t["rows"]["nexus-4bit"]["vs_fp"] == {"label": "nexus", "only_fp": 4, "only_quant": 0, "p": 0.125}
+    assert t["rows"]["full-4bit"]["vs_fp"]["only_fp"] == 1
+    c = Q.curve(outs, nbytes, "nexus", ("", "-4bit"), ("full", "full-4bit"), [0.2])
+    pts = {p["label"]: p for p in c["points"]}
+    assert c["n_prompts"] == 6 and c["kvcache_bytes"] == 1000
+    assert pts["nexus-4bit"]["kv_bytes"] == pytest.approx(42.5) and pts["full-4bit"]["kv_vs_kvcache"] == 0.16
