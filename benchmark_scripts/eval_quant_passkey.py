@@ -49,12 +49,16 @@ def main(argv=None) -> int:
     own.add_argument("--curve", default=None, help="method for the equal-memory curve (stage B)")
     own.add_argument("--curve-densities", nargs="+", type=float, default=[0.1, 0.35, 0.5])
     own.add_argument("--depths", choices=("25", "13"), default="25", help="the SmolLM2 (25) or Gemma (13) grid")
+    own.add_argument("--dequantized-prefill", action="store_true",
+                     help="quantized passes read the stored rows dequantized through float attention (faster on "
+                          "the CPU, not what a lone mlx_lm.generate run computes; cells say quant_prefill)")
     a, rest = own.parse_known_args(argv)
     stages = plan(a.methods, a.curve, a.curve_densities, DEPTHS_25 if a.depths == "25" else DEPTHS_13, a.bits)
     labels = list(dict.fromkeys(m for st in stages for m in st["methods"]))
     args = build_parser().parse_args(["eval", "passkey", "--spread", "--max-new-tokens", "8", *rest,
                                       "--methods", *labels])
     args.plan = stages
+    args.dequantized_prefill = a.dequantized_prefill
     rc = retrieval.run(args)
     if not args.no_report:
         write_report(args.out_dir, _md_path(args))

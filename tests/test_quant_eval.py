@@ -41,6 +41,9 @@ def test_shared_quantized_prefill_equals_lone_runs(bits, group):
     # Eviction ran and the stored rows are quantized.
     caches = named[specs[1].name]
     assert caches[0].evictions >= 1 and caches[0].bits == bits
+    # The opt-in dequantized pass reads float attention (no bits on the fan-out layer).
+    fast = shared_prefill_generate(model, toks, {}, 6, kv_bits=bits, kv_group_size=group, dequantized_prefill=True)
+    assert len(fast["__full__"]["tokens"]) == 6
     # The fp pass differs: the quantized rows change the tokens on this random model.
     fp = shared_prefill_generate(model, toks, {}, 6)
     assert fp["__full__"]["tokens"] != out["__full__"]["tokens"] or bits == 8
@@ -91,3 +94,17 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     pts = {p["label"]: p for p in c["points"]}
     assert c["n_prompts"] == 6 and c["kvcache_bytes"] == 1000
     assert pts["nexus-4bit"]["kv_bytes"] == pytest.approx(42.5) and pts["full-4bit"]["kv_vs_kvcache"] == 0.16
+
+
+def test_fan_out_takes_mlx_lms_quantized_attention_unless_dequantized():
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.evaluation.retrieval import FanOutCache
+
+    q = QuantizedKVCache(group_size=32, bits=4)
+    assert (FanOutCache(q, {}).bits, FanOutCache(q, {}).group_size) == (4, 32)
+    assert not hasattr(FanOutCache(q, {}, dequantize=True), "bits")
+    assert not hasattr(FanOutCache(KVCache(), {}), "bits")
+    k = mx.random.normal((1, 2, 5, 64))
+    out = FanOutCache(QuantizedKVCache(group_size=64, bits=8), {}, dequantize=True).update_and_fetch(k, k)[0]
+    assert out.shape == k.shape and float(mx.abs(out - k).max()) < 0.05

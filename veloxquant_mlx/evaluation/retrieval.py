@@ -53,11 +53,18 @@ class FanOutCache:
     just the new rows), so the prefill-only regime needs one forward pass per prompt instead of one
     per method. A sub-cache that raises is dropped and its error recorded."""
 
-    def __init__(self, primary, subs: dict, group_size: int = 64, bits: int | None = None):
+    def __init__(self, primary, subs: dict, dequantize: bool = False):
         self.primary = primary
         self.subs = dict(subs)
         self.errors: dict = {}
-        self._q = (group_size, bits)  # a quantized primary: its rows are read dequantized
+        self.dequantize = dequantize
+
+    def __getattr__(self, name):
+        # A quantized primary's bits / group_size make mlx-lm's attention take its quantized path
+        # (exactly what each cache would get alone), unless its rows are read dequantized.
+        if name in ("bits", "group_size") and not self.__dict__.get("dequantize", True):
+            return getattr(self.__dict__["primary"], name)
+        raise AttributeError(name)
 
     @property
     def offset(self):
@@ -80,11 +87,11 @@ class FanOutCache:
     def update_and_fetch(self, keys, values):
         self._each("update_and_fetch", keys, values)
         k, v = self.primary.update_and_fetch(keys, values)
-        if isinstance(k, tuple):
-            # The stored 4/8-bit values through the float attention path: mlx-lm's quantized attention
-            # reads the same values, but its CPU kernel has no BLAS (~6x slower at 1K). Only the
-            # summation order differs; the last prompt token and decode use mlx-lm's own path.
-            gs, bits = self._q
+        if isinstance(k, tuple) and self.dequantize:
+            # Opt-in shortcut: the stored 4/8-bit values through the float attention path. mlx-lm's
+            # quantized attention reads the same values, but its CPU kernel has no BLAS (~6x slower
+            # at 1K); the summation order differs, and on a real model that changes some answers.
+            gs, bits = self.primary.group_size, self.primary.bits
             k, v = (mx.dequantize(*k, group_size=gs, bits=bits), mx.dequantize(*v, group_size=gs, bits=bits))
         return k, v
 
@@ -108,7 +115,8 @@ def _arrays(tree):
 
 def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=(),
                             prefill_step: int = 2048, needle_spans: list | None = None,
-                            kv_bits: int | None = None, kv_group_size: int = 64) -> dict:
+                            kv_bits: int | None = None, kv_group_size: int = 64,
+                            dequantized_prefill: bool = False) -> dict:
     """The ``prompt_eviction="end"`` regime for several cache lists with one prompt pass.
 
     All but the last prompt token go once, in mlx_lm.generate's chunks (``prefill_step``), through
@@ -122,11 +130,11 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
     :func:`needle_cut_stats` of its caches after generation.
 
     With ``kv_bits`` every list stores 4/8-bit rows and the primary is mlx-lm's ``QuantizedKVCache``
-    ("__full__" is then the full-<bits>bit cache). The shared pass attends over the primary's
-    stored rows dequantized (see :class:`FanOutCache`): the same values mlx-lm's quantized
-    attention reads, summed in another order, so a token can differ from a lone run in rare ties."""
+    ("__full__" is then the full-<bits>bit cache) and the pass goes through mlx-lm's quantized
+    attention, as each list would alone. ``dequantized_prefill`` reads the primary's stored rows
+    dequantized through float attention instead (faster on the CPU; not what a lone run computes)."""
     full = model_caches(model, kv_bits, kv_group_size)
-    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}, kv_group_size, kv_bits)
+    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}, dequantized_prefill)
             for i in range(len(full))]
     x = mx.array(tokens)
     t0 = time.perf_counter()
@@ -349,7 +357,8 @@ def run(args) -> int:
                 errs[cid] = f"{type(e).__name__}: {e}"
         spans = key_token_spans(tokenizer, toks, pos, p["key"])
         out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos, needle_spans=spans,
-                                      kv_bits=quant[0], kv_group_size=quant[1])
+                                      kv_bits=quant[0], kv_group_size=quant[1],
+                                      dequantized_prefill=getattr(args, "dequantized_prefill", False))
         pre = out["__prefill_s__"]
         recs = {}
         for cid, q in group:
@@ -363,6 +372,8 @@ def run(args) -> int:
                 recs[cid] = _record(q, toks, pos, budgets.get(cid, len(toks)), 2048, spec, r["tokens"],
                                     pre, r["decode_s"], r["kv_bytes_end"], True, r.get("needle"))
             recs[cid]["group_size"] = len(group)
+            if quant[0] is not None:
+                recs[cid]["quant_prefill"] = "dequantized" if getattr(args, "dequantized_prefill", False) else "exact"
         return recs
 
     pending = {}
