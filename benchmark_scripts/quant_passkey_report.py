@@ -42,8 +42,10 @@ def storage(label: str) -> str:
 
 
 def index(path: str):
-    """({(label, density): {prompt: correct}}, {(label, density): {prompt: kv bytes}}, data)."""
-    data = json.loads(Path(path).read_text())
+    """({(label, density): {prompt: correct}}, {(label, density): {prompt: kv bytes}}, data). ``path``
+    may join several result files with commas (e.g. a later group-size run on the same prompts)."""
+    parts = [json.loads(Path(p).read_text()) for p in path.split(",")]
+    data = {**parts[0], "cells": {k: v for d in parts for k, v in d["cells"].items()}}
     res, densities, _ = _passkey_index(data)
     columns = sorted({(k[3], k[4]) for k in res})
     out = {}
@@ -76,6 +78,10 @@ def table(outs: dict, density: float, labels) -> dict:
         if base[0] != m and base in outs:
             pr = paired({p: outs[base][p] for p in prompts}, {p: outs[(m, d)][p] for p in prompts})
             row["vs_fp"] = {"label": base[0], "only_fp": pr["only_a"], "only_quant": pr["only_b"], "p": pr["p"]}
+        g64 = (re.sub(r"-g\d+$", "", m), d)
+        if g64[0] != m and g64 in outs:  # a group-size label against the default groups of 64
+            pr = paired({p: outs[g64][p] for p in prompts}, {p: outs[(m, d)][p] for p in prompts})
+            row["vs_g64"] = {"label": g64[0], "only_g64": pr["only_a"], "only_this": pr["only_b"], "p": pr["p"]}
         rows[m] = row
     return {"n_prompts": len(prompts), "rows": rows}
 
@@ -158,6 +164,9 @@ def main(argv=None) -> int:
         for m, r in t["rows"].items():
             v = r.get("vs_fp")
             vs = f"{v['only_fp']} / {v['only_quant']}, p = {fmt_p(v['p'])}" if v else "–"
+            if "vs_g64" in r:
+                g = r["vs_g64"]
+                vs += f"; vs {g['label']}: {g['only_g64']} / {g['only_this']}, p = {fmt_p(g['p'])}"
             print(f"| {m} | {storage(m)} | {fmt_ci(r['correct'], r['n'])} ({r['correct']}/{r['n']}) | {vs} |")
         if "curve" in entry:
             c = entry["curve"]

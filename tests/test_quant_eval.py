@@ -90,6 +90,13 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     assert t["rows"]["nexus-4bit"]["correct"] == 2
     assert t["rows"]["nexus-4bit"]["vs_fp"] == {"label": "nexus", "only_fp": 4, "only_quant": 0, "p": 0.125}
     assert t["rows"]["full-4bit"]["vs_fp"]["only_fp"] == 1
+    # A second file (a later group-size run on the same prompts) joins with a comma.
+    g32 = {f"g{i}": _cell("nexus-4bit-g32", 0.2, i / 10, True, 48) for i in range(6)}
+    (tmp_path / "g.json").write_text(json.dumps({"meta": {}, "cells": g32}))
+    both, _, _ = Q.index(f"{path},{tmp_path / 'g.json'}")
+    row = Q.table(both, 0.2, ["nexus", "nexus-4bit", "nexus-4bit-g32"])["rows"]["nexus-4bit-g32"]
+    assert row["vs_g64"] == {"label": "nexus-4bit", "only_g64": 0, "only_this": 4, "p": 0.125}
+    assert row["vs_fp"]["label"] == "nexus"
     c = Q.curve(outs, nbytes, "nexus", ("", "-4bit"), ("full", "full-4bit"), [0.2])
     pts = {p["label"]: p for p in c["points"]}
     assert c["n_prompts"] == 6 and c["kvcache_bytes"] == 1000
