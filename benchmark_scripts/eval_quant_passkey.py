@@ -10,7 +10,10 @@ a run cut short by --time-budget balanced over depths and haystacks. Resumable: 
 
   python -m veloxquant_mlx --fast-blas eval passkey ...   (the CLI, one stage)
   python benchmark_scripts/eval_quant_passkey.py --model bundled --out-dir figures/eval/quant \
-      --out-name passkey_paired.json --curve nexus --time-budget 2400
+      --out-name passkey_paired.json --curve nestedkv --time-budget 1800
+  python benchmark_scripts/eval_quant_passkey.py --model bundled --out-dir figures/eval/quant \
+      --out-name passkey_g32.json --methods full nexus nestedkv --bits=-4bit-g32 --dequantized-prefill
+  (a suffix that starts with "-" needs the = form)
 """
 
 from __future__ import annotations
