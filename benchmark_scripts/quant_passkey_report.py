@@ -127,6 +127,11 @@ def plot(c: dict, title: str, out: str) -> None:
                     ax.annotate(f"{int(round(100 * p['density']))}%", (xi, yi), textcoords="offset points",
                                 xytext=(4, -12), fontsize=7, color=colors[st])
     ax.set_xscale("log")
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator([1, 2, 4, 8, 16, 32, 64]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("allocated KV after prompt + 8 tokens (MiB, log)")
     ax.set_ylabel("passkey accuracy (%), Wilson 95%")
     ax.set_title(f"{title}: equal-memory curve, 1K passkey, {c['n_prompts']} prompts", fontsize=10)
