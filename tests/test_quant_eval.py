@@ -115,3 +115,12 @@ def test_fan_out_takes_mlx_lms_quantized_attention_unless_dequantized():
     k = mx.random.normal((1, 2, 5, 64))
     out = FanOutCache(QuantizedKVCache(group_size=64, bits=8), {}, dequantize=True).update_and_fetch(k, k)[0]
     assert out.shape == k.shape and float(mx.abs(out - k).max()) < 0.05
+
+
+def test_tasks_harness_runs_quantized_labels_alone():
+    """eval tasks' shared pass attends over fp rows: a quantized label must take its own prefill."""
+    from veloxquant_mlx.evaluation.task_eval import needs_own_prefill
+
+    q4, f8, fp = R.method_specs(["nexus-4bit", "full-8bit", "nexus"])
+    assert needs_own_prefill(q4) and needs_own_prefill(f8)
+    assert not needs_own_prefill(fp)
