@@ -14,7 +14,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder, methods
-from veloxquant_mlx.caches.batch import BatchEvictionCache
+from veloxquant_mlx.caches.batch import HEADROOM, BatchEvictionCache
 
 from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, small_config, tiny_tokenizer
 METHODS = sorted(methods())
@@ -160,7 +160,9 @@ def test_merge_filter_extend_extract(model):
     assert out_k.shape == (3, 2, 40, 16)
     np.testing.assert_array_equal(np.array(out_k[1, :, 15:]), np.array(k[1, :, :25]))  # left-padded
     assert np.array(batch.offset).tolist() == [40, 25, 10]
-    assert batch.nbytes == sum(r.nbytes for r in rows) > 0
+    # one (3, 2, 40 + headroom, 16) fp32 buffer for keys and one for values, plus each row's own state
+    held = 2 * 3 * 2 * (40 + HEADROOM) * 16 * 4
+    assert batch.nbytes == held + sum(r.nbytes - r.keys.nbytes - r.values.nbytes for r in rows)
     assert not batch.is_trimmable()
 
     copy_1 = batch.extract(1)

@@ -369,3 +369,37 @@ def test_passkey_out_name_writes_its_own_file(tmp_path):
     assert not (out / "passkey.json").exists()
     data = json.loads((out / "study.json").read_text())
     assert len(data["cells"]) == 1 and "provenance" in data
+
+
+def test_speed_table_limit_column_pairs_rounds():
+    """×limit is decode tok/s over RotatingKVCache's, paired round by round (median [min–max]), not a
+    ratio of medians: a cache that is 2× the limit in one round and 0.5× in another reads 1.00× [0.50–2.00]."""
+    from veloxquant_mlx.evaluation.report_perf import _speed_block, limit_ratios
+
+    def rec(tps):
+        return {"decode_tps": sorted(tps)[1], "prefill_tps": 10.0, "segments": [{"decode_tps": t} for t in tps],
+                "kv_bytes_after_prefill": 1, "kv_bytes_end": 1, "kv_kept_bytes_end": 1}
+
+    med = {("kvcache", 1024): rec([4.0, 4.0, 4.0]), ("rotating", 1024): rec([10.0, 4.0, 8.0]),
+           ("h2o", 1024): rec([5.0, 8.0, 8.0])}
+    assert limit_ratios(med[("h2o", 1024)], med[("rotating", 1024)]) == [0.5, 2.0, 1.0]
+    lines = []
+    _speed_block(med, lines, [1024], ["kvcache", "rotating", "h2o"], with_peak=False)
+    head = lines[0].split(" | ")
+    row = lines[4].split(" | ")
+    assert lines[4].startswith("| h2o |")
+    assert row[head.index("1K ×limit")] == "1.00× [0.50–2.00]"
+    assert lines[3].split(" | ")[head.index("1K ×limit")] == "1.00× [1.00–1.00]"
+    # CPU time recorded by both: the ratio uses it (the wall clock mostly measures the machine's load)
+    for m in med.values():
+        for i, seg in enumerate(m["segments"]):
+            seg["decode_cpu_tps"] = 3.0 if m is med[("h2o", 1024)] else 4.0
+    assert limit_ratios(med[("h2o", 1024)], med[("rotating", 1024)]) == [0.75, 0.75, 0.75]
+    lines = []
+    _speed_block(med, lines, [1024], ["kvcache", "rotating", "h2o"], with_peak=False)
+    assert "1K ×limit (CPU time)" in lines[0] and "| 0.75× [0.75–0.75] |" in lines[4]
+    # no limit cache in the run: no ×limit column at all
+    lines = []
+    _speed_block({k: v for k, v in med.items() if k[0] != "rotating"}, lines, [1024], ["kvcache", "h2o"],
+                 with_peak=False)
+    assert "×limit" not in lines[0]

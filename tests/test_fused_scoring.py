@@ -93,3 +93,68 @@ def test_fused_generation_equals_separate(method, extra):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(sf, ss):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+# Prefill-only methods that read no queries but compute their prompt chunks' attention themselves.
+BLOCKED = [m for m in methods() if "prefill_attention" in {f.name for f in dataclasses.fields(get_method(m).Options)}]
+
+
+def test_nestedkv_computes_its_prompt_attention():
+    assert "nestedkv" in BLOCKED
+
+
+@pytest.mark.parametrize("method", BLOCKED)
+def test_blocked_prompt_attention_equals_mlx(method, monkeypatch):
+    """Prompt chunks (also a second turn over ragged, compressed storage) attend in blocked sub-blocks
+    without calling mlx-lm's kernel; outputs equal mlx-lm's within float rounding, kept rows identical."""
+    calls = []
+    original = tap._ORIGINAL_SDPA
+    monkeypatch.setattr(tap, "_ORIGINAL_SDPA", lambda q, *a, **k: calls.append(q.shape[2]) or original(q, *a, **k))
+    chunks = [30, 20, 1, 1, 1, 25, 14, 1, 1]  # two turns; turn 2's chunks read the compressed turn 1
+    kv_heads, q_heads, D = 2, 4, 16
+    n = sum(chunks)
+    k, v, q = (mx.random.normal((1, h, n, D), key=mx.random.key(s)) for s, h in
+               ((0, kv_heads), (1, kv_heads), (2, q_heads)))
+    runs = {}
+    for mode in ("blocked", "mlx"):
+        calls.clear()
+        c = make_cache(method, small=True, options={"prefill_attention": mode, "query_block": 5})
+        c.tap_active = True
+        outs, start = [], 0
+        for s in chunks:
+            K, V = c.update_and_fetch(k[:, :, start:start + s], v[:, :, start:start + s])
+            outs.append(tap.tapped_scaled_dot_product_attention(q[:, :, start:start + s], K, V, cache=c,
+                                                                scale=D ** -0.5, mask="causal" if s > 1 else None))
+            start += s
+            if s > 1 and start > 51:
+                assert c.stored("keys").shape[2] < c.offset  # turn 2's chunks attend to a compressed past
+        runs[mode] = (outs, np.array(c.kept_positions()), list(calls), c.evictions)
+    (ob, kb, cb, eb), (om, km, cm, em) = runs["blocked"], runs["mlx"]
+    assert all(s == 1 for s in cb), "blocked prompt chunks must not call mlx-lm's attention"
+    assert sorted(cm) == sorted(chunks) and eb == em == 2
+    for a, b in zip(ob, om):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kb, km)
+
+
+@pytest.mark.parametrize("method", BLOCKED)
+@pytest.mark.parametrize("prefill_step", [32, 2048])
+def test_blocked_prompt_generation_equals_mlx(method, prefill_step):
+    """Through mlx-lm's generate_step on a tiny GQA model: same tokens, logprobs within rounding, same
+    kept positions per layer."""
+    model = make_tiny_model(layers=2, heads=4, kv_heads=2)
+    prompt = mx.array(random_prompt(90, seed=5))
+    runs = {}
+    for mode in ("blocked", "mlx"):
+        caches = KVCacheBuilder.for_model(model, small_config(method, options={"prefill_attention": mode,
+                                                                              "query_block": 7}))
+        steps = list(generate_step(prompt, model, prompt_cache=caches, max_tokens=16, prefill_step_size=prefill_step))
+        runs[mode] = ([int(t) for t, _ in steps], np.stack([np.array(lp) for _, lp in steps]),
+                      [np.array(c.kept_positions()) for c in caches])
+        assert all(c.evictions == 1 for c in caches)
+    KVCacheBuilder.uninstall(model)
+    (tb, lb, kb), (tm, lm, km) = runs["blocked"], runs["mlx"]
+    assert tb == tm
+    np.testing.assert_allclose(lb, lm, rtol=1e-4, atol=1e-4)
+    for a, b in zip(kb, km):
+        np.testing.assert_array_equal(a, b)

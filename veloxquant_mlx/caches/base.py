@@ -200,14 +200,25 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_kv(keys, values)
-        S = keys.shape[2]
+        self._before_append(keys.shape[2])
+        self._append(keys, values)
+        fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
+        self.note_fetched()
+        if self.queries_from_keys:  # no tap: observe here, and tie the step state to what attention reads
+            self._observe(keys, keys.shape[-1] ** -0.5)
+            fetched = tuple(mx.depends(list(fetched), self.step_state()))
+        return fetched
+
+    def _before_append(self, S: int) -> None:
+        """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per
+        row: caches.batch)."""
         if S > 1 and self._saw_decode:
             warnings.warn(
                 f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
                 "earlier generation and now receives a new prompt. If you wrote "
                 "`model.make_cache = lambda *a, **k: caches`, every generate() continues the old context: "
                 "use KVCacheBuilder.install(model, config) for fresh caches per call (pass prompt_cache "
-                "explicitly to continue on purpose).", stacklevel=2)
+                "explicitly to continue on purpose).", stacklevel=3)
             self._saw_decode = False
         if S == 1 and self.offset > 0:
             self._saw_decode = True
@@ -220,14 +231,11 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         elif self._evicts_during(S) and self._rows > self.evict_threshold():
             self._evict()  # queries never arrived for the last append (no tap): evict now
         self._prompt_open = S > 1  # prompt text: the next single-token step ends the prompt
-        self._append(keys, values)
-        fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
+
+    def note_fetched(self) -> None:
+        """Record the rows this step attends to (the tap's mask describes them)."""
         self._fetched_positions = self.positions[:, :, :self._rows]
         self._fetched_ragged = self.is_ragged
-        if self.queries_from_keys:  # no tap: observe here, and tie the step state to what attention reads
-            self._observe(keys, keys.shape[-1] ** -0.5)
-            fetched = tuple(mx.depends(list(fetched), self.step_state()))
-        return fetched
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""

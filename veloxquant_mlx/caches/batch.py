@@ -5,17 +5,22 @@ mlx-lm batches sequences by merging their per-layer caches (``type(c).merge([...
 layer once over the batch, filters finished rows out and extends the batch with new ones. Eviction
 state (kept positions, scores, reservoir RNG, query window, counters) belongs to one sequence, and
 sequences of different lengths evict at different times, so :class:`BatchEvictionCache` keeps one
-single-row :class:`~veloxquant_mlx.caches.base.EvictionCache` per sequence and makes them look like
-one batch cache:
+single-row :class:`~veloxquant_mlx.caches.base.EvictionCache` per sequence for that state, while the
+keys and values of every row live in one (B, H, capacity, D) buffer per layer
+(``caches.batch_storage.BatchRows``):
 
-* ``update_and_fetch`` hands each row its own new keys/values (dropping the padding mlx-lm adds to
-  prompts of different lengths), lets that row's cache store/evict exactly as it would alone, and
-  returns the rows left-padded to the longest one;
+* ``update_and_fetch`` runs each row's own policy on its real new tokens (dropping the padding mlx-lm
+  adds to prompts of different lengths) and records them in the row's positions; in decode the batch
+  writes every row's token into the buffer with one slice assignment and returns a view of it, left
+  padded to the row that keeps most (no per-step copy of the batch's rows);
+* each row reads its kept rows as a view of the buffer (``row.keys``), so it scores and evicts exactly
+  as it would alone; an eviction gives the row its own buffer of kept rows, which the next step writes
+  back into that row's slice of the batch buffer (that row only);
 * the query tap (``veloxquant_mlx.tap``) gives each row its own queries and asks this cache for the
   layer's mask, which hides every row's padding and is causal by each row's own positions.
 
 So every row holds exactly what it would hold generating alone, and greedy tokens match a
-stand-alone run (tests/test_batching.py). The loop is over batch rows only (never heads or tokens),
+stand-alone run (tests/test_batching.py). The loops are over batch rows only (never heads or tokens),
 with Python-int bookkeeping and no host synchronization in ``update_and_fetch``.
 
 A cache can batch when the query tap reaches it (per-layer masks need it) and it holds a single
@@ -35,8 +40,13 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .quant import empty_rows, rows_map, rows_zip
-from .storage import PAD_POSITION
+from .batch_storage import BatchRows
+from .quant import buf_nbytes, quantize_rows, rows_map
+from .storage import PAD_POSITION, with_headroom
+
+# Free columns a new batch buffer gets (EvictionCache.decode_step): a copy of the batch's rows every
+# HEADROOM decode steps, whatever the batch size.
+HEADROOM = 64
 
 
 def unbatchable_reason(cache):
@@ -65,22 +75,9 @@ class BatchMerge:
         return BatchEvictionCache.merge
 
 
-def _pad_left_part(x: mx.array, rows: int) -> mx.array:
-    r = x.shape[2]
-    if r == rows:
-        return x
-    pad = mx.zeros((x.shape[0], x.shape[1], rows - r, x.shape[3]), x.dtype)
-    return mx.concatenate([pad, x], axis=2) if r else pad
-
-
-def _pad_left(x, rows: int):
-    """(1, H, r, D) -> (1, H, rows, D) with zero rows in front (each part of quantized rows alike:
-    zero words, scales and biases dequantize to 0, and the mask hides them anyway)."""
-    return rows_map(lambda a: _pad_left_part(a, rows), x)
-
-
 class BatchEvictionCache(_BaseCache):
-    """One layer's cache for a batch of sequences: a single-row EvictionCache per sequence.
+    """One layer's cache for a batch of sequences: a single-row EvictionCache per sequence (its eviction
+    state) and one key/value buffer for the batch (module docstring).
 
     Built by ``EvictionCache.merge``; mlx-lm drives it through ``prepare`` / ``finalize`` (padding
     of prompts of different lengths), ``filter`` / ``extend`` (rows leaving and joining) and
@@ -97,6 +94,7 @@ class BatchEvictionCache(_BaseCache):
         self._skip = [0] * len(self.rows)
         self._rpad = None  # right padding announced without lengths: resolved at the next update
         self._step = None  # (spans, fetched row counts, ragged) of the last update_and_fetch
+        self._kv = BatchRows(self.rows, HEADROOM)  # every row's keys and values (caches.batch_storage)
         self._sync_bits()
 
     def _sync_bits(self):
@@ -129,7 +127,7 @@ class BatchEvictionCache(_BaseCache):
         rows = []
         for c in caches:
             if isinstance(c, BatchEvictionCache):
-                rows.extend(copy.deepcopy(c.rows))
+                rows.extend(c.extract(i) for i in range(len(c.rows)))
                 continue
             cls._check_row(c)
             row = copy.deepcopy(c)
@@ -143,6 +141,7 @@ class BatchEvictionCache(_BaseCache):
         """Keep only the rows at ``batch_indices`` (in that order)."""
         idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         self.rows = [self.rows[i] for i in idx]
+        self._kv.filter(idx, self.rows)
         self._todo = [self._todo[i] for i in idx]
         self._skip = [self._skip[i] for i in idx]
         self._step = None
@@ -151,15 +150,28 @@ class BatchEvictionCache(_BaseCache):
         """Append ``other``'s rows (another BatchEvictionCache) after ours."""
         if not isinstance(other, BatchEvictionCache):
             raise TypeError(f"cannot extend a BatchEvictionCache with {type(other).__name__}")
-        self.rows.extend(other.rows)
+        self.rows = self.rows + other.rows
+        self._kv.extend(other._kv, self.rows)
         self._todo.extend(other._todo)
         self._skip.extend(other._skip)
         self._step = None
         self._sync_bits()
 
     def extract(self, idx: int):
-        """An independent copy of row ``idx``'s cache (the batch keeps using its own)."""
-        return copy.deepcopy(self.rows[idx])
+        """An independent copy of row ``idx``'s cache with its own storage (the batch keeps its own)."""
+        row = self.rows[idx]
+        if not self._kv.synced(idx) or row.positions is None:
+            out = copy.deepcopy(row)
+        else:
+            held = row.keys, row.values
+            extra = row.positions.shape[2] - row._rows  # a lone row's buffers match its positions' capacity
+            row.keys, row.values = (rows_map(lambda a: with_headroom(a, extra), buf) for buf in held)
+            try:
+                out = copy.deepcopy(row)
+            finally:
+                row.keys, row.values = held
+        out.kv_external = False
+        return out
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         """Announce the padding of the next prompt: ``right_padding`` (with each row's real
@@ -208,32 +220,27 @@ class BatchEvictionCache(_BaseCache):
         if B != len(self.rows):
             raise ValueError(f"keys hold {B} sequences but the batch cache has {len(self.rows)} rows")
         spans = self._spans(S)
-        ks, vs, counts, ragged = [], [], [], False
+        held = []  # per row: rows stored before this step's tokens
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
-            if n == 0:  # nothing real for this row in this call (its outputs are discarded)
-                ks.append(empty_rows(1, H, 0, keys.shape[3], keys.dtype, row.kv_bits, row.kv_group_size))
-                vs.append(empty_rows(1, H, 0, values.shape[3], values.dtype, row.kv_bits, row.kv_group_size))
-                counts.append(0)
-                continue
-            k, v = keys, values
-            if B > 1 or a or n != S:
-                k, v = keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n]
-            if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
-                row.input_span = (i, a, n)
-            k, v = row.update_and_fetch(k, v)
-            ks.append(k)
-            vs.append(v)
-            counts.append((k[0] if isinstance(k, tuple) else k).shape[2])
-            ragged = ragged or row.fetched_ragged
-        self._step = (spans, counts, ragged)
-        if B == 1:
-            return ks[0], vs[0]
-        R = max(counts)
-
-        def cat(*parts):
-            return mx.concatenate(parts, axis=0)
-
-        return (rows_zip(cat, *[_pad_left(k, R) for k in ks]), rows_zip(cat, *[_pad_left(v, R) for v in vs]))
+            if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
+                k, v = (keys, values) if (B == 1 and n == S) else (keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
+                if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
+                    row.input_span = (i, a, n)
+                row._check_kv(k, v)
+                row._before_append(n)
+            held.append(row._rows)
+            if n:
+                row._append(k, v)
+        bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
+        # every row's tokens quantized at once: the same as row by row (groups lie along head_dim)
+        self._kv.store(spans, held, quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs))
+        ragged = False
+        for row in self.rows:
+            if row.positions is not None:
+                row.note_fetched()
+                ragged = ragged or row.fetched_ragged
+        self._step = (spans, list(self._kv.n), ragged)
+        return self._kv.fetch()
 
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
@@ -326,8 +333,8 @@ class BatchEvictionCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes every row's cache holds (allocated, not just kept)."""
-        return sum(r.nbytes for r in self.rows)
+        """Bytes the batch buffers and every row's own state hold (allocated, not just kept)."""
+        return self._kv.nbytes + sum(r.nbytes - buf_nbytes(r.keys) - buf_nbytes(r.values) for r in self.rows)
 
     def is_trimmable(self) -> bool:
         return False

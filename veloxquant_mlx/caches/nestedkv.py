@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from ..options import option
 from ..ops import gather_rows, keep_top_rows
+from ..ops.attention import causal_attention, fused_scoring_default
 from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
                             rows_from_mask)
 from ..registry import register
@@ -45,6 +46,12 @@ class NestedKVOptions:
     prior: tuple = option((0.4, 0.4, 0.2), kind=tuple, doc="blend log-prior (stable, episodic, current)")
     gap_frac: float = option(0.10, low=0.0, low_open=True, high=0.5, doc="top/bottom fraction of the gap")
     cross_head: bool = option(True, doc="cross-head budget competition (needs the query tap)")
+    # Prompt chunks' attention (NestedKV itself reads no queries): "blocked" computes it in query
+    # sub-blocks that skip their causal future (exact to float rounding; faster than MLX's CPU kernel,
+    # docs/methods/nestedkv.md), "mlx" leaves it to mlx-lm's kernel; "auto": blocked on the CPU only.
+    prefill_attention: str = option("auto", choices=("auto", "blocked", "mlx"),
+                                    doc="prompt chunks' attention: blocked sub-blocks (CPU) or mlx-lm's kernel")
+    query_block: int = option(256, low=1, doc="prompt queries per blocked-attention sub-block")
     max_head_factor: float = option(None, kind=float, low=1.0, allow_none=True,
                                     doc="cap on one head's rows, in budgets (None: KVCacheConfig.max_head_factor, "
                                         "default 1.1; set both to None for the spec's bound)")
@@ -77,6 +84,16 @@ class NestedKVKVCache(EvictionCache):
         if f is None:
             return self.config.head_cap_rows(self.budget)
         return max(int(f * self.budget), self.budget)
+
+    def on_queries(self, queries):
+        # Only when the tap asked for the output (one pass) and this is a prompt chunk; the rows stored
+        # now are the rows update_and_fetch returned (a chunk appends; compression runs at the end step).
+        mode, S = self.options.prefill_attention, queries.shape[2]
+        if S > 1 and self.wants_attention_output() and (
+                mode == "blocked" or (mode == "auto" and fused_scoring_default())):
+            self._attention_out = causal_attention(queries, self.stored("keys"), self.stored("values"),
+                                                   self.stored("positions"), self.offset - S, self.scale,
+                                                   self.options.query_block)
 
     @property
     def cross_head_active(self) -> bool:

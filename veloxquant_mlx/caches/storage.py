@@ -36,6 +36,8 @@ def with_headroom(rows, extra: int, fill=0) -> mx.array:
 class RowStorage:
     """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: append, fetch and size the rows."""
 
+    kv_external = False  # True while the cache is a row of a BatchEvictionCache, which holds its keys/values
+
     @property
     def is_ragged(self) -> bool:
         """True when heads keep different numbers of rows (padding present)."""
@@ -84,13 +86,16 @@ class RowStorage:
     def _append(self, keys, values):
         B, H, S, _ = keys.shape
         prev, need = self._rows, self._rows + S
-        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
         fields = self.extra_row_fields()
-        # Quantized storage (config.kv_bits): each new row is quantized once, here, exactly as mlx-lm's
-        # QuantizedKVCache does it; later steps only move packed rows.
-        keys = quantize_rows(keys, self.kv_bits, self.kv_group_size)
-        values = quantize_rows(values, self.kv_bits, self.kv_group_size)
-        if self.keys is None or need > self.positions.shape[2]:
+        # A row of a batch (kv_external): the batch stores its keys/values (caches.batch_storage); the
+        # row keeps its positions and per-row state only.
+        kv = not self.kv_external
+        if kv:
+            # Quantized storage (config.kv_bits): each new row is quantized once, here, exactly as mlx-lm's
+            # QuantizedKVCache does it; later steps only move packed rows.
+            keys = quantize_rows(keys, self.kv_bits, self.kv_group_size)
+            values = quantize_rows(values, self.kv_bits, self.kv_group_size)
+        if self.positions is None or need > self.positions.shape[2]:
             # Prompt text held to the end of the prompt grows like mlx-lm's KVCache (steps of ``step``);
             # a chunk evicted right after this step gets exactly its rows; a single token that does not
             # fit (unbounded decode) adds ``decode_step`` rows. New buffers, never views.
@@ -110,17 +115,21 @@ class RowStorage:
                     return rows_map(lambda n: with_headroom(n, extra), new)
                 return rows_zip(lambda o, n: grown(o, n, 0), old, new)
 
-            self.keys = grown_kv(self.keys, keys)
-            self.values = grown_kv(self.values, values)
+            if kv:
+                self.keys = grown_kv(self.keys, keys)
+                self.values = grown_kv(self.values, values)
+            pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
             self.positions = grown(self.positions, pos, PAD_POSITION)
             for name, fill in fields.items():
                 self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
         else:
-            for buf, new in ((self.keys, keys), (self.values, values)):
+            for buf, new in ((self.keys, keys), (self.values, values)) if kv else ():
                 parts, rows = (buf, new) if isinstance(buf, tuple) else ((buf,), (new,))
                 for part, r in zip(parts, rows, strict=True):
                     part[:, :, prev:need] = r
-            self.positions[:, :, prev:need] = pos
+            # one token: a scalar write (no arange / broadcast nodes per step)
+            self.positions[:, :, prev:need] = (self.offset if S == 1 else
+                                               mx.arange(self.offset, self.offset + S, dtype=mx.int32))
             for name, fill in fields.items():
                 self.row_extras[name][:, :, prev:need] = fill
         self._rows = need

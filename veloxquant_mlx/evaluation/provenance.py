@@ -132,7 +132,7 @@ def method_of(label: str) -> str:
     with); mlx-lm's own caches (``kvcache``, ``rotating``) -> ``full``; anything else as is."""
     from ..registry import methods
 
-    if label in (FULL, "kvcache", "rotating"):
+    if label in (FULL, "kvcache", "rotating") or label.startswith(FULL + "-"):  # full-4bit: QuantizedKVCache
         return FULL
     hits = [m for m in methods() if label == m or label[:len(m) + 1] in (m + "-", m + "_", m + "+")]
     return max(hits, key=len) if hits else label

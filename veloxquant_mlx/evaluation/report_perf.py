@@ -90,26 +90,54 @@ def speed_summary(data, group: str = "core") -> dict:
     return out
 
 
+def limit_ratios(m, limit) -> list:
+    """Per-round decode speed of one cache over the limit's (RotatingKVCache at the same budget), paired
+    by round: segment r of both was decoded in the same interleaved round. By CPU time where both runs
+    recorded it (a shared machine's wall clock measures the share of the cores a run got), else wall."""
+    a, b = (m or {}).get("segments") or [], (limit or {}).get("segments") or []
+    key = "decode_cpu_tps" if all(s.get("decode_cpu_tps") for s in a + b) else "decode_tps"
+    return [x[key] / y[key] for x, y in zip(a, b)]
+
+
+def _cpu_timed(med, ctxs) -> bool:
+    return all(s.get("decode_cpu_tps") for (c, n), m in med.items() if n in ctxs for s in m.get("segments") or [])
+
+
+def _ratio_cell(rs) -> str:
+    if not rs:
+        return "–"
+    rs = sorted(rs)
+    mid = rs[len(rs) // 2] if len(rs) % 2 else (rs[len(rs) // 2 - 1] + rs[len(rs) // 2]) / 2
+    return f"{mid:.2f}× [{rs[0]:.2f}–{rs[-1]:.2f}]" if len(rs) > 1 else f"{mid:.2f}×"
+
+
 def _speed_block(med, lines, ctxs, caches, with_peak=True):
     mib = 1024 * 1024
+    has_limit = any(("rotating", n) in med for n in ctxs)
+    tag = " (CPU time)" if _cpu_timed(med, ctxs) else ""
+    lim_cols = [f"{_ctx_label(n)} ×limit{tag}" for n in ctxs] if has_limit else []
     lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} decode tok/s" for n in ctxs) + " | " +
-                 " | ".join(f"{_ctx_label(n)} ×KVCache" for n in ctxs) + " | prefill tok/s " +
+                 " | ".join(f"{_ctx_label(n)} ×KVCache" for n in ctxs) + " | " +
+                 "".join(f"{c} | " for c in lim_cols) + "prefill tok/s " +
                  " / ".join(_ctx_label(n) for n in ctxs) + " |")
-    lines.append("|---|" + "---|" * (2 * len(ctxs) + 1))
+    lines.append("|---|" + "---|" * ((3 if has_limit else 2) * len(ctxs) + 1))
     for c in caches:
-        tps, rel, pre = [], [], []
+        tps, rel, lim, pre = [], [], [], []
         for n in ctxs:
             m = med.get((c, n))
             base = med.get(("kvcache", n))
             if m and "decode_tps" in m:
                 tps.append(f"{m['decode_tps']:.1f}")
                 rel.append(f"{m['decode_tps'] / base['decode_tps']:.2f}×" if base and "decode_tps" in base else "–")
+                lim.append(_ratio_cell(limit_ratios(m, med.get(("rotating", n)))))
                 pre.append(f"{m['prefill_tps']:.0f}")
             else:
                 tps.append("error" if m else "–")
                 rel.append("–")
+                lim.append("–")
                 pre.append("–")
-        lines.append(f"| {c} | " + " | ".join(tps) + " | " + " | ".join(rel) + " | " + " / ".join(pre) + " |")
+        lines.append(f"| {c} | " + " | ".join(tps) + " | " + " | ".join(rel) + " | " +
+                     ("".join(f"{x} | " for x in lim) if has_limit else "") + " / ".join(pre) + " |")
     lines.append("")
     lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} allocated KV MiB (prefill → end)" for n in ctxs) + " | " +
                  " | ".join(f"{_ctx_label(n)} allocated ×KVCache" for n in ctxs) + " | " +
@@ -163,7 +191,10 @@ def _speed_tables(data, lines, figs_dir, figures):
                  f"{g.get('design', '')}; here {g.get('repeats', '?')} rounds × {seg} tokens = "
                  f"{g.get('repeats', 0) * seg if isinstance(seg, int) else '?'} decoded tokens per cache. "
                  f"Eviction budget = {g.get('density', 0.2):.0%} of the prompt; `rotating` = mlx-lm "
-                 "RotatingKVCache(max_size=budget, keep=4). Allocated KV = `sum(c.nbytes)` over all 30 layers: "
+                 "RotatingKVCache(max_size=budget, keep=4), the limit: a cache of that many rows that does "
+                 "nothing else; ×limit = decode speed over `rotating`'s, paired per round: median [min–max] over "
+                 "rounds, by this process's CPU time when the run recorded it (tok/s columns: wall clock). "
+                 "Allocated KV = `sum(c.nbytes)` over all 30 layers: "
                  "every array the caches hold, capacity included (mlx-lm's caches by their own `nbytes`), after "
                  "prefill → at the end of decode; kept = K/V bytes of the kept rows only. Prefill peak Δ = "
                  "`mx.get_peak_memory()` during that cache's prefill minus the active memory before it (weights "
@@ -177,7 +208,8 @@ def _speed_tables(data, lines, figs_dir, figures):
     if oth:
         octx = sorted({k[1] for k in oth})
         lines.append(f"**Every method at {', '.join(_ctx_label(n) for n in octx)} (paired with its own KVCache run)**\n")
-        _speed_block(oth, lines, octx, ["kvcache"] + [c for c in _order({k[0] for k in oth}) if c != "kvcache"])
+        _speed_block(oth, lines, octx, ["kvcache", "rotating"] +
+                     [c for c in _order({k[0] for k in oth}) if c not in ("kvcache", "rotating")])
     try:
         import matplotlib
 

@@ -63,13 +63,19 @@ class MethodSpec:
     # "ada": Ada-KV budget allocation across heads (label "<method>-ada"); unset: the method's default
     allocation: Any = METHOD_DEFAULT
     # Further KVCacheConfig fields, sorted (key, value) pairs: kv_bits (label suffix "-4bit" / "-8bit";
-    # for the full cache, mlx-lm's QuantizedKVCache), max_head_factor (label suffix "-nocap": None),
-    # floor_alpha (Ada-KV's per-head floor).
+    # for the full cache, mlx-lm's QuantizedKVCache), kv_group_size (suffix "-g32" / "-g128", after the
+    # bits), max_head_factor (label suffix "-nocap": None), floor_alpha (Ada-KV's per-head floor).
     extra: tuple = ()
 
     @property
     def kv_bits(self):
         return dict(self.extra).get("kv_bits")
+
+    @property
+    def quant(self) -> tuple:
+        """(kv_bits, kv_group_size): how the rows are stored (bits None = float rows)."""
+        e = dict(self.extra)
+        return (e.get("kv_bits"), e.get("kv_group_size", 64) if e.get("kv_bits") else 64)
 
     @property
     def opts(self) -> dict:
@@ -114,7 +120,7 @@ def method_specs(names=None, ablations: bool = True) -> list:
         while base not in specs and base.endswith(tuple(_CONFIG_SUFFIXES)):
             suffix = next(x for x in _CONFIG_SUFFIXES if base.endswith(x))
             base, extra = base[:-len(suffix)], {**_CONFIG_SUFFIXES[suffix], **extra}
-        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits"}):
+        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits", "kv_group_size"}):
             raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)} (each may end in "
                              f"{', '.join(_CONFIG_SUFFIXES)})")
         spec = specs[base]
@@ -124,14 +130,15 @@ def method_specs(names=None, ablations: bool = True) -> list:
 
 
 # Label suffixes that set KVCacheConfig fields: quantized kept rows, and the specs' own per-head bound.
-_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None}}
+_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None},
+                    "-g32": {"kv_group_size": 32}, "-g128": {"kv_group_size": 128}}
 
 
 def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
     """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
     ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
     if spec.method is None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
-        return model_caches(model, spec.kv_bits)
+        return model_caches(model, *spec.quant)
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
                            allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
     return KVCacheBuilder.for_model(model, config)

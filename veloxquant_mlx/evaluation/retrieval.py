@@ -15,7 +15,10 @@ import random
 import re
 import time
 
+import mlx.core as mx
+
 from ..caches.accounting import kv_report
+from ..caches.quant import model_caches
 from .passkey import extract_digits, make_passkey_prompt, prose_text
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       now, quiet_cache_warnings, run_experiment)
@@ -50,10 +53,18 @@ class FanOutCache:
     just the new rows), so the prefill-only regime needs one forward pass per prompt instead of one
     per method. A sub-cache that raises is dropped and its error recorded."""
 
-    def __init__(self, primary, subs: dict):
+    def __init__(self, primary, subs: dict, dequantize: bool = False):
         self.primary = primary
         self.subs = dict(subs)
         self.errors: dict = {}
+        self.dequantize = dequantize
+
+    def __getattr__(self, name):
+        # A quantized primary's bits / group_size make mlx-lm's attention take its quantized path
+        # (exactly what each cache would get alone), unless its rows are read dequantized.
+        if name in ("bits", "group_size") and not self.__dict__.get("dequantize", True):
+            return getattr(self.__dict__["primary"], name)
+        raise AttributeError(name)
 
     @property
     def offset(self):
@@ -75,7 +86,14 @@ class FanOutCache:
 
     def update_and_fetch(self, keys, values):
         self._each("update_and_fetch", keys, values)
-        return self.primary.update_and_fetch(keys, values)
+        k, v = self.primary.update_and_fetch(keys, values)
+        if isinstance(k, tuple) and self.dequantize:
+            # Opt-in shortcut: the stored 4/8-bit values through the float attention path. mlx-lm's
+            # quantized attention reads the same values, but its CPU kernel has no BLAS (~6x slower
+            # at 1K); the summation order differs, and on a real model that changes some answers.
+            gs, bits = self.primary.group_size, self.primary.bits
+            k, v = (mx.dequantize(*k, group_size=gs, bits=bits), mx.dequantize(*v, group_size=gs, bits=bits))
+        return k, v
 
     def observe_queries(self, queries, scale=None):
         self._each("observe_queries", queries, scale)
@@ -96,7 +114,9 @@ def _arrays(tree):
 
 
 def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=(),
-                            prefill_step: int = 2048, needle_spans: list | None = None) -> dict:
+                            prefill_step: int = 2048, needle_spans: list | None = None,
+                            kv_bits: int | None = None, kv_group_size: int = 64,
+                            dequantized_prefill: bool = False) -> dict:
     """The ``prompt_eviction="end"`` regime for several cache lists with one prompt pass.
 
     All but the last prompt token go once, in mlx_lm.generate's chunks (``prefill_step``), through
@@ -107,12 +127,15 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
 
     Returns {name: {"tokens", "decode_s", "kv_bytes_end"} or {"error"}} plus "__full__" (the full
     cache) and "__prefill_s__". With ``needle_spans`` (:func:`key_token_spans`) each entry also has
-    :func:`needle_cut_stats` of its caches after generation."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    :func:`needle_cut_stats` of its caches after generation.
 
-    full = make_prompt_cache(model)
-    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}) for i in range(len(full))]
+    With ``kv_bits`` every list stores 4/8-bit rows and the primary is mlx-lm's ``QuantizedKVCache``
+    ("__full__" is then the full-<bits>bit cache) and the pass goes through mlx-lm's quantized
+    attention, as each list would alone. ``dequantized_prefill`` reads the primary's stored rows
+    dequantized through float attention instead (faster on the CPU; not what a lone run computes)."""
+    full = model_caches(model, kv_bits, kv_group_size)
+    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}, dequantized_prefill)
+            for i in range(len(full))]
     x = mx.array(tokens)
     t0 = time.perf_counter()
     feed_prompt(model, x, fans, prefill_step)
@@ -275,7 +298,9 @@ def run(args) -> int:
         specs = {FULL: method_specs([FULL])[0], **specs}
     keys = make_keys(max(args.n_keys, 1))
     custom = any(v is not None for v in (args.contexts, args.densities, args.haystacks, args.regimes, args.depths))
-    if custom or args.methods:
+    if getattr(args, "plan", None):  # a script's own stages (e.g. benchmark_scripts/eval_quant_passkey.py)
+        plan = args.plan
+    elif custom or args.methods:
         plan = [{"name": "custom", "contexts": args.contexts or ([640] if quick else [1024]),
                  "haystacks": args.haystacks or ["grass"], "densities": args.densities or [0.2],
                  "regimes": args.regimes or ["prefill", "decode"], "methods": list(specs),
@@ -311,12 +336,13 @@ def run(args) -> int:
                 "correct": answer == p["key"], "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3),
                 "kv_bytes_end": kv_end, "shared_prefill": shared}
 
-    def run_group(p, toks, pos):
-        """Prefill-only regime: every unfinished prefill cell of this prompt in one shared pass."""
+    def run_group(p, toks, pos, quant):
+        """Prefill-only regime: every unfinished prefill cell of this prompt that stores its rows as
+        ``quant`` ((kv_bits, kv_group_size); bits None = float rows) in one shared pass."""
         prompt = (p["haystack"], p["context"], p["depth"], p["key"])
         done = store.done()
         group = [(cid, q) for cid, q in cells if q["regime"] == "prefill" and cid not in done
-                 and specs[q["method"]].kv_bits is None  # quantized rows: the prompt's attention differs
+                 and specs[q["method"]].quant == quant
                  and (q["haystack"], q["context"], q["depth"], q["key"]) == prompt]
         group = [(cid, q) for cid, q in group if store.claim(cid)]  # skip cells another worker holds
         named, budgets, errs = {}, {}, {}
@@ -330,7 +356,9 @@ def run(args) -> int:
             except Exception as e:
                 errs[cid] = f"{type(e).__name__}: {e}"
         spans = key_token_spans(tokenizer, toks, pos, p["key"])
-        out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos, needle_spans=spans)
+        out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos, needle_spans=spans,
+                                      kv_bits=quant[0], kv_group_size=quant[1],
+                                      dequantized_prefill=getattr(args, "dequantized_prefill", False))
         pre = out["__prefill_s__"]
         recs = {}
         for cid, q in group:
@@ -344,6 +372,8 @@ def run(args) -> int:
                 recs[cid] = _record(q, toks, pos, budgets.get(cid, len(toks)), 2048, spec, r["tokens"],
                                     pre, r["decode_s"], r["kv_bytes_end"], True, r.get("needle"))
             recs[cid]["group_size"] = len(group)
+            if quant[0] is not None:
+                recs[cid]["quant_prefill"] = "dequantized" if getattr(args, "dequantized_prefill", False) else "exact"
         return recs
 
     pending = {}
@@ -356,12 +386,12 @@ def run(args) -> int:
         spec = specs[p["method"]]
         my = cell_id(exp="passkey", **{f: p[f] for f in ("haystack", "context", "depth", "key", "density",
                                                           "regime", "method", "seed")})
-        # The shared pass attends over full-precision rows; a quantized cache alone attends over its
-        # quantized rows from the first chunk on (what mlx_lm.generate does), so it runs alone.
-        if p["regime"] == "prefill" and args.shared_prefill and spec.kv_bits is None:
+        # One shared pass per prompt and row storage: quantized caches attend over their quantized
+        # rows from the first chunk on (what mlx_lm.generate does), so they share a quantized pass.
+        if p["regime"] == "prefill" and args.shared_prefill:
             if my not in pending:
                 t = time.perf_counter()
-                recs = run_group(p, toks, pos)
+                recs = run_group(p, toks, pos, spec.quant)
                 share = (time.perf_counter() - t) / max(len(recs), 1)
                 for cid, r in recs.items():
                     r["cell_s"] = round(share, 3)

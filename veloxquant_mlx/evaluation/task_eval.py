@@ -38,6 +38,8 @@ PRIORITY = {"tasks": ["followup", "niah_single", "niah_multikey"], "lengths": [2
 
 
 def needs_own_prefill(spec) -> bool:
+    if spec.kv_bits is not None:  # quantized rows: the prompt attends over them, not the shared fp pass's rows
+        return True
     if spec.method is None:
         return False
     return spec.method in PLAIN_PATH_METHODS or bool(getattr(get_method(spec.method), "own_prefill", False))

@@ -32,6 +32,31 @@ def window_attention_probs(queries: mx.array, keys: mx.array, q_pos: mx.array, k
     return _probs(q, keys, q_pos.astype(mx.int32), k_pos.astype(mx.int32), mx.array(scale, mx.float32))
 
 
+def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, k_pos: mx.array, q_start: int,
+                     scale: float, query_block: int = 256) -> mx.array:
+    """The layer's attention output for a prompt chunk, in query sub-blocks that skip their causal future.
+
+    queries (B, Hq, S, D) at positions ``q_start .. q_start+S-1``; keys / values (B, Hkv, N, D) whose
+    last S rows are those positions (the rows just appended); k_pos (B, Hkv, N) absolute key positions
+    (padding rows carry a large position, so they are hidden). Sub-block j reads only key rows
+    ``[0, N - S + end_j)``: about S²/2 fewer scores than the full (S x N) pass MLX's CPU kernel computes
+    before masking (half of a first chunk's, an eighth of a chunk behind 3 S rows). Same weights as
+    :func:`window_attention_probs`; returns (B, Hq, S, Dv) in the queries' dtype."""
+    B, Hq, S, _ = queries.shape
+    N = keys.shape[2]
+    q = group_queries(queries, keys.shape[1])
+    q_pos = mx.arange(q_start, q_start + S, dtype=mx.int32)
+    k_pos, sc = k_pos.astype(mx.int32), mx.array(scale, mx.float32)
+    step, outs = max(int(query_block), 1), []
+    for start in range(0, S, step):  # a few sub-blocks of a long chunk, not tokens
+        end = min(start + step, S)
+        n = N - S + end
+        p = _probs(q[:, :, :, start:end], keys[:, :, :n], q_pos[start:end], k_pos[:, :, :n], sc)
+        outs.append(p @ mx.expand_dims(values[:, :, :n].astype(mx.float32), 2))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.astype(queries.dtype).reshape(B, Hq, S, values.shape[-1])
+
+
 def fused_scoring_default() -> bool:
     """Should a method whose scoring pass computes the attention weights also compute the layer's
     output from them (one pass), rather than leave it to mlx-lm's fused kernel (two passes)?

@@ -1,0 +1,126 @@
+"""The eval harness's quantized rows: group-size labels and the shared quantized prefill pass."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+
+from veloxquant_mlx.evaluation import results as R
+from veloxquant_mlx.evaluation.retrieval import shared_prefill_generate
+from veloxquant_mlx.evaluation.speed import greedy_generate
+
+from test_quantized import make_model
+
+
+def test_group_size_labels():
+    q, f8, f8g = R.method_specs(["nexus-4bit-g32", "full-8bit", "full-8bit-g32"])
+    assert (q.method, q.quant) == ("nexus", (4, 32))
+    assert (f8.method, f8.quant, f8g.quant) == (None, (8, 64), (8, 32))
+    model = make_model()
+    assert all(isinstance(c, QuantizedKVCache) and (c.bits, c.group_size) == (8, 32)
+               for c in R.make_caches(model, f8g, budget=0))
+    assert all((c.config.kv_bits, c.config.kv_group_size) == (4, 32) for c in R.make_caches(model, q, budget=128))
+    assert R.method_specs(["nexus"])[0].quant == (None, 64)
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_shared_quantized_prefill_equals_lone_runs(bits, group):
+    """One quantized pass per prompt for every quantized method gives each method's lone-run tokens
+    and bytes, and the pass's own cache is mlx-lm's QuantizedKVCache run alone."""
+    model = make_model()
+    toks = [int(t) for t in mx.random.randint(0, 128, (500,), key=mx.random.key(3)).tolist()]
+    suffix = f"-{bits}bit" + ("" if group == 64 else f"-g{group}")
+    specs = R.method_specs([m + suffix for m in ("full", "nexus", "nestedkv", "snapkv", "h2o")])
+    named = {s.name: R.make_caches(model, s, 150) for s in specs if s.method}
+    out = shared_prefill_generate(model, toks, named, 6, kv_bits=bits, kv_group_size=group)
+    for s in specs:
+        alone = greedy_generate(model, toks, R.make_caches(model, s, 150), 6, 2048)
+        got = out["__full__" if s.method is None else s.name]
+        assert got["tokens"] == alone["tokens"], s.name
+        assert got["kv_bytes_end"] == alone["kv_bytes_end"], s.name
+    # Eviction ran and the stored rows are quantized.
+    caches = named[specs[1].name]
+    assert caches[0].evictions >= 1 and caches[0].bits == bits
+    # The opt-in dequantized pass reads float attention (no bits on the fan-out layer).
+    fast = shared_prefill_generate(model, toks, {}, 6, kv_bits=bits, kv_group_size=group, dequantized_prefill=True)
+    assert len(fast["__full__"]["tokens"]) == 6
+    # The fp pass differs: the quantized rows change the tokens on this random model.
+    fp = shared_prefill_generate(model, toks, {}, 6)
+    assert fp["__full__"]["tokens"] != out["__full__"]["tokens"] or bits == 8
+
+
+def test_full_quantized_labels_fingerprint_as_full():
+    from veloxquant_mlx.evaluation.provenance import key_of
+
+    assert key_of("full-4bit") == key_of("full-8bit-g32") == "full"
+    assert key_of("nexus-4bit-g32") == "nexus"
+
+
+def _cell(method, density, depth, correct, nbytes):
+    return {"haystack": "grass", "context": 1024, "depth": depth, "key": "1", "density": density,
+            "regime": "prefill", "method": method, "seed": 0, "correct": correct, "kv_bytes_end": nbytes}
+
+
+def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+    import eval_quant_passkey as E
+    import quant_passkey_report as Q
+
+    assert (Q.fp_label("nexus-4bit-g32"), Q.storage("nexus-4bit-g32"), Q.fp_label("full-8bit")) == \
+        ("nexus", "4bit-g32", "full")
+    stages = E.plan(["full", "nexus"], "nestedkv", [0.1, 0.5], [0.1])
+    assert stages[0]["methods"] == ["full", "full-8bit", "full-4bit", "nexus", "nexus-8bit", "nexus-4bit"]
+    assert stages[1]["densities"] == [0.1, 0.5] and stages[1]["methods"][2] == "nestedkv-4bit"
+    cells = []
+    for i in range(6):  # nexus fp right on all 6; nexus-4bit wrong on 0..3; full right; full-4bit wrong on 0
+        d = i / 10
+        cells += [_cell("full", None, d, True, 1000), _cell("full-4bit", 0.2, d, i > 0, 160),
+                  _cell("nexus", 0.2, d, True, 200), _cell("nexus-4bit", 0.2, d, i > 3, 40 + i)]
+    cells.append(_cell("nexus", 0.2, 0.9, True, 200))  # a prompt the others lack: left out
+    data = {"meta": {"model": "m"}, "cells": {str(i): c for i, c in enumerate(cells)}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    outs, nbytes, _ = Q.index(str(path))
+    t = Q.table(outs, 0.2, ["full", "full-4bit", "nexus", "nexus-4bit"])
+    assert t["n_prompts"] == 6
+    assert t["rows"]["nexus-4bit"]["correct"] == 2
+    assert t["rows"]["nexus-4bit"]["vs_fp"] == {"label": "nexus", "only_fp": 4, "only_quant": 0, "p": 0.125}
+    assert t["rows"]["full-4bit"]["vs_fp"]["only_fp"] == 1
+    # A second file (a later group-size run on the same prompts) joins with a comma.
+    g32 = {f"g{i}": _cell("nexus-4bit-g32", 0.2, i / 10, True, 48) for i in range(6)}
+    (tmp_path / "g.json").write_text(json.dumps({"meta": {}, "cells": g32}))
+    both, _, _ = Q.index(f"{path},{tmp_path / 'g.json'}")
+    row = Q.table(both, 0.2, ["nexus", "nexus-4bit", "nexus-4bit-g32"])["rows"]["nexus-4bit-g32"]
+    assert row["vs_g64"] == {"label": "nexus-4bit", "only_g64": 0, "only_this": 4, "p": 0.125}
+    assert row["vs_fp"]["label"] == "nexus"
+    c = Q.curve(outs, nbytes, "nexus", ("", "-4bit"), ("full", "full-4bit"), [0.2])
+    pts = {p["label"]: p for p in c["points"]}
+    assert c["n_prompts"] == 6 and c["kvcache_bytes"] == 1000
+    assert pts["nexus-4bit"]["kv_bytes"] == pytest.approx(42.5) and pts["full-4bit"]["kv_vs_kvcache"] == 0.16
+
+
+def test_fan_out_takes_mlx_lms_quantized_attention_unless_dequantized():
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.evaluation.retrieval import FanOutCache
+
+    q = QuantizedKVCache(group_size=32, bits=4)
+    assert (FanOutCache(q, {}).bits, FanOutCache(q, {}).group_size) == (4, 32)
+    assert not hasattr(FanOutCache(q, {}, dequantize=True), "bits")
+    assert not hasattr(FanOutCache(KVCache(), {}), "bits")
+    k = mx.random.normal((1, 2, 5, 64))
+    out = FanOutCache(QuantizedKVCache(group_size=64, bits=8), {}, dequantize=True).update_and_fetch(k, k)[0]
+    assert out.shape == k.shape and float(mx.abs(out - k).max()) < 0.05
+
+
+def test_tasks_harness_runs_quantized_labels_alone():
+    """eval tasks' shared pass attends over fp rows: a quantized label must take its own prefill."""
+    from veloxquant_mlx.evaluation.task_eval import needs_own_prefill
+
+    q4, f8, fp = R.method_specs(["nexus-4bit", "full-8bit", "nexus"])
+    assert needs_own_prefill(q4) and needs_own_prefill(f8)
+    assert not needs_own_prefill(fp)
