@@ -44,8 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                    help="reconstruction chunk sizes whose pass peak is measured at the longest context")
     p.add_argument("--chunk-context", type=int, default=None, help="context of the chunk sweep (default: longest)")
-    p.add_argument("--pass-attention", default="auto", choices=("auto", "fused", "separate"),
-                   help="kvzip_pass_attention: the pass's attention from the scoring softmax (fused) or mlx-lm's")
+    p.add_argument("--pass-attention", nargs="+", default=["auto"], choices=("auto", "fused", "separate"),
+                   help="kvzip_pass_attention: the pass's attention from the scoring softmax (fused) or mlx-lm's "
+                        "(separate); several values run side by side as kvzip[<mode>]")
     p.add_argument("--no-fast-blas", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "prefill_cost.json"))
@@ -104,9 +105,13 @@ def main(argv=None):
     step = 64 if args.quick else args.prefill_step_size
     chunk_default = 64 if args.quick else 2048
 
-    def kvzip_caches(n, chunk=chunk_default):
+    modes = list(dict.fromkeys(args.pass_attention))
+    names = ["kvzip"] if modes == ["auto"] else [f"kvzip[{m}]" for m in modes]
+
+    def kvzip_caches(n, chunk=chunk_default, name="kvzip"):
+        mode = name[6:-1] if name.startswith("kvzip[") else "auto"
         cfg = KVCacheConfig("kvzip", budget=max(int(round(args.density * n)), 16), kvzip_chunk=chunk,
-                            kvzip_pass_attention=args.pass_attention)
+                            kvzip_pass_attention=mode)
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
 
     rows, chunk_peaks = [], []
@@ -126,24 +131,29 @@ def main(argv=None):
     feed(model, all_tokens[:warm], kvzip_caches(warm), step)
     for n in contexts:
         tokens = all_tokens[:n]
-        runs = {"plain": [], "kvzip": []}
+        runs = {k: [] for k in ["plain", *names]}
         for r in range(args.rounds):
-            order = ("plain", "kvzip") if r % 2 == 0 else ("kvzip", "plain")
+            order = list(runs) if r % 2 == 0 else list(runs)[::-1]
             for name in order:
-                caches = make_prompt_cache(model) if name == "plain" else kvzip_caches(n)
+                caches = make_prompt_cache(model) if name == "plain" else kvzip_caches(n, name=name)
                 runs[name].append(feed(model, tokens, caches, step))
-                if name == "kvzip":
+                if name != "plain":
                     assert all(c.zip_passes == 1 for c in caches if hasattr(c, "zip_passes"))
         med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
         row = {"context": n, "budget": max(int(round(args.density * n)), 16), "rounds": args.rounds,
                "runs": runs, "median": med,
-               "ratio_total": med["kvzip"]["total_s"] / med["plain"]["total_s"],
-               "pass_extra_s": med["kvzip"]["last_step_s"] - med["plain"]["last_step_s"]}
+               "ratio_total": med[names[0]]["total_s"] / med["plain"]["total_s"],
+               "pass_extra_s": med[names[0]]["last_step_s"] - med["plain"]["last_step_s"]}
+        # per round, kvzip / plain of the same round (the machine's load moves between rounds)
+        row["ratio_by_round"] = {k: [a["total_s"] / b["total_s"] for a, b in zip(runs[k], runs["plain"])]
+                                 for k in names}
         rows.append(row)
-        print(f"{n:>5} tokens: plain {med['plain']['total_s']:.2f} s, kvzip {med['kvzip']['total_s']:.2f} s "
-              f"(x{row['ratio_total']:.2f}); last step peak plain {med['plain']['last_step_peak_mib']:.0f} MiB, "
-              f"kvzip {med['kvzip']['last_step_peak_mib']:.0f} MiB; prefill peak plain "
-              f"{med['plain']['peak_mib']:.0f} / kvzip {med['kvzip']['peak_mib']:.0f} MiB", flush=True)
+        for k in names:
+            print(f"{n:>5} tokens: plain {med['plain']['total_s']:.2f} s, {k} {med[k]['total_s']:.2f} s "
+                  f"(x{med[k]['total_s'] / med['plain']['total_s']:.2f}; per round "
+                  f"{', '.join(f'{x:.2f}' for x in row['ratio_by_round'][k])}); last step peak plain "
+                  f"{med['plain']['last_step_peak_mib']:.0f} MiB, {k} {med[k]['last_step_peak_mib']:.0f} MiB; "
+                  f"prefill peak plain {med['plain']['peak_mib']:.0f} / {k} {med[k]['peak_mib']:.0f} MiB", flush=True)
         write()
 
     n = args.chunk_context or max(contexts)

@@ -12,8 +12,8 @@ compressed prompt).
   explicit positions, as kvpress's pipeline decodes. Our prefill-only caches do the same (the prompt's
   last token attends to everything, then the cache compresses).
 
-Pairs: SnapKV, ObservedAttention / H2O, StreamingLLM, PyramidKV and KVzip by name; Knorm and
-ExpectedAttention run on the kvpress side only; "none" is kvpress's
+Pairs: SnapKV, ObservedAttention / H2O, StreamingLLM, PyramidKV and KVzip by name;
+Knorm runs on the kvpress side only (no such method here); "none" is kvpress's
 uncompressed model (checks the conversion). Output: ``<out-dir>/compare.json`` (per prompt, Wilson
 intervals, exact McNemar per pair, provenance) and a markdown table on stdout.
 
@@ -42,8 +42,7 @@ KEY = "67767"
 # (our eval label, kvpress press class, its keyword arguments beyond compression_ratio)
 PAIRS = [("full", "none", {}), ("snapkv", "SnapKVPress", {}), ("h2o", "ObservedAttentionPress", {}),
          ("streaming", "StreamingLLMPress", {}), ("pyramidkv", "PyramidKVPress", {}),
-         ("kvzip", "KVzipPress", {}), ("kvzip-paper", None, {}),
-         (None, "KnormPress", {}), (None, "ExpectedAttentionPress", {})]
+         ("kvzip", "KVzipPress", {}), (None, "KnormPress", {})]
 
 
 # -- the kvpress side (runs inside the venv: stdlib + torch + transformers + kvpress only) ----------

@@ -45,18 +45,22 @@ def _block_attend(q, ctx, own, col_limit, ctx_values, own_values):
     return out, p_ctx.max(axis=(2, 3))
 
 
+def _grouped(queries, ctx_keys, own_keys, scale):
+    """(scaled float32 queries grouped per KV head, float32 context keys), shapes checked."""
+    Hq, S, H = queries.shape[1], queries.shape[2], ctx_keys.shape[1]
+    if Hq % H or own_keys.shape[2] != S:
+        raise ValueError(f"queries {queries.shape} do not fit keys {ctx_keys.shape} / own keys {own_keys.shape}")
+    return group_queries(queries.astype(mx.float32) * scale, H), ctx_keys.astype(mx.float32)
+
+
 def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, ctx_values: mx.array,
                           own_values: mx.array, scale: float, q_block: int = 512):
     """:func:`reconstruction_scores` (with no lead rows) plus the attention output, for a chunk whose
     context rows are every row attention reads: one softmax serves both (the tap's one-pass path).
 
     Returns (output (B, Hq, S, D) in the queries' dtype, scores float32 (B, H, C))."""
-    B, Hq, S, D = queries.shape
-    H = ctx_keys.shape[1]
-    if Hq % H or own_keys.shape[2] != S:
-        raise ValueError(f"queries {queries.shape} do not fit keys {ctx_keys.shape} / own keys {own_keys.shape}")
-    q = group_queries(queries.astype(mx.float32) * scale, H)
-    ctx = ctx_keys.astype(mx.float32)
+    q, ctx = _grouped(queries, ctx_keys, own_keys, scale)
+    S = queries.shape[2]
     outs, best = [], None
     step = max(int(q_block), 1)
     for start in range(0, S, step):  # a few query sub-blocks, not tokens
@@ -66,7 +70,7 @@ def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.ar
         outs.append(o)
         best = s if best is None else mx.maximum(best, s)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
-    return out.reshape(B, Hq, S, -1).astype(queries.dtype), best
+    return out.reshape(*queries.shape[:3], -1).astype(queries.dtype), best
 
 
 def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, scale: float,
@@ -78,12 +82,8 @@ def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.ar
     own_keys (B, H, S, D): the input's own keys (never stored). Softmax over sinks + chunk + own keys
     (causal among own keys); returns float32 (B, H, m): max over the group and the S queries.
     """
-    B, Hq, S, D = queries.shape
-    H = ctx_keys.shape[1]
-    if Hq % H or own_keys.shape[2] != S:
-        raise ValueError(f"queries {queries.shape} do not fit keys {ctx_keys.shape} / own keys {own_keys.shape}")
-    q = group_queries(queries.astype(mx.float32) * scale, H)
-    ctx = ctx_keys.astype(mx.float32)
+    q, ctx = _grouped(queries, ctx_keys, own_keys, scale)
+    S = queries.shape[2]
     out = None
     step = max(int(q_block), 1)
     for start in range(0, S, step):  # a few query sub-blocks, not tokens
