@@ -218,6 +218,7 @@ def main() -> int:
               "context": args.context, "density": args.density, "haystacks": args.haystacks,
               "depths": args.depths, "key": KEY, "max_new_tokens": args.max_new_tokens, "kvpress_pins": PINS},
               "ours": ours, "kvpress": theirs, "table": table,
+              "kvpress_outputs": json.loads(raw.read_text()),  # the worker's tokens and seconds per press and prompt
               "provenance": provenance(command_line(), [o for o in labels if o])}
     (args.out_dir / "compare.json").write_text(json.dumps(result, indent=1))
     return 0
