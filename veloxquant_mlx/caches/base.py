@@ -24,6 +24,7 @@ from ..config import KVCacheConfig
 from ..options import NoOptions
 from ..ops import gather_rows, keep_top_rows
 from ..ops.allocation import ada_keep
+from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .batch import BatchMerge
 from .quant import row_dim, rows_map
@@ -264,10 +265,11 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         out, self._attention_out = self._attention_out, None
         return out
 
-    def wants_attention_output(self) -> bool:
-        """True inside :meth:`observe_and_attend`: a scoring pass that computes the attention weights
-        may hand the layer's output back (``self._attention_out``) instead of the tap computing it again."""
-        return self._attend
+    def one_pass(self, mode: str, on: str = "fused") -> bool:
+        """Inside :meth:`observe_and_attend`, should this step's scoring pass hand the layer's output back
+        (``self._attention_out``) instead of the tap computing it again? Yes when the method's option
+        ``mode`` says ``on`` (always) or ``"auto"`` (where one pass is the faster: the CPU)."""
+        return self._attend and (mode == on or (mode == "auto" and fused_scoring_default()))
 
     @property
     def fetched_positions(self):

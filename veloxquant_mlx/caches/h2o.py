@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 from ..options import option
-from ..ops.attention import fused_scoring_default
 from ..ops.h2o import attention_mass
 from ..registry import register
 from .base import EvictionCache
@@ -46,17 +45,13 @@ class H2OKVCache(EvictionCache):
     def extra_row_fields(self):
         return {"score": 0.0}
 
-    def fuse_attention(self) -> bool:
-        mode = self.options.attention_pass
-        return self.wants_attention_output() and (mode == "fused" or (mode == "auto" and fused_scoring_default()))
-
     def on_queries(self, queries):
         S = queries.shape[2]
         args = (queries, self.stored("keys"), self.stored("positions"), self.offset - S, self.scale,
                 self.options.query_block)
         # One query over storage without padding: every stored row is in its past, no mask needed.
         kw = {"all_visible": S == 1 and not self.is_ragged}
-        if self.fuse_attention():  # the rows stored now are the rows update_and_fetch returned
+        if self.one_pass(self.options.attention_pass):  # the rows stored now are the rows update_and_fetch returned
             mass, self._attention_out = attention_mass(*args, values=self.stored("values"), **kw)
         else:
             mass = attention_mass(*args, **kw)

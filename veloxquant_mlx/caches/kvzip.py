@@ -32,7 +32,6 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ..options import option
-from ..ops.attention import fused_scoring_default
 from ..ops.kvzip import reconstruction_attend, reconstruction_scores, window_max_scores
 from ..registry import register
 from .base import EvictionCache
@@ -247,9 +246,8 @@ class KVzipCache(EvictionCache):
         self._score_chunk(queries, queries.shape[-1] ** -0.5 if scale is None else float(scale))
 
     def _fuse_attention(self, lo, hi, lead) -> bool:
-        mode = self.options.pass_attention
-        return (self.wants_attention_output() and mode != "separate" and (mode == "fused" or fused_scoring_default())
-                and lead == 0 and lo == 0 and hi == self._rows and self.kv_bits is None and not self.is_ragged)
+        return (self.one_pass(self.options.pass_attention) and lead == 0 and lo == 0 and hi == self._rows
+                and self.kv_bits is None and not self.is_ragged)
 
     def _score_chunk(self, queries, scale):
         lo, hi, lead = self._chunk

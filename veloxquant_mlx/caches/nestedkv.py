@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ..options import option
 from ..ops import gather_rows, keep_top_rows
-from ..ops.attention import causal_attention, fused_scoring_default
+from ..ops.attention import causal_attention
 from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
                             rows_from_mask)
 from ..registry import register
@@ -88,9 +88,8 @@ class NestedKVKVCache(EvictionCache):
     def on_queries(self, queries):
         # Only when the tap asked for the output (one pass) and this is a prompt chunk; the rows stored
         # now are the rows update_and_fetch returned (a chunk appends; compression runs at the end step).
-        mode, S = self.options.prefill_attention, queries.shape[2]
-        if S > 1 and self.wants_attention_output() and (
-                mode == "blocked" or (mode == "auto" and fused_scoring_default())):
+        S = queries.shape[2]
+        if S > 1 and self.one_pass(self.options.prefill_attention, on="blocked"):
             self._attention_out = causal_attention(queries, self.stored("keys"), self.stored("values"),
                                                    self.stored("positions"), self.offset - S, self.scale,
                                                    self.options.query_block)

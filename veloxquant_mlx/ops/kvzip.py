@@ -18,27 +18,31 @@ import mlx.core as mx
 from .attention import group_queries, window_attention_probs
 
 
-def _block_max(q, ctx, own, col_limit):
+def _block_logits(q, ctx, own, col_limit):
     # Not mx.compile'd: every chunk length is a new shape, and recompiling cost more than it saved.
     # q (B, H, G, s, D) scaled; ctx (B, H, C, D); own (B, H, S, D); col_limit (s,): the last own-key
-    # column each query may see (causal inside the reconstruction input) -> (B, H, C) float32.
-    # max_q softmax = exp(max_q (logit - logsumexp_q)): one exp per context row instead of one per
-    # (query, row), and no mask over the context part (every context row precedes every query).
-    l_ctx = q @ mx.expand_dims(ctx, 2).swapaxes(-1, -2)  # (B, H, G, s, C)
-    l_own = q @ mx.expand_dims(own.astype(mx.float32), 2).swapaxes(-1, -2)  # (B, H, G, s, S')
+    # column each query may see (causal inside the reconstruction input). Returns the context logits
+    # (B, H, G, s, C), the own-key logits with the causal future at -inf, and each query's logsumexp
+    # over both (B, H, G, s, 1). No mask over the context part: every context row precedes every query.
+    l_ctx = q @ mx.expand_dims(ctx, 2).swapaxes(-1, -2)
+    l_own = q @ mx.expand_dims(own.astype(mx.float32), 2).swapaxes(-1, -2)
     visible = mx.arange(own.shape[2])[None, :] <= col_limit[:, None]
-    lse = mx.logaddexp(mx.logsumexp(l_ctx, axis=-1), mx.logsumexp(mx.where(visible, l_own, -mx.inf), axis=-1))
-    return mx.exp((l_ctx - mx.expand_dims(lse, -1)).max(axis=(2, 3)))
+    l_own = mx.where(visible, l_own, -mx.inf)
+    lse = mx.logaddexp(mx.logsumexp(l_ctx, axis=-1), mx.logsumexp(l_own, axis=-1))
+    return l_ctx, l_own, mx.expand_dims(lse, -1)
+
+
+def _block_max(q, ctx, own, col_limit):
+    # -> (B, H, C) float32. max_q softmax = exp(max_q (logit - logsumexp_q)): one exp per context row
+    # instead of one per (query, row).
+    l_ctx, _, lse = _block_logits(q, ctx, own, col_limit)
+    return mx.exp((l_ctx - lse).max(axis=(2, 3)))
 
 
 def _block_attend(q, ctx, own, col_limit, ctx_values, own_values):
-    # The same softmax as _block_max, also applied to the values: the layer's attention output over
-    # (context rows + own keys, causal) and the rows' max probability, from one query-key product.
-    l_ctx = q @ mx.expand_dims(ctx, 2).swapaxes(-1, -2)  # (B, H, G, s, C)
-    l_own = q @ mx.expand_dims(own.astype(mx.float32), 2).swapaxes(-1, -2)  # (B, H, G, s, S')
-    visible = mx.arange(own.shape[2])[None, :] <= col_limit[:, None]
-    l_own = mx.where(visible, l_own, -mx.inf)
-    lse = mx.expand_dims(mx.logaddexp(mx.logsumexp(l_ctx, axis=-1), mx.logsumexp(l_own, axis=-1)), -1)
+    # The same softmax, also applied to the values: the layer's attention output over (context rows
+    # + own keys, causal) and the rows' max probability, from one query-key product.
+    l_ctx, l_own, lse = _block_logits(q, ctx, own, col_limit)
     p_ctx, p_own = mx.exp(l_ctx - lse), mx.exp(l_own - lse)
     out = (p_ctx @ mx.expand_dims(ctx_values.astype(mx.float32), 2)
            + p_own @ mx.expand_dims(own_values.astype(mx.float32), 2))  # (B, H, G, s, D)
