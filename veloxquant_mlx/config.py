@@ -90,10 +90,10 @@ class KVCacheConfig:
                  prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int = 64,
                  max_head_factor: Any = METHOD_DEFAULT, **flat):
         cls = get_method(method)
-        given = {"allocation": allocation, "floor_alpha": floor_alpha, "max_head_factor": max_head_factor}
+        defaults = {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}
         allocation, floor_alpha, max_head_factor = (
-            v if v is not METHOD_DEFAULT else {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}[k]
-            for k, v in given.items())
+            defaults[k] if v is METHOD_DEFAULT else v
+            for k, v in (("allocation", allocation), ("floor_alpha", floor_alpha), ("max_head_factor", max_head_factor)))
         self.method = method
         core = {"budget": budget, "n_sink": n_sink, "recent": recent, "seed": seed}
         opt_fields = {f.name for f in dataclasses.fields(cls.Options)}

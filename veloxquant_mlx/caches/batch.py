@@ -108,6 +108,7 @@ class BatchEvictionCache(_BaseCache):
         else:
             self.__dict__.pop("bits", None)
             self.__dict__.pop("group_size", None)
+
     @staticmethod
     def _check_row(row):
         # An EvictionCache (or subclass): the only classes that declare BatchMerge as their merge.

@@ -25,7 +25,7 @@ def with_headroom(rows, extra: int, fill=0) -> mx.array:
     Storage changes go through here (or, for gathered rows, through one gather that includes the
     headroom), so a buffer is never a view that pins a larger array and its capacity is exactly what
     the caller asked for (allocation follows the kept rows)."""
-    parts = rows if isinstance(rows, list) else [rows]  # a list joins; a tuple is never taken apart
+    parts = list(rows) if isinstance(rows, list) else [rows]  # a list joins (not the caller's); a tuple never
     if extra > 0:
         shape = list(parts[0].shape)
         shape[2] = extra

@@ -86,15 +86,16 @@ def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
     through the same caches. Returns one record per turn."""
     import mlx.core as mx
 
-    turns, replies = [], []
+    turns, replies, last_token = [], [], None  # last_token: the previous turn's last generated token
     for k, turn in enumerate(inst.turns):
         if k > 0:
-            x = mx.array(continuation(tokenizer, inst, replies, out[-1], eos_ids))
+            x = mx.array(continuation(tokenizer, inst, replies, last_token, eos_ids))
             t0 = time.perf_counter()
             y = _first_token(model, x, caches) if x.shape[0] > 1 else last_prompt_step(model, x, caches)
             fed = int(x.shape[0])
         t1 = time.perf_counter()
         out = greedy_until(model, tokenizer, caches, y, turn.max_new_tokens, eos_ids, turn.kind == "number")
+        last_token = out[-1]
         gen = out[:-1] if out[-1] in eos_ids else out
         text = tokenizer.decode(gen)
         replies.append(reply_text(tokenizer, inst, k, out, eos_ids))
