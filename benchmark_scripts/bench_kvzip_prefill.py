@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--pass-attention", nargs="+", default=["auto"], choices=("auto", "fused", "separate"),
                    help="kvzip_pass_attention: the pass's attention from the scoring softmax (fused) or mlx-lm's "
                         "(separate); several values run side by side as kvzip[<mode>]")
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip 'pass-forward': plain prefill + the pass's forward with mlx-lm's attention, no scoring")
     p.add_argument("--no-fast-blas", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "prefill_cost.json"))
@@ -114,6 +116,24 @@ def main(argv=None):
                             kvzip_pass_attention=mode)
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
 
+    def floor_run(tokens):
+        """The pass's model forward with mlx-lm's own attention and no scoring: a plain prefill, then the
+        reconstruction input (repeat prompt + context, one chunk) over that cache. What any pass costs
+        at least with this attention (exact shapes when the context fits one chunk)."""
+        from veloxquant_mlx.model_pass import PassPrompt
+
+        caches = make_prompt_cache(model)
+        r = feed(model, tokens, caches, step)
+        pp = PassPrompt(tokenizer)
+        t = time.perf_counter()
+        for lo in range(0, len(tokens), chunk_default):
+            head = pp.first if lo == 0 else pp.next + tokens[max(lo - 64, 0):lo]
+            model(mx.array(head + pp.suffix + tokens[lo:lo + chunk_default])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+        r["pass_forward_s"] = time.perf_counter() - t
+        r["total_s"] += r["pass_forward_s"]
+        return r
+
     rows, chunk_peaks = [], []
     path = Path(args.out)
 
@@ -131,10 +151,13 @@ def main(argv=None):
     feed(model, all_tokens[:warm], kvzip_caches(warm), step)
     for n in contexts:
         tokens = all_tokens[:n]
-        runs = {k: [] for k in ["plain", *names]}
+        runs = {k: [] for k in ["plain", *names, *(["pass-forward"] if args.floor else [])]}
         for r in range(args.rounds):
             order = list(runs) if r % 2 == 0 else list(runs)[::-1]
             for name in order:
+                if name == "pass-forward":
+                    runs[name].append(floor_run(tokens))
+                    continue
                 caches = make_prompt_cache(model) if name == "plain" else kvzip_caches(n, name=name)
                 runs[name].append(feed(model, tokens, caches, step))
                 if name != "plain":
@@ -146,9 +169,9 @@ def main(argv=None):
                "pass_extra_s": med[names[0]]["last_step_s"] - med["plain"]["last_step_s"]}
         # per round, kvzip / plain of the same round (the machine's load moves between rounds)
         row["ratio_by_round"] = {k: [a["total_s"] / b["total_s"] for a, b in zip(runs[k], runs["plain"])]
-                                 for k in names}
+                                 for k in runs if k != "plain"}
         rows.append(row)
-        for k in names:
+        for k in [k for k in runs if k != "plain"]:
             print(f"{n:>5} tokens: plain {med['plain']['total_s']:.2f} s, {k} {med[k]['total_s']:.2f} s "
                   f"(x{med[k]['total_s'] / med['plain']['total_s']:.2f}; per round "
                   f"{', '.join(f'{x:.2f}' for x in row['ratio_by_round'][k])}); last step peak plain "

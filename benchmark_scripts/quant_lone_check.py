@@ -12,8 +12,8 @@ import json
 import time
 from pathlib import Path
 
-CELLS = [("grass", 0.1, "nexus-4bit"), ("grass", 0.1, "nestedkv-4bit"), ("grass", 0.02, "nexus-4bit"),
-         ("text", 0.02, "nexus-4bit")]
+CELLS = [("grass", 0.1, "nexus-reservoir-4bit"), ("grass", 0.1, "nestedkv-4bit"), ("grass", 0.02, "nexus-reservoir-4bit"),
+         ("text", 0.02, "nexus-reservoir-4bit")]  # the Nexus cells ran the reservoir default of the time
 
 
 def main(argv=None) -> int:

@@ -50,7 +50,7 @@ def test_method_specs_follow_registry():
     if "nexus" in methods():
         specs = {s.name: s for s in R.method_specs()}
         assert specs["nexus-topk"].opts == {"n_samples": None}
-        assert specs["nexus-nowalk"].opts == {"lam": 0.0}
+        assert specs["nexus-nowalk"].opts == {"lam": 0.0, "prompt_top_k": False}  # as measured: on the reservoir
     # Ada variants are opt-in labels, only for methods whose scores Ada-KV can allocate with.
     assert not any(n.endswith("-ada") for n in names)
     ada = R.method_specs(["snapkv-ada"])[0]

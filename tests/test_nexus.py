@@ -600,14 +600,14 @@ def test_key_prior_validation():
 
 
 def test_prompt_top_k_selects_by_w_once_then_samples_in_decode():
-    """prompt_top_k: the one-shot compression keeps exactly the top-K cache's blocks (no draw), and
+    """prompt_top_k (the default): the one-shot compression keeps exactly the top-K cache's blocks (no draw), and
     decode evictions draw from the reservoir again (they consume PRNG keys)."""
     rng = np.random.default_rng(3)
     prompt = mx.array(rng.normal(size=(1, 2, 400, 8)).astype(np.float32))
     q = mx.array(rng.normal(size=(1, 4, 400, 8)).astype(np.float32))
     caches = {}
-    for name, kw in (("topk", dict(nexus_n_samples=None)), ("prompt_top_k", dict(nexus_prompt_top_k=True)),
-                     ("reservoir", {})):
+    for name, kw in (("topk", dict(nexus_n_samples=None)), ("prompt_top_k", {}),  # the default
+                     ("reservoir", dict(nexus_prompt_top_k=False))):
         c = NexusKVCache(KVCacheConfig(method="nexus", budget=128, seed=1, **kw))  # prompt_eviction="end"
         c.update_and_fetch(prompt[:, :, :399], prompt[:, :, :399])
         c.observe_queries(q[:, :, :399])
@@ -621,7 +621,7 @@ def test_prompt_top_k_selects_by_w_once_then_samples_in_decode():
     c, rng_before = caches["prompt_top_k"]
     np.testing.assert_array_equal(np.array(c._rng), rng_before)  # no draw at the one-shot step
     r, r_before = caches["reservoir"]
-    assert not np.array_equal(np.array(r._rng), r_before)  # the default draws there
+    assert not np.array_equal(np.array(r._rng), r_before)  # the paper's reservoir draws there
     for _ in range(80):  # decode until an eviction step runs
         tok = mx.array(rng.normal(size=(1, 2, 1, 8)).astype(np.float32))
         c.update_and_fetch(tok, tok)

@@ -146,3 +146,19 @@ def test_stamp_keeps_what_an_older_provenance_recorded():
     assert out["recorded_commit"] == "aaaaaaaaaaaa" and out["recorded_dirty"] is True and "dirty" not in out
     assert "4K: round 1" in out["note"] and out["note"].startswith("stamped")
     assert stamp_figure.merged(None, new) == new
+
+
+def test_labels_that_pin_options_get_their_own_key(fresh_cache):
+    """nexus-reservoir pins prompt_top_k=False: its key hashes that config, so its cells stay fresh when
+    Nexus's default moves, and the key differs from the default's exactly when behaviour does."""
+    from veloxquant_mlx.evaluation.results import pinned_options
+
+    opts = pinned_options("nexus-reservoir")
+    assert opts == {"prompt_top_k": False} and pinned_options("nexus") is None and pinned_options("nope") is None
+    key = P.key_of("nexus-reservoir", options=opts)
+    assert key == "nexus[prompt_top_k=False]" and P.key_of(key) == key
+    assert P.key_of("nexus-reservoir", "stream", opts) == "nexus[prompt_top_k=False]:stream"
+    assert P.method_fingerprint(key) != P.method_fingerprint("nexus")  # the default is top-K at the one shot
+    assert P.method_fingerprint("nexus[prompt_top_k=True]") == P.method_fingerprint("nexus")
+    with pytest.raises(ValueError):
+        P.method_fingerprint("nexus[no_such_option=1]")

@@ -61,11 +61,12 @@ class NexusOptions:
                                    "the per-head block distributions S_hat; 'vectors' averages the query and "
                                    "key vectors before one softmax (literal reading; measurably worse)")
 
-    prompt_top_k: bool = option(False, doc="deterministic top-K by w (the n→∞ limit) at the one-shot "
-                                           "compression when the prompt ends, the reservoir (n_samples) for "
-                                           "decode evictions: the survival argument (§4, Lemma 4.1) is about "
-                                           "repeated eviction steps, which the one-shot step is not; False = "
-                                           "the reservoir everywhere (the paper)")
+    # Our deviation, default since 2026-12-01 (docs/methods/nexus.md): better on both models, paired.
+    prompt_top_k: bool = option(True, doc="deterministic top-K by w (the n→∞ limit) at the one-shot "
+                                          "compression when the prompt ends, the reservoir (n_samples) for "
+                                          "decode evictions: the survival argument (§4, Lemma 4.1) is about "
+                                          "repeated eviction steps, which the one-shot step is not; False = "
+                                          "the reservoir everywhere (the paper)")
     smooth_blocks: int = option(0, low=0, doc="r: neighbour smoothing of the block weights before selection "
                                               "(each block takes the largest w within r blocks, SnapKV's "
                                               "pooling at block level) so a needle straddling a block "

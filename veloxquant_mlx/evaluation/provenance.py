@@ -17,6 +17,7 @@ the other methods' figures valid. All of them take a few seconds on a CPU.
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
 import hashlib
 import json
@@ -70,12 +71,16 @@ def _run(model, caches, prefill_step: int) -> list:
 _SETTINGS = {"end": ({}, 2048), "stream": ({"prompt_eviction": "stream"}, _CHUNK), "ada": ({"allocation": "ada"}, 2048)}
 
 
-def _config(method: str, setting: str):
-    """A KVCacheConfig for one setting, or the refusal's text (a method that refuses Ada-KV)."""
+def _config(method: str, setting: str, options: dict | None = None):
+    """A KVCacheConfig for one setting (and pinned method options), or the refusal's text (a method
+    that refuses Ada-KV)."""
     from ..config import KVCacheConfig
 
+    opts = {f"{method}_{k}": v for k, v in (options or {}).items()}
     try:
-        return KVCacheConfig(method=method, budget=_BUDGET, seed=0, **_SETTINGS[setting][0])
+        return KVCacheConfig(method=method, budget=_BUDGET, seed=0, **opts, **_SETTINGS[setting][0])
+    except TypeError as e:  # an option this code no longer has: no such key today
+        raise ValueError(str(e)) from e
     except ValueError as e:  # refusing Ada-KV is behaviour too; refusing the others is a bug here
         if setting != "ada":
             raise
@@ -86,17 +91,29 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _split_options(head: str):
+    """``"nexus[lam=0.0,prompt_top_k=False]"`` -> ("nexus", {"lam": 0.0, "prompt_top_k": False})."""
+    if not head.endswith("]") or "[" not in head:
+        return head, {}
+    method, _, body = head[:-1].partition("[")
+    pairs = (item.partition("=") for item in body.split(",") if item)
+    return method, {k: ast.literal_eval(v) for k, _, v in pairs}
+
+
 def method_fingerprint(key: str) -> str:
     """The behaviour hash of one key: ``"full"`` (mlx-lm's KVCache), ``"<method>"`` (the default
-    setting), ``"<method>:stream"`` or ``"<method>:ada"``."""
+    setting), ``"<method>:stream"`` or ``"<method>:ada"``; ``"<method>[opt=value,...]"`` pins
+    method options (a label such as ``nexus-reservoir``), so a figure of such a label stays fresh
+    when only the method's defaults move."""
     if key in _cache:
         return _cache[key]
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..builder import KVCacheBuilder
 
-    method, _, setting = key.partition(":")
+    head, _, setting = key.partition(":")
     setting = setting or "end"
+    method, options = _split_options(head)
     if setting not in _SETTINGS:
         raise ValueError(f"unknown fingerprint setting {setting!r} in {key!r}; known: {', '.join(_SETTINGS)}")
     model = _tiny_model()
@@ -105,7 +122,7 @@ def method_fingerprint(key: str) -> str:
         if method == FULL:
             record = _run(model, make_prompt_cache(model), 2048)
         else:
-            cfg = _config(method, setting)
+            cfg = _config(method, setting, options)
             record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
                                                            _SETTINGS[setting][1])
             KVCacheBuilder.uninstall(model)
@@ -138,15 +155,18 @@ def method_of(label: str) -> str:
     return max(hits, key=len) if hits else label
 
 
-def key_of(label: str, regime: str = "end") -> str:
+def key_of(label: str, regime: str = "end", options: dict | None = None) -> str:
     """The fingerprint key a figure's label depends on: ``snapkv-ada`` -> ``snapkv:ada``; a label
     run with ``prompt_eviction="stream"`` (``regime="stream"``) -> ``<method>:stream``; a key
-    (``nexus:stream``) is returned as is."""
-    if ":" in label:
+    (``nexus:stream``) is returned as is. ``options``: the method options the label pins
+    (``nexus-reservoir`` -> ``nexus[prompt_top_k=False]``)."""
+    if ":" in label or label.endswith("]"):
         return label
     m = method_of(label)
     if m == FULL:
         return FULL
+    if options:
+        m += "[" + ",".join(f"{k}={v!r}" for k, v in sorted(options.items())) + "]"
     if label.endswith(("-ada", "+ada")):
         return f"{m}:ada"
     return f"{m}:stream" if regime == "stream" else m

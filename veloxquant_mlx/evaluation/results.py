@@ -32,17 +32,20 @@ from ..registry import FULL, get_method, methods
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
 ABLATIONS = {
     "nexus-topk": ("nexus", {"n_samples": None}),
-    "nexus-nowalk": ("nexus", {"lam": 0.0}),
+    "nexus-nowalk": ("nexus", {"lam": 0.0, "prompt_top_k": False}),  # the walk's ablation as measured: on the reservoir
 }
 
 
 # Opt-in Nexus options (only when named with --methods): remedies for the needle's block-boundary cut.
+# The Nexus ablations pin prompt_top_k=False: they were measured against the reservoir default (until
+# 2026-12-01), so a label keeps meaning what its published cells ran.
 OPT_IN_ABLATIONS = {
-    "nexus-smooth": ("nexus", {"smooth_blocks": 1}),
-    "nexus-prior": ("nexus", {"key_prior": 0.5}),
-    "nexus-prior1": ("nexus", {"key_prior": 1.0}),  # the anomaly prior alone (no attention)
-    "nexus-b16": ("nexus", {"block_size": 16}),
-    "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # top-K at the one-shot step, reservoir in decode
+    "nexus-smooth": ("nexus", {"smooth_blocks": 1, "prompt_top_k": False}),
+    "nexus-prior": ("nexus", {"key_prior": 0.5, "prompt_top_k": False}),
+    "nexus-prior1": ("nexus", {"key_prior": 1.0, "prompt_top_k": False}),  # the anomaly prior alone (no attention)
+    "nexus-b16": ("nexus", {"block_size": 16, "prompt_top_k": False}),
+    "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # = nexus's default since 2026-12-01; kept for old runs
+    "nexus-reservoir": ("nexus", {"prompt_top_k": False}),  # the paper: the reservoir at the one-shot step too
     "kvzip-global": ("kvzip", {"layers": "global"}),  # = kvzip's default since the head-budget change; kept for old runs
 }
 
@@ -127,6 +130,16 @@ def method_specs(names=None, ablations: bool = True) -> list:
         out.append(dataclasses.replace(spec, name=n, extra=tuple(sorted({**dict(spec.extra), **extra}.items())))
                    if extra else spec)
     return out
+
+
+def pinned_options(label: str) -> dict | None:
+    """The method options a figure label pins (``nexus-reservoir`` -> {"prompt_top_k": False}), for its
+    fingerprint key; None for a plain method or a label this code does not know."""
+    try:
+        spec = method_specs([label])[0]
+    except ValueError:
+        return None
+    return dict(spec.options) or None
 
 
 # Label suffixes that set KVCacheConfig fields: quantized kept rows, and the specs' own per-head bound.
@@ -294,7 +307,8 @@ class ResultStore:
             cells = [c for c in data["cells"].values() if isinstance(c, dict)]
             # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
             stream = {"decode": True, None: self.experiment == "perplexity"}
-            keys = {key_of(c["method"], "stream" if stream.get(c.get("regime"), False) else "end")
+            keys = {key_of(c["method"], "stream" if stream.get(c.get("regime"), False) else "end",
+                           pinned_options(c["method"]))
                     for c in cells if "method" in c} | {key_of(m) for c in cells for m in c.get("caches", ())}
             new = provenance(command_line(), sorted(keys) or None)
             data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new

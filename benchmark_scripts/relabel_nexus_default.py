@@ -1,0 +1,122 @@
+"""Keep published Nexus cells true after Nexus's default moved to ``prompt_top_k=True`` (2026-12-01).
+
+Cells stored under the label ``nexus`` ran the old default, the reservoir at the one-shot step too.
+This script renames them ``nexus-reservoir`` (which pins ``prompt_top_k=False``), and, with
+``--topk-is-default``, renames ``nexus-prompt-topk`` cells to ``nexus`` (that label is exactly today's
+default). Then it re-keys the file's provenance: the stored ``"nexus"`` hash is replaced by one key per
+Nexus label present, each pinning that label's options (``nexus[prompt_top_k=False]``, ...).
+
+It refuses unless the stored ``"nexus"`` hash equals today's ``nexus[prompt_top_k=False]`` hash: that
+equality shows the cells' code and today's code do the same thing once the option is pinned, so the
+pinned keys' hashes (computed today) are the cells' own. The note in the provenance says so.
+
+    python benchmark_scripts/relabel_nexus_default.py figures/eval/tasks/smollm2/tasks.json --topk-is-default
+    python benchmark_scripts/relabel_nexus_default.py FILE --provenance-only   # re-key, cells already renamed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx.evaluation.provenance import key_of, method_fingerprint, method_of  # noqa: E402
+from veloxquant_mlx.evaluation.results import _CONFIG_SUFFIXES, pinned_options  # noqa: E402
+
+OLD, RESERVOIR, PROMPT_TOPK = "nexus", "nexus-reservoir", "nexus-prompt-topk"
+
+
+def renamed(label, topk_is_default: bool):
+    """The new label, or None: ``nexus`` -> ``nexus-reservoir`` and ``nexus-4bit-g32`` ->
+    ``nexus-reservoir-4bit-g32`` (config suffixes kept); ``nexus-prompt-topk[...]`` -> ``nexus[...]``."""
+    if not isinstance(label, str):
+        return None
+    moves = {OLD: RESERVOIR, **({PROMPT_TOPK: OLD} if topk_is_default else {})}
+    for old in sorted(moves, key=len, reverse=True):
+        rest = label[len(old):] if label.startswith(old) else None
+        while rest:
+            suffix = next((x for x in _CONFIG_SUFFIXES if rest.startswith(x)), None)
+            if suffix is None:
+                break
+            rest = rest[len(suffix):]
+        if rest == "":
+            return moves[old] + label[len(old):]
+    return None
+
+
+def rename_cells(data: dict, topk_is_default: bool) -> int:
+    """Rename the labels in every cell (its id and its record); returns how many cells moved."""
+    moves = {}
+    cells, n = {}, 0
+    for cid, rec in data.get("cells", {}).items():
+        label = rec.get("method") if isinstance(rec, dict) else None
+        new = renamed(label, topk_is_default)
+        if new is not None:
+            moves[label] = new
+            cid, hits = re.subn(rf"(^|\|)method={re.escape(label)}(\||$)", rf"\g<1>method={new}\g<2>", cid)
+            if hits != 1:
+                raise SystemExit(f"cell id {cid!r} does not carry its method once; refusing to rename")
+            rec = {**rec, "method": new, "relabelled": f"was {label!r} (before Nexus's default moved to "
+                                                          "prompt_top_k=True, 2026-12-01)"}
+            n += 1
+        cells[cid] = rec
+    if "cells" in data:
+        data["cells"] = cells
+    for row in data.get("rows", []):  # a list-of-rows figure (quant_lone_check.py)
+        new = renamed(row.get("method"), topk_is_default)
+        if new is not None:
+            moves[row["method"]] = new
+            row["method"], n = new, n + 1
+    for stage in data.get("grid", {}).get("plan", []) or []:
+        stage["methods"] = [moves.get(m, m) for m in stage.get("methods", [])]
+    if "methods" in data.get("grid", {}):
+        data["grid"]["methods"] = [moves.get(m, m) for m in data["grid"]["methods"]]
+    return n
+
+
+def rekey(prov: dict, labels: set) -> dict:
+    """The provenance with the old ``nexus`` hash replaced by one pinned key per Nexus label."""
+    fp = dict(prov.get("fingerprint") or {})
+    old = fp.pop(OLD, None)
+    pinned_reservoir = key_of(RESERVOIR, options=pinned_options(RESERVOIR))
+    today = method_fingerprint(pinned_reservoir)
+    if old is None:
+        raise SystemExit("the provenance has no 'nexus' hash: nothing to re-key")
+    if old != today:
+        raise SystemExit(f"stored nexus hash {old} != today's {pinned_reservoir} {today}: the cells' code "
+                         "differs beyond the default; re-run them instead")
+    for label in sorted(labels):
+        if method_of(label) == OLD:
+            key = key_of(label, options=pinned_options(label))
+            fp[key] = method_fingerprint(key)
+    note = (f"re-keyed 2026-12-01 by benchmark_scripts/relabel_nexus_default.py: cells labelled 'nexus' ran "
+            f"prompt_top_k=False (then the default) and are now 'nexus-reservoir'; the stored nexus hash {old} "
+            f"equals today's {pinned_reservoir}, so each Nexus label's pinned key is hashed on today's code")
+    return {**prov, "fingerprint": dict(sorted(fp.items())),
+            "note": (prov.get("note", "") + " | " + note).lstrip(" |")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--topk-is-default", action="store_true",
+                    help="also rename 'nexus-prompt-topk' cells to 'nexus' (today's default)")
+    ap.add_argument("--provenance-only", action="store_true", help="cells already renamed: re-key only")
+    args = ap.parse_args(argv)
+    for path in args.files:
+        data = json.loads(path.read_text())
+        n = 0 if args.provenance_only else rename_cells(data, args.topk_is_default)
+        rows = list(data.get("cells", {}).values()) + data.get("rows", [])
+        labels = {r["method"] for r in rows if isinstance(r, dict) and "method" in r}
+        data["provenance"] = rekey(data["provenance"], labels)
+        path.write_text(json.dumps(data, indent=1))
+        print(f"{path}: {n} cells renamed; keys {sorted(data['provenance']['fingerprint'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
