@@ -127,6 +127,33 @@ def rekey_whole(prov: dict) -> dict:
             "note": (prov.get("note", "") + " | " + note).lstrip(" |")}
 
 
+def restamp_after_resume(path: Path, rev: str) -> None:
+    """The run's own stamp compared the new cells with REV's un-re-keyed provenance; compare them with
+    the re-keyed one instead (``resumed`` still marks the file stale if any kept cell's code moved)."""
+    import subprocess
+
+    from veloxquant_mlx.evaluation.provenance import provenance, resumed
+
+    old_data = json.loads(subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                                         check=True).stdout)
+    rename_cells(old_data, topk_is_default=False)
+    old_labels = {r["method"] for r in old_data["cells"].values() if isinstance(r, dict) and "method" in r}
+    old = rekey(old_data["provenance"], old_labels)
+    data = json.loads(path.read_text())
+    run_command = data["provenance"]["command"]  # the eval run that added the cells
+    labels = {r["method"] for r in data["cells"].values() if isinstance(r, dict) and "method" in r}
+    keys = sorted(key_of(m, options=pinned_options(m)) for m in labels)
+    new = {**provenance(run_command, keys), "date": data["provenance"]["date"],
+           "commit": data["provenance"]["commit"]}  # the run's own, not this script's
+    data["provenance"] = {**resumed(old, new), "note": (
+        f"stamped by benchmark_scripts/relabel_nexus_default.py --after-resume {rev}: the run's cells against "
+        f"the re-keyed provenance of the cells it kept (measured at {old.get('commit')}); "
+        + old.get("note", ""))}
+    path.write_text(json.dumps(data, indent=1))
+    print(f"{path}: {'STALE: ' + data['provenance']['stale_reason'] if 'stale_reason' in data['provenance'] else 'fresh'}; "
+          f"keys {sorted(data['provenance']['fingerprint'])}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
@@ -136,7 +163,14 @@ def main(argv=None) -> int:
     ap.add_argument("--whole", action="store_true",
                     help="a benchmark figure without per-cell labels: its 'nexus' rows are the reservoir's; "
                          "re-key the provenance only (docs quoting it must say so)")
+    ap.add_argument("--after-resume", metavar="REV",
+                    help="the file was relabelled at REV's state, then a run added cells (its stamp marked it "
+                         "stale): re-key REV's provenance, then stamp the file anew against it")
     args = ap.parse_args(argv)
+    if args.after_resume:
+        for path in args.files:
+            restamp_after_resume(path, args.after_resume)
+        return 0
     for path in args.files:
         data = json.loads(path.read_text())
         if args.whole:
