@@ -120,15 +120,16 @@ def main(argv=None):
         """The pass's model forward with mlx-lm's own attention and no scoring: a plain prefill, then the
         reconstruction input (repeat prompt + context, one chunk) over that cache. What any pass costs
         at least with this attention (exact shapes when the context fits one chunk)."""
-        from veloxquant_mlx.model_pass import PassPrompt
+        from veloxquant_mlx.caches.kvzip import KVzipOptions
+        from veloxquant_mlx.model_pass import PassPrompt, chunk_parts
 
         caches = make_prompt_cache(model)
         r = feed(model, tokens, caches, step)
-        pp = PassPrompt(tokenizer)
+        pp, overlap = PassPrompt(tokenizer), KVzipOptions().overlap
         t = time.perf_counter()
         for lo in range(0, len(tokens), chunk_default):
-            head = pp.first if lo == 0 else pp.next + tokens[max(lo - 64, 0):lo]
-            model(mx.array(head + pp.suffix + tokens[lo:lo + chunk_default])[None], cache=caches)
+            parts = chunk_parts(pp, lambda a, b: tokens[a:b], lo, min(lo + chunk_default, len(tokens)), overlap)
+            model(mx.array(sum(parts, []))[None], cache=caches)
             mx.eval([c.state for c in caches])
         r["pass_forward_s"] = time.perf_counter() - t
         r["total_s"] += r["pass_forward_s"]

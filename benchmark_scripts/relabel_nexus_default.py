@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx.evaluation.provenance import key_of, method_fingerprint, method_of  # noqa: E402
-from veloxquant_mlx.evaluation.results import _CONFIG_SUFFIXES, pinned_options  # noqa: E402
+from veloxquant_mlx.evaluation.results import _CONFIG_SUFFIXES, ResultStore, pinned_options  # noqa: E402
 
 OLD, RESERVOIR, PROMPT_TOPK = "nexus", "nexus-reservoir", "nexus-prompt-topk"
 
@@ -79,6 +79,12 @@ def rename_cells(data: dict, topk_is_default: bool) -> int:
     return n
 
 
+def _rekeyed(prov: dict, fingerprint: dict, note: str) -> dict:
+    """``prov`` with the new fingerprint and ``note`` appended to its note."""
+    return {**prov, "fingerprint": dict(sorted(fingerprint.items())),
+            "note": (prov.get("note", "") + " | " + note).lstrip(" |")}
+
+
 def rekey(prov: dict, labels: set) -> dict:
     """The provenance with the old ``nexus`` hash replaced by one pinned key per Nexus label."""
     fp = dict(prov.get("fingerprint") or {})
@@ -97,8 +103,7 @@ def rekey(prov: dict, labels: set) -> dict:
     note = (f"re-keyed 2026-12-01 by benchmark_scripts/relabel_nexus_default.py: cells labelled 'nexus' ran "
             f"prompt_top_k=False (then the default) and are now 'nexus-reservoir'; the stored nexus hash {old} "
             f"equals today's {pinned_reservoir}, so each Nexus label's pinned key is hashed on today's code")
-    return {**prov, "fingerprint": dict(sorted(fp.items())),
-            "note": (prov.get("note", "") + " | " + note).lstrip(" |")}
+    return _rekeyed(prov, fp, note)
 
 
 def rekey_whole(prov: dict) -> dict:
@@ -108,9 +113,7 @@ def rekey_whole(prov: dict) -> dict:
     fp, moved = dict(prov.get("fingerprint") or {}), []
     for key in [k for k in fp if k.partition(":")[0] == OLD]:
         setting = key.partition(":")[2]
-        twin = key_of(RESERVOIR, setting or "end", pinned_options(RESERVOIR))
-        if setting and not twin.endswith(":" + setting):
-            twin = f"{twin.partition(':')[0]}:{setting}"
+        twin = key_of(RESERVOIR, options=pinned_options(RESERVOIR)) + (f":{setting}" if setting else "")
         if method_fingerprint(key) == fp[key]:
             continue  # this setting did not move (e.g. nexus:stream: no one-shot step)
         if method_fingerprint(twin) != fp[key]:
@@ -123,8 +126,7 @@ def rekey_whole(prov: dict) -> dict:
     note = ("re-keyed 2026-12-01 by benchmark_scripts/relabel_nexus_default.py --whole: the rows named 'nexus' "
             "ran prompt_top_k=False, the default until 2026-12-01; " + ", ".join(moved)
             + " (each stored hash equals today's hash of the pinned key)")
-    return {**prov, "fingerprint": dict(sorted(fp.items())),
-            "note": (prov.get("note", "") + " | " + note).lstrip(" |")}
+    return _rekeyed(prov, fp, note)
 
 
 def restamp_after_resume(path: Path, rev: str) -> None:
@@ -141,8 +143,7 @@ def restamp_after_resume(path: Path, rev: str) -> None:
     old = rekey(old_data["provenance"], old_labels)
     data = json.loads(path.read_text())
     run_command = data["provenance"]["command"]  # the eval run that added the cells
-    labels = {r["method"] for r in data["cells"].values() if isinstance(r, dict) and "method" in r}
-    keys = sorted(key_of(m, options=pinned_options(m)) for m in labels)
+    keys = ResultStore(path, data["experiment"]).fingerprint_keys(data)  # as the run's own stamp keys them
     new = {**provenance(run_command, keys), "date": data["provenance"]["date"],
            "commit": data["provenance"]["commit"]}  # the run's own, not this script's
     data["provenance"] = {**resumed(old, new), "note": (

@@ -150,6 +150,15 @@ def _scratch(c, i):
     return copy.deepcopy(c)
 
 
+def chunk_parts(prompt: PassPrompt, take, lo: int, hi: int, overlap: int) -> list:
+    """The pieces of the reconstruction input for context tokens [lo, hi), in order: the repeat
+    prompt (after the first chunk: quoting the previous chunk's last ``overlap`` tokens), the chat
+    template's suffix, the chunk. The prompt pieces are lists of ids; ``take(a, b)`` gives the
+    context's tokens a..b in the caller's form."""
+    head = [prompt.first] if lo == 0 else [prompt.next, take(max(lo - overlap, 0), lo)]
+    return head + [prompt.suffix, take(lo, hi)]
+
+
 def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
     """KVzip's chunked reconstruction pass over one sequence's pending text, then its evictions."""
     zips = [c for c, _ in seq if isinstance(c, KVzipCache)]
@@ -169,8 +178,8 @@ def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
 
     for lo in range(0, n, m):  # Sec. 3 (chunked scoring): each chunk with its own repeat prompt
         hi = min(lo + m, n)
-        parts = [tokens(prompt.first)] if lo == 0 else [tokens(prompt.next), ids[:, max(lo - overlap, 0):lo]]
-        parts += [tokens(prompt.suffix), ids[:, lo:hi]]
+        parts = chunk_parts(prompt, lambda a, b: ids[:, a:b], lo, hi, overlap)
+        parts = [tokens(p) if isinstance(p, list) else p for p in parts]
         inp = mx.concatenate([p for p in parts if p.shape[1]], axis=1)
         for z in zips:
             z.begin_chunk(lo, hi)

@@ -46,14 +46,14 @@ class KVzipOptions:
     overlap: int = option(8, low=0, doc="previous chunk's last tokens quoted in the next repeat prompt")
     q_block: int = option(512, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")
     window: int = option(16, low=1, small=8, doc="fallback only (no model pass): last queries that score")
-    # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
-    # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
-    # the total stays layers x heads x budget. Reads the L shares back once per pass.
-    # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzip tests "global".
     # One pass on the CPU (ops.attention.fused_scoring_default): the scoring softmax also gives the
     # layer's output when the chunk's rows are every row attention reads (the first pass of <= chunk).
     pass_attention: str = option("auto", choices=("auto", "fused", "separate"),
                                  doc="reconstruction pass: auto | fused (one softmax) | separate")
+    # "each": every layer keeps ``budget`` rows per head (the library's contract). "global": one
+    # ranking over every layer's rows decides each layer's share (the paper's non-uniform budget);
+    # the total stays layers x heads x budget. Reads the L shares back once per pass.
+    # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzip tests "global".
     layers: str = option("global", choices=("each", "global"), small="each",
                          doc="budget across layers: each | global")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from .report_format import _color, _ctx_label, _err_cells, _ok_cells, _order, _save_figure, _style
 from .results import FULL
 
@@ -106,9 +108,8 @@ def _cpu_timed(med, ctxs) -> bool:
 def _ratio_cell(rs) -> str:
     if not rs:
         return "–"
-    rs = sorted(rs)
-    mid = rs[len(rs) // 2] if len(rs) % 2 else (rs[len(rs) // 2 - 1] + rs[len(rs) // 2]) / 2
-    return f"{mid:.2f}× [{rs[0]:.2f}–{rs[-1]:.2f}]" if len(rs) > 1 else f"{mid:.2f}×"
+    mid = statistics.median(rs)
+    return f"{mid:.2f}× [{min(rs):.2f}–{max(rs):.2f}]" if len(rs) > 1 else f"{mid:.2f}×"
 
 
 def _speed_block(med, lines, ctxs, caches, with_peak=True):

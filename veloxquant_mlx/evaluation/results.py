@@ -298,19 +298,26 @@ class ResultStore:
             self._write(data)
             return True
 
+    def fingerprint_keys(self, data: dict) -> list:
+        """The fingerprint keys the file's cells depend on: each cell's label (and the labels of a
+        speed cell's caches) with the setting it ran and the method options the label pins."""
+        from .provenance import key_of
+
+        cells = [c for c in data["cells"].values() if isinstance(c, dict)]
+        # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
+        stream = {"decode": True, None: self.experiment == "perplexity"}
+        runs = {(c["method"], "stream" if stream.get(c.get("regime"), False) else "end") for c in cells if "method" in c}
+        runs |= {(m, "end") for c in cells for m in c.get("caches", ())}
+        options = {label: pinned_options(label) for label in {label for label, _ in runs}}  # once per label
+        return sorted({key_of(label, regime, options[label]) for label, regime in runs})
+
     def stamp(self):
         """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
-        from .provenance import command_line, key_of, provenance, resumed
+        from .provenance import command_line, provenance, resumed
 
         with self._locked():
             data = self.load()
-            cells = [c for c in data["cells"].values() if isinstance(c, dict)]
-            # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
-            stream = {"decode": True, None: self.experiment == "perplexity"}
-            keys = {key_of(c["method"], "stream" if stream.get(c.get("regime"), False) else "end",
-                           pinned_options(c["method"]))
-                    for c in cells if "method" in c} | {key_of(m) for c in cells for m in c.get("caches", ())}
-            new = provenance(command_line(), sorted(keys) or None)
+            new = provenance(command_line(), self.fingerprint_keys(data) or None)
             data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
             self._write(data)
 
