@@ -28,10 +28,22 @@ from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .batch import BatchMerge
 from .quant import row_dim, rows_map
+from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage, with_headroom
 
 _warned_ada_no_tap: set = set()
+
+
+class _Merge(BatchMerge):
+    """``merge`` minus caches with a cold tier: a batch row's swap is not wired into the batch's
+    shared buffers yet, so such a cache has no ``merge`` and mlx-lm serves it on its own."""
+
+    def __get__(self, obj, owner=None):
+        if obj is not None and obj.cold is not None:
+            raise AttributeError(f"{type(obj).__name__} cannot batch: recall={obj.config.recall!r} keeps a "
+                                 "cold tier per sequence, which batching does not carry yet")
+        return super().__get__(obj, owner)
 
 
 class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
@@ -97,6 +109,7 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self._fetched_ragged = False
         self._attend = False  # inside observe_and_attend: the tap will use an output the scoring pass makes
         self._attention_out = None
+        self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
     # Hooks a method may override -------------------------------------------------------------
     # KVCacheConfig fields this method defaults differently from HEAD_BUDGET_DEFAULTS (allocation,
@@ -201,6 +214,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_kv(keys, values)
+        if self.cold is not None and self.keys is None:
+            self.cold.check_head_dim(keys.shape[-1])
         self._before_append(keys.shape[2])
         self._append(keys, values)
         fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
@@ -213,6 +228,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def _before_append(self, S: int) -> None:
         """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per
         row: caches.batch)."""
+        if self.cold is not None and S > 1 and not self._prompt_open and self.offset > 0:
+            self.cold.arm()  # a new turn on a cache that has evicted: recall with its queries
         if S > 1 and self._saw_decode:
             warnings.warn(
                 f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
@@ -299,10 +316,15 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.scale = scale
         self.queries_observed += 1
         self.on_queries(queries)
+        recall = self.cold is not None and self.cold.armed
+        if recall:
+            self.cold.note_queries(queries)
         if self._ending:
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
+        if recall and queries.shape[2] == 1:  # the new input has ended (and was compressed): recall
+            self.cold.recall(self, scale)
 
     def _end_prompt(self) -> None:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every
@@ -378,6 +400,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def _evict(self):
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
+        if self.cold is not None:  # the rows not kept go to the cold tier (before any buffer changes)
+            self.cold.evicted(self, idx, real)
         if real is not None:
             idx, real = self.trim_ragged(idx, real)
         K = idx.shape[-1]
@@ -420,4 +444,4 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # caches.batch.BatchEvictionCache holding one single-row cache per sequence, so every
     # row keeps its own eviction state; filter/extend/extract live there. `merge` exists only on
     # caches that can batch (the server probes hasattr(c, "merge")), never KVCache.merge.
-    merge = BatchMerge()
+    merge = _Merge()
