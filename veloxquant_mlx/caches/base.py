@@ -35,17 +35,6 @@ from .storage import PAD_POSITION, RowStorage, with_headroom
 _warned_ada_no_tap: set = set()
 
 
-class _Merge(BatchMerge):
-    """``merge`` minus caches with a cold tier: a batch row's swap is not wired into the batch's
-    shared buffers yet, so such a cache has no ``merge`` and mlx-lm serves it on its own."""
-
-    def __get__(self, obj, owner=None):
-        if obj is not None and obj.cold is not None:
-            raise AttributeError(f"{type(obj).__name__} cannot batch: recall={obj.config.recall!r} keeps a "
-                                 "cold tier per sequence, which batching does not carry yet")
-        return super().__get__(obj, owner)
-
-
 class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
@@ -444,4 +433,4 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # caches.batch.BatchEvictionCache holding one single-row cache per sequence, so every
     # row keeps its own eviction state; filter/extend/extract live there. `merge` exists only on
     # caches that can batch (the server probes hasattr(c, "merge")), never KVCache.merge.
-    merge = _Merge()
+    merge = BatchMerge()
