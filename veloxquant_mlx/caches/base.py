@@ -305,15 +305,14 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.scale = scale
         self.queries_observed += 1
         self.on_queries(queries)
-        recall = self.cold is not None and self.cold.armed
-        if recall:
+        if self.cold is not None and self.cold.armed:
             self.cold.note_queries(queries)
+            if queries.shape[2] == 1 and self.cold.recall(self):
+                self._ending = True  # the new input has ended: its pages joined, the compression picks
         if self._ending:
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
-        if recall and queries.shape[2] == 1:  # the new input has ended (and was compressed): recall
-            self.cold.recall(self, scale)
 
     def _end_prompt(self) -> None:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every

@@ -5,10 +5,14 @@ of being discarded: in pages of ``recall_page`` rows per KV head, each row with 
 (keys are stored already rotated, so a recalled row needs no re-rotation), and per page and KV head
 the elementwise min and max of its keys (Quest's summaries) in memory.
 
-When a new multi-token input arrives on a cache that has evicted (a follow-up turn), its queries
-bound every page's attention (``ops.recall.quest_bounds``), the best ``recall_pages`` pages per head
-are read back and scored exactly together with the hot rows, and the hot rows that lose to a cold row
-trade places with it: the hot tier keeps its row count, the cold pages take the displaced rows.
+When a new multi-token input arrives on a cache that has evicted (a follow-up turn), its last
+``recall_window`` queries bound every page's attention (Quest's upper bound, ``ops.recall.quest_bounds``)
+and, when the input ends (its last token, right before the one-shot compression every method runs at
+a prompt's end), the best ``recall_pages`` pages per KV head are read back and join the hot rows in
+position order. The method's own compression then scores hot and recalled rows alike, exactly, with
+its own rule and the new input's queries, and returns the hot tier to ``budget`` rows; the rows it
+evicts refill the pages that were read (then new pages). So a cold row comes back exactly when it
+beats a hot row by the method's own measure, and nothing is ever dropped.
 
 * ``"memory"``: cold rows quantized at ``recall_bits`` (mlx-lm's layout, groups of 32); every step is
   lazy MLX work, no host sync anywhere.
@@ -23,10 +27,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..ops import gather_rows
-from ..ops.recall import (evicted_rows, exact_row_scores, page_rows, page_summaries, quest_bounds,
-                          swap_selection, top_pages)
+from ..ops.recall import evicted_rows, page_rows, page_summaries, quest_bounds, top_pages
 from .quant import buf_nbytes, dequantize_rows, quantize_rows, rows_map, rows_zip
-from .storage import PAD_POSITION, with_headroom
+from .storage import with_headroom
 
 COLD_GROUP = 32  # cold rows' quantization group along head_dim ("memory" tier)
 
@@ -60,6 +63,8 @@ class ColdTier:
         self.n_pages = 0
         self.armed = False  # a new multi-token input arrived: recall with its queries when it ends
         self.q = None  # the last ``window`` queries of that input
+        self.holes = None  # (B, H, m) pages read back by the last recall, refilled by the next eviction
+        self.carry = None  # [keys, values, positions] of evicted rows short of a whole page
         self.recalls = 0
 
     # -- hooks of EvictionCache ---------------------------------------------------------------
@@ -71,26 +76,35 @@ class ColdTier:
 
     def evicted(self, cache, kept: mx.array, real) -> None:
         """Called by ``EvictionCache._evict`` before it replaces the hot buffers: ``kept`` (B, H, K) are
-        the row indices the method keeps, so every other stored row comes here."""
+        the row indices the method keeps, so every other stored row comes here: first into the pages a
+        recall just emptied, then into new pages; fewer than a page's rows wait in ``carry``."""
         if real is not None:
             raise ValueError("recall needs uniform per-head storage, and this eviction step keeps ragged "
                              "heads: nothing was evicted (use allocation='uniform')")
         rows, K = cache.size(), kept.shape[-1]
-        E = rows - K
-        if E <= 0:
+        if rows - K <= 0:
             return
         gone = evicted_rows(kept, rows)
-        keys = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.keys), cache.kv_bits,
-                               cache.kv_group_size)
-        values = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.values), cache.kv_bits,
-                                 cache.kv_group_size)
-        pos = gather_rows(cache.positions, gone)
-        pad = -E % self.page  # whole pages; padding rows carry PAD_POSITION and never count
-        if pad:
-            keys, values = with_headroom(keys, pad), with_headroom(values, pad)
-            pos = with_headroom(pos, pad, PAD_POSITION)
-        self._add_summaries(*page_summaries(keys, pos, self.page))
-        self.store(keys, values, pos)
+        bits, gs = cache.kv_bits, cache.kv_group_size
+        keys = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.keys), bits, gs)
+        values = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.values), bits, gs)
+        parts = [keys, values, gather_rows(cache.positions, gone)]
+        if self.holes is not None:  # refill the pages the recall read back (whole pages: E >= their rows)
+            holes, self.holes = self.holes, None
+            n = holes.shape[-1] * self.page
+            fill = [a[:, :, :n] for a in parts]
+            lo, hi = page_summaries(fill[0], fill[2], self.page, self.kmin.dtype)
+            self.kmin, self.kmax = put_rows(self.kmin, holes, lo), put_rows(self.kmax, holes, hi)
+            self.write(holes, page_rows(holes, self.page), *fill)
+            parts = [a[:, :, n:] for a in parts]
+        if self.carry is not None:
+            parts = [mx.concatenate([c, a], axis=2) for c, a in zip(self.carry, parts, strict=True)]
+        n = parts[2].shape[2] // self.page * self.page
+        self.carry = [mx.contiguous(a[:, :, n:]) for a in parts] if parts[2].shape[2] > n else None
+        if n:
+            whole = [a[:, :, :n] for a in parts]
+            self._add_summaries(*page_summaries(whole[0], whole[2], self.page))
+            self.store(*whole)
         if cache.compressing_prompt:
             self.flush()
 
@@ -112,49 +126,36 @@ class ColdTier:
             queries = mx.concatenate([self.q, queries], axis=2)
         self.q = mx.contiguous(queries[:, :, -W:])
 
-    def recall(self, cache, scale: float) -> None:
-        """At the end of a new input (right after its one-shot compression): swap the cold rows that
-        its queries attend to more than to hot rows into the hot tier."""
+    def recall(self, cache) -> bool:
+        """At the end of a new input, right before its one-shot compression: the pages its queries may
+        attend to most (Quest's bound) join the hot rows, in position order, so the method's own
+        compression scores them exactly with its own rule; what it evicts goes back into those pages."""
         q, self.q, self.armed = self.q, None, False
         self.flush()
         n = self.n_pages
         if n == 0 or q is None:
-            return
+            return False
         pages = top_pages(quest_bounds(q, self.kmin[:, :, :n], self.kmax[:, :, :n]), min(self.pages, n))
-        rows = page_rows(pages, self.page)
-        ck, cv, cpos = self.read(pages, rows)
+        ck, cv, cpos = self.read(pages, page_rows(pages, self.page))
+        self.holes = pages
         R = cache.size()
-        hot_pos = cache.stored("positions")
-        all_k = mx.concatenate([cache.stored("keys").astype(ck.dtype), ck], axis=2)
-        all_pos = mx.concatenate([hot_pos, cpos], axis=2)
-        # sinks and the recent window stay, as in every method; everything else competes
-        forced = (all_pos < cache.n_sink) | ((all_pos >= cache.offset - cache.recent) & (all_pos != PAD_POSITION))
-        forced = forced & (mx.arange(all_pos.shape[-1]) < R)  # only hot rows are forced
-        hot, cold = swap_selection(exact_row_scores(q, all_k, scale), all_pos, forced, R)
-        # The hot tier in its own format: its rows as held (exact), the candidates converted once.
+        pos = mx.concatenate([cache.stored("positions"), cpos], axis=2)
+        order = mx.argsort(pos, axis=-1).astype(mx.int32)  # rows stay in position order
         bits, gs = cache.kv_bits, cache.kv_group_size
-        cap = cache.positions.shape[2]
 
-        def rebuilt(held, cand):
-            joined = rows_zip(lambda h, c: mx.concatenate([h, c], axis=2), held, quantize_rows(cand, bits, gs))
-            return rows_map(lambda a: with_headroom(gather_rows(a, hot), cap - R), joined)
+        def joined(held, cand):  # the hot rows as held (exact), the candidates converted once
+            both = rows_zip(lambda h, c: mx.concatenate([h, c], axis=2), held, quantize_rows(cand, bits, gs))
+            return rows_map(lambda a: gather_rows(a, order), both)
 
-        all_v = mx.concatenate([cache.stored("values").astype(cv.dtype), cv], axis=2)
-        new_keys = rebuilt(cache.stored_raw("keys"), ck.astype(cache.stored("keys").dtype))
-        new_values = rebuilt(cache.stored_raw("values"), cv.astype(cache.stored("values").dtype))
-        fields = cache.extra_row_fields()
-        for name, fill in fields.items():  # recalled rows start from the method's fill value
-            joined = mx.concatenate([cache.stored(name), mx.full(cpos.shape, fill, mx.float32)], axis=2)
-            cache.row_extras[name] = with_headroom(gather_rows(joined, hot), cap - R, fill)
-        cache.keys, cache.values = new_keys, new_values
-        cache.positions = with_headroom(gather_rows(all_pos, hot), cap - R, PAD_POSITION)
-        # The displaced rows (and the candidates that stay cold) refill the pages that were read.
-        dk, dv, dpos = gather_rows(all_k, cold), gather_rows(all_v, cold), gather_rows(all_pos, cold)
-        lo, hi = page_summaries(dk, dpos, self.page, self.kmin.dtype)
-        self.kmin = put_rows(self.kmin, pages, lo)
-        self.kmax = put_rows(self.kmax, pages, hi)
-        self.write(pages, rows, dk, dv, dpos)
+        cache.keys = joined(cache.stored_raw("keys"), ck.astype(cache.stored("keys").dtype))
+        cache.values = joined(cache.stored_raw("values"), cv.astype(cache.stored("values").dtype))
+        for name, fill in cache.extra_row_fields().items():  # recalled rows start from the method's fill
+            both = mx.concatenate([cache.stored(name), mx.full(cpos.shape, fill, mx.float32)], axis=2)
+            cache.row_extras[name] = gather_rows(both, order)
+        cache.positions = gather_rows(pos, order)
+        cache._rows = R + cpos.shape[2]
         self.recalls += 1
+        return True
 
     # -- storage (per tier) -------------------------------------------------------------------
     def store(self, keys, values, pos) -> None:
@@ -175,7 +176,12 @@ class ColdTier:
     def summary_bytes(self) -> int:
         return buf_nbytes(self.kmin) + buf_nbytes(self.kmax) + buf_nbytes(self.q)
 
-    resident_bytes = 0
+    @property
+    def resident_bytes(self) -> int:
+        """Cold rows held in memory: the tier's own (``rows_bytes``) and the carry short of a page."""
+        return self.rows_bytes + sum(buf_nbytes(a) for a in self.carry or ())
+
+    rows_bytes = 0
     disk_bytes = 0
 
     @property
@@ -188,12 +194,18 @@ class ColdTier:
                 "summary_bytes": self.summary_bytes, "cold_pages": self.n_pages, "recalls": self.recalls}
 
     def state(self) -> dict:
+        st = {} if self.carry is None else dict(zip(("recall.carry.k", "recall.carry.v", "recall.carry.pos"),
+                                                    self.carry, strict=True))
+        if self.q is not None:
+            st["recall.q"] = self.q
         if self.kmin is None:
-            return {}
+            return st
         n = self.n_pages
-        return {"recall.kmin": self.kmin[:, :, :n], "recall.kmax": self.kmax[:, :, :n], **self.rows_state()}
+        return {**st, "recall.kmin": self.kmin[:, :, :n], "recall.kmax": self.kmax[:, :, :n], **self.rows_state()}
 
     def set_state(self, st: dict) -> None:
+        self.carry = ([st[f"recall.carry.{k}"] for k in ("k", "v", "pos")] if "recall.carry.pos" in st else None)
+        self.q = st.get("recall.q")
         if "recall.kmin" not in st:
             return
         self.kmin, self.kmax = st["recall.kmin"], st["recall.kmax"]
@@ -248,7 +260,7 @@ class MemoryTier(ColdTier):
         self.pos = put_rows(self.pos, rows, pos)
 
     @property
-    def resident_bytes(self) -> int:
+    def rows_bytes(self) -> int:
         return buf_nbytes(self.k) + buf_nbytes(self.v) + buf_nbytes(self.pos)
 
     def rows_state(self) -> dict:

@@ -148,7 +148,7 @@ class DiskTier(ColdTier):
 
     # -- accounting and state -------------------------------------------------------------------
     @property
-    def resident_bytes(self) -> int:
+    def rows_bytes(self) -> int:
         return sum(buf_nbytes(a) for part in self.pending for a in part)
 
     @property

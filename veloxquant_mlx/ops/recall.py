@@ -1,5 +1,5 @@
-"""Recall scoring: Quest's page bound, the exact attention score and the swap of cold rows into the
-hot tier. Pure MLX, no state, no Python loops over heads, pages or rows.
+"""Recall scoring: Quest's page bound, page summaries, the rows of chosen pages and the rows an
+eviction step drops. Pure MLX, no state, no Python loops over heads, pages or rows.
 
 Shapes: B batch rows, H KV heads, G query heads per KV head, W queries, D head_dim, P rows per page.
 """
@@ -52,31 +52,6 @@ def page_rows(pages: mx.array, page: int) -> mx.array:
     """(B, H, m) page indices -> (B, H, m*page) row indices of those pages, in page order."""
     rows = mx.expand_dims(pages, -1) * page + mx.arange(page, dtype=mx.int32)
     return rows.reshape(*pages.shape[:-1], -1)
-
-
-def exact_row_scores(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
-    """Each row's largest attention weight over the new queries and the query heads of its KV head:
-    (B, Hq, W, D) x (B, H, N, D) -> (B, H, N), softmax over all N rows (hot and candidates together,
-    the rows the next query would attend over)."""
-    q = group_queries(queries.astype(mx.float32), keys.shape[1]) * scale
-    logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)  # (B, H, G, W, N)
-    return mx.softmax(logits, axis=-1, precise=True).max(axis=(2, 3))
-
-
-def swap_selection(scores: mx.array, positions: mx.array, forced: mx.array, keep: int):
-    """Which of N rows (hot followed by candidates) stay hot: the ``keep`` best, ``forced`` rows
-    always, padding never. Returns (hot, cold): (B, H, keep) and (B, H, N - keep) row indices, each
-    in position order (padding last), so the hot tier stays sorted and the cold pages stay local."""
-    s = mx.where(positions == PAD, -mx.inf, scores.astype(mx.float32))
-    s = mx.where(forced, mx.inf, s)
-    order = mx.argsort(-s, axis=-1).astype(mx.int32)
-    hot, cold = order[..., :keep], order[..., keep:]
-
-    def by_position(idx):
-        p = mx.take_along_axis(positions, idx, axis=-1)
-        return mx.take_along_axis(idx, mx.argsort(p, axis=-1).astype(mx.int32), axis=-1)
-
-    return by_position(hot), by_position(cold)
 
 
 def evicted_rows(kept: mx.array, rows: int) -> mx.array:
