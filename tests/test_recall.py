@@ -375,3 +375,50 @@ def test_every_method_generates_follow_ups_with_a_disk_tier(method, model, tmp_p
     for c in caches:
         assert c.cold.recalls == 1 and c.byte_report()["cold_disk_bytes"] > 0
         assert_nothing_lost(c)
+
+
+def test_disk_tier_syncs_only_where_documented(tmp_path, monkeypatch):
+    """The disk tier's host reads happen in flush (the prompt's compression, a recall) and in the
+    page reads / writes of a recall, never in a decode step's eviction."""
+    from veloxquant_mlx.caches.recall_disk import DiskTier
+
+    names = [n for n in ("item", "tolist", "__bool__", "__int__", "__float__", "__array__") if hasattr(mx.array, n)]
+    real = {n: getattr(mx.array, n) for n in names}
+    real_fns = {n: getattr(mx, n) for n in ("eval", "async_eval")}
+    calls = []
+
+    def allowed(fn):
+        def run(self, *a, **k):
+            boom = {n: getattr(mx.array, n) for n in names}, {n: getattr(mx, n) for n in real_fns}
+            for n, f in real.items():
+                setattr(mx.array, n, f)
+            for n, f in real_fns.items():
+                setattr(mx, n, f)
+            try:
+                calls.append(fn.__name__)
+                return fn(self, *a, **k)
+            finally:
+                for n, f in boom[0].items():
+                    setattr(mx.array, n, f)
+                for n, f in boom[1].items():
+                    setattr(mx, n, f)
+        return run
+
+    for name in ("flush", "read", "write"):
+        monkeypatch.setattr(DiskTier, name, allowed(getattr(DiskTier, name)))
+    cache = make_cache("h2o", small=True, recall="disk", recall_dir=str(tmp_path), recall_page=8)
+    k = mx.random.normal((1, 2, 140, D), key=mx.random.key(1))
+    q = mx.random.normal((1, 4, 140, D), key=mx.random.key(2))
+    with forbid_host_sync(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        at = 0
+        for s in [60, 9] + [1] * 40 + [12, 1]:  # decode evicts (h2o) between the prompt and the follow-up
+            n_before = len(calls)
+            cache.update_and_fetch(k[:, :, at:at + s], k[:, :, at:at + s])
+            cache.observe_queries(q[:, :, at:at + s])
+            if 70 < at < 110:
+                assert len(calls) == n_before  # decode steps never write or read the file
+            at += s
+    assert cache.evictions >= 3 and cache.cold.recalls == 1
+    assert calls.count("read") == 1 and "write" in calls
+    assert_nothing_lost(cache)
