@@ -114,7 +114,7 @@ def config_allocation(method):
 NEEDLE = 40
 
 
-def _needle_run(tier, tmp_path=None, budget=32):
+def _needle_run(tier, tmp_path=None, budget=32, attend=False):
     """The prompt's queries point away from the needle row (position 40), so SnapKV evicts it at the
     prompt's end; the follow-up's queries point at its key, so the recall must offer it back and
     SnapKV's compression of the follow-up keep it."""
@@ -150,15 +150,24 @@ def _needle_run(tier, tmp_path=None, budget=32):
     # the follow-up: its queries attend strongly to the needle's key
     q_needle = mx.broadcast_to(mx.array(u * 4), (1, Hq, 6, D))
     k2 = mx.array(rng.normal(size=(1, H, 7, D)).astype(np.float32)) * 0.1
-    step(k2[:, :, :6], k2[:, :, :6], q_needle)
-    assert tier is None or cache.cold.armed
+    if attend:  # the tap's one-pass path: the chunk recalls at once and attends to the recalled rows
+        cache.update_and_fetch(k2[:, :, :6], k2[:, :, :6])
+        out = cache.observe_and_attend(q_needle)
+        assert any(NEEDLE in row for row in hot_positions(cache)[0]) and cache.cold.recalls == 1
+        want = mx.fast.scaled_dot_product_attention(q_needle, cache.stored("keys"), cache.stored("values"),
+                                                    scale=D ** -0.5, mask="causal")
+        np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-6)
+    else:
+        step(k2[:, :, :6], k2[:, :, :6], q_needle)
+        assert tier is None or cache.cold.armed
     step(k2[:, :, 6:], k2[:, :, 6:], q_needle[:, :, :1])
     return cache, keys, values
 
 
+@pytest.mark.parametrize("attend", [False, True])
 @pytest.mark.parametrize("tier", TIERS)
-def test_follow_up_recalls_the_exact_evicted_row_at_its_position(tier, tmp_path):
-    cache, keys, values = _needle_run(tier, tmp_path)
+def test_follow_up_recalls_the_exact_evicted_row_at_its_position(tier, attend, tmp_path):
+    cache, keys, values = _needle_run(tier, tmp_path, attend=attend)
     assert cache.cold.recalls == 1 and not cache.cold.armed
     pos = np.array(cache.kept_positions())
     hot_k, hot_v = np.array(cache.stored("keys")), np.array(cache.stored("values"))

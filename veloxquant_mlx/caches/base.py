@@ -306,13 +306,26 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.queries_observed += 1
         self.on_queries(queries)
         if self.cold is not None and self.cold.armed:
-            self.cold.note_queries(queries)
-            if queries.shape[2] == 1 and self.cold.recall(self):
-                self._ending = True  # the new input has ended: its pages joined, the compression picks
+            self._recall(queries, scale)
         if self._ending:
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
+
+    def _recall(self, queries: mx.array, scale: float) -> None:
+        """A new input on a cache with a cold tier (caches.recall). Where the tap lets this cache hand
+        the layer's output back (``observe_and_attend``, fp rows), its first chunk recalls at once and
+        attends to the recalled rows too, so the new input's own hidden states see them; elsewhere the
+        recall waits for the input's last token. Either way the compression at the input's end picks."""
+        self.cold.note_queries(queries)
+        S = queries.shape[2]
+        early = S > 1 and self._attend and self.kv_bits is None
+        if (early or S == 1) and self.cold.recall(self):
+            if early:  # recalled rows are older than the chunk: "causal" (bottom-right) stays right
+                self._attention_out = mx.fast.scaled_dot_product_attention(
+                    queries, self.stored("keys"), self.stored("values"), scale=scale, mask="causal")
+            else:
+                self._ending = True
 
     def _end_prompt(self) -> None:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every

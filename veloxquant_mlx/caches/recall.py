@@ -7,12 +7,13 @@ the elementwise min and max of its keys (Quest's summaries) in memory.
 
 When a new multi-token input arrives on a cache that has evicted (a follow-up turn), its last
 ``recall_window`` queries bound every page's attention (Quest's upper bound, ``ops.recall.quest_bounds``)
-and, when the input ends (its last token, right before the one-shot compression every method runs at
-a prompt's end), the best ``recall_pages`` pages per KV head are read back and join the hot rows in
-position order. The method's own compression then scores hot and recalled rows alike, exactly, with
-its own rule and the new input's queries, and returns the hot tier to ``budget`` rows; the rows it
-evicts refill the pages that were read (then new pages). So a cold row comes back exactly when it
-beats a hot row by the method's own measure, and nothing is ever dropped.
+and the best ``recall_pages`` pages per KV head are read back and join the hot rows in position order:
+on the input's first chunk when the query tap lets the cache hand the layer's output back (fp rows:
+that chunk then attends to the recalled rows too, so the new input's own hidden states see them), else
+on its last token. The compression every method runs when an input ends then scores hot and recalled
+rows alike, exactly, with the method's own rule and the new input's queries, and returns the hot tier
+to ``budget`` rows; the rows it evicts refill the pages that were read (then new pages). So a cold row
+comes back exactly when it beats a hot row by the method's own measure, and nothing is ever dropped.
 
 * ``"memory"``: cold rows quantized at ``recall_bits`` (mlx-lm's layout, groups of 32); every step is
   lazy MLX work, no host sync anywhere.
@@ -34,6 +35,12 @@ from .storage import with_headroom
 COLD_GROUP = 32  # cold rows' quantization group along head_dim ("memory" tier)
 
 
+def summary_dtype(dtype):
+    """Page summaries are kept in 16 bits (float16 for float32 keys): half the bytes, and a bound
+    only ranks pages."""
+    return mx.float16 if dtype == mx.float32 else dtype
+
+
 def put_rows(buf: mx.array, idx: mx.array, rows: mx.array) -> mx.array:
     """``buf`` with ``buf[b, h, idx[b, h, i]] = rows[b, h, i]`` (a new array; buf (B, H, N, ...))."""
     B, H, N = buf.shape[:3]
@@ -45,12 +52,12 @@ def put_rows(buf: mx.array, idx: mx.array, rows: mx.array) -> mx.array:
 
 
 def _grown(buf, need: int):
-    """``buf`` (or each part) with room for ``need`` rows along axis 2, doubling (a new array)."""
+    """``buf`` (or each part) with room for ``need`` rows along axis 2 (a new array when it grows)."""
     def grow(a):
         cap = a.shape[2]
         if need <= cap:
             return a
-        return with_headroom(a, max(need, 2 * cap) - cap)
+        return with_headroom(a, need + need // 8 - cap)  # 1/8 headroom: amortized, little waste
     return rows_map(grow, buf)
 
 
@@ -103,7 +110,7 @@ class ColdTier:
         self.carry = [mx.contiguous(a[:, :, n:]) for a in parts] if parts[2].shape[2] > n else None
         if n:
             whole = [a[:, :, :n] for a in parts]
-            self._add_summaries(*page_summaries(whole[0], whole[2], self.page))
+            self._add_summaries(*page_summaries(whole[0], whole[2], self.page, summary_dtype(whole[0].dtype)))
             self.store(*whole)
         if cache.compressing_prompt:
             self.flush()
@@ -127,9 +134,10 @@ class ColdTier:
         self.q = mx.contiguous(queries[:, :, -W:])
 
     def recall(self, cache) -> bool:
-        """At the end of a new input, right before its one-shot compression: the pages its queries may
-        attend to most (Quest's bound) join the hot rows, in position order, so the method's own
-        compression scores them exactly with its own rule; what it evicts goes back into those pages."""
+        """On a new input (its first chunk where the layer's attention can include them, else its last
+        token): the pages its queries may attend to most (Quest's bound) join the hot rows, in position
+        order, so the compression at the input's end scores them with the method's own rule; what it
+        evicts goes back into those pages. False: nothing to recall."""
         q, self.q, self.armed = self.q, None, False
         self.flush()
         n = self.n_pages

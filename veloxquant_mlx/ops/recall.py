@@ -23,6 +23,8 @@ def page_summaries(keys: mx.array, positions: mx.array, page: int, dtype=None):
     lo = mx.where(real, k, mx.inf).reshape(B, H, N // page, page, D).min(axis=3)
     hi = mx.where(real, k, -mx.inf).reshape(B, H, N // page, page, D).max(axis=3)
     dtype = dtype or keys.dtype
+    if dtype == mx.float16:  # finite in 16 bits (keys beyond its range are clipped, the bound only ranks)
+        lo, hi = mx.clip(lo, -65504, 65504), mx.clip(hi, -65504, 65504)
     return lo.astype(dtype), hi.astype(dtype)
 
 
