@@ -431,3 +431,20 @@ def test_disk_tier_syncs_only_where_documented(tmp_path, monkeypatch):
     assert cache.evictions >= 3 and cache.cold.recalls == 1
     assert calls.count("read") == 1 and "write" in calls
     assert_nothing_lost(cache)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_deep_copy_recalls_without_touching_the_original(tier, tmp_path):
+    cache, _, _ = _needle_run(tier, tmp_path)
+    before = cold_positions(cache)
+    twin = copy.deepcopy(cache)  # what mlx-lm's prompt-cache reuse does
+    k = mx.random.normal((1, 2, 12, D), key=mx.random.key(5))
+    q = mx.random.normal((1, 4, 12, D), key=mx.random.key(6))
+    for a, b in ((0, 1), (1, 2), (2, 11), (11, 12)):  # decode, then one more follow-up on the copy
+        twin.update_and_fetch(k[:, :, a:b], k[:, :, a:b])
+        twin.observe_queries(q[:, :, a:b])
+    assert twin.cold.recalls == cache.cold.recalls + 1
+    after = cold_positions(cache)
+    assert all(np.array_equal(x, y) for bx, by in zip(before, after) for x, y in zip(bx, by))
+    assert_nothing_lost(cache)
+    assert_nothing_lost(twin)

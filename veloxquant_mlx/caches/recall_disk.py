@@ -67,9 +67,10 @@ class DiskTier(ColdTier):
         self._finalizer()
 
     def __deepcopy__(self, memo):
-        new = copy.copy(self)
-        new.pending = list(self.pending)
-        new.folder = self.folder
+        # Arrays are copied (in-place page writes must not reach the original), the file too.
+        new = DiskTier.__new__(DiskTier)
+        shared = ("_finalizer", "dtype", "record")  # an mx / numpy dtype is immutable (and mx's cannot be copied)
+        new.__dict__.update({k: (v if k in shared else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()})
         new._open_file()
         shutil.copyfile(self.path, new.path)
         return new
