@@ -448,3 +448,19 @@ def test_a_deep_copy_recalls_without_touching_the_original(tier, tmp_path):
     assert all(np.array_equal(x, y) for bx, by in zip(before, after) for x, y in zip(bx, by))
     assert_nothing_lost(cache)
     assert_nothing_lost(twin)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_quantized_hot_rows_recall_at_the_inputs_end(tier, model, tmp_path):
+    kw = {"recall_dir": str(tmp_path)} if tier == "disk" else {}
+    cfg = small_config("snapkv", recall=tier, recall_page=8, kv_bits=4, kv_group_size=32, **kw)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    greedy(model, random_prompt(90, seed=4), max_tokens=4, prompt_cache=caches)
+    for c in caches:
+        c.continue_on_purpose()
+    tokens, lp = greedy(model, random_prompt(20, seed=5), max_tokens=4, prompt_cache=caches)
+    assert len(tokens) == 4 and np.isfinite(lp).all()
+    for c in caches:
+        assert c.cold.recalls == 1 and isinstance(c.keys, tuple)  # the hot rows stay packed
+        assert c.size() <= c.budget + 4
+        assert_nothing_lost(c)
