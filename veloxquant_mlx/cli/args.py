@@ -274,8 +274,12 @@ def prompt_bar(n_tokens: int, desc: str = "prefill"):
 
 def load_model_for_cli(spec):
     """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path."""
+    import logging
+
     from ..models import load_model  # deferred: loading mlx-lm models is slow to import
 
+    # check_context refuses a prompt past the context in one line; transformers' own notice would be a second
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     return load_model(None if spec in (None, "bundled") else spec)
 
 
@@ -347,7 +351,7 @@ def check_flags_against_file(args, meta: dict, path: str) -> None:
     bad = []
     for dest, key in _FILE_FLAGS:
         if dest in given and getattr(args, dest) != cfg.get(key):
-            bad.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (file: {cfg.get(key)})")
+            bad.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (file: {_cli_value(cfg.get(key))})")
     if "density" in given:
         bad.append(f"--density {args.density} (file: budget {cfg.get('budget')})")
     options = cfg.get("options") or {}
