@@ -180,3 +180,9 @@ def test_save_is_all_or_nothing(tmp_path, monkeypatch):
         _saved(tmp_path)
     assert path.read_bytes() == before  # the old file is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]  # and no temporary is left
+
+
+def test_any_file_name_is_written_and_read_as_named(tmp_path):
+    path, caches = _saved(tmp_path, name="doc.cache")  # mlx would append ".safetensors" to this name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cache"]
+    assert load_prompt_cache(path)[0].offset == caches[0].offset

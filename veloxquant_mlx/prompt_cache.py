@@ -134,7 +134,7 @@ def load_prompt_cache(path: str, return_metadata: bool = False, model=None):
     load with a warning (their data cannot be verified)."""
     path = os.fspath(path)
     try:
-        arrays, header = mx.load(path, return_metadata=True)
+        arrays, header = mx.load(path, format="safetensors", return_metadata=True)  # whatever the file's name
     except Exception as e:  # MLX raises RuntimeError/ValueError for unreadable files
         raise ValueError(f"cannot read prompt cache {path!r}: {e}") from None
     if header.get("format") != _FILE_FORMAT:
