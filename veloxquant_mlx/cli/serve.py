@@ -7,8 +7,12 @@ prompt-cache reuse) with two pieces swapped in:
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
   server builds is a fresh list of our eviction caches. Their ``merge`` makes the server batch
   them (``mlx_lm.server`` probes ``hasattr(c, "merge")``); see ``veloxquant_mlx/caches/batch.py``.
-* :class:`LoggingPromptCache` is the server's ``LRUPromptCache`` that logs each finished request's
-  allocated KV bytes, and the tokens reused from an earlier turn.
+* :class:`LoggingPromptCache` is the server's ``LRUPromptCache`` bounded by ``--prompt-cache-bytes``
+  (entries sized by their caches' ``nbytes``: capacity, positions and method state included); it
+  logs each finished request's allocated KV bytes and the tokens reused from an earlier turn, and
+  hands memory back once the server is idle.
+* :class:`BoundedBatchGenerator` (the server's ``BatchGenerator``) admits a waiting request only
+  while the running rows plus its estimated peak fit ``--max-kv-bytes``.
 
 Multi-turn reuse is "true eviction": the cache kept after a turn holds what eviction left, and the
 next turn continues from it (evicted tokens are gone for good). Eviction caches are not trimmable,
@@ -19,8 +23,14 @@ case); it never rewinds one. See docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import errno
 import json
 import logging
+import math
+import socket
+import sys
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
@@ -31,10 +41,14 @@ from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
-# mlx_lm.server options this server takes (same flags and defaults as ``mlx_lm.server`` 0.32).
-# Adapters, draft models (speculative decoding trims caches) and --kv-bits (quantizes mlx-lm's
-# KVCache) do not apply to eviction caches and are left out.
+# mlx_lm.server options this server takes (same flags as ``mlx_lm.server`` 0.32). Adapters and draft
+# models (speculative decoding trims caches) do not apply to eviction caches and are left out.
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Stored conversations' default byte bound, as a share of the model's weights: what stays resident
+# after a load besides the model itself.
+PROMPT_CACHE_SHARE = 0.10
+PREFILL_STEP = 256  # docs/serving.md, "Memory bounds under load": measured against mlx-lm's 2048
+MLX_CACHE_LIMIT = 512 * 2**20  # MLX's buffer cache while serving; handed back whenever the server idles
 
 
 def _size(text):
@@ -69,11 +83,25 @@ def add_parser(sub):
     g.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)")
     g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together")
     g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together")
-    g.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk length")
+    g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+                   help="prompt chunk length: each scheduling step prefills at most this many tokens of "
+                        "every prompt in the prefill batch, then decodes one token of the running batch "
+                        f"(default {PREFILL_STEP}; mlx-lm's 2048 pads a batch to its longest prompt and "
+                        "stalls the decode for the whole prefill)")
     g.add_argument("--prompt-cache-size", type=int, default=10,
                    help="conversations kept for reuse across turns")
     g.add_argument("--prompt-cache-bytes", type=_size, default=None,
-                   help="byte limit of the kept conversations' caches (e.g. 2G)")
+                   help="byte bound of the kept conversations' caches, counted at their allocated bytes "
+                        f"(e.g. 2G; default {PROMPT_CACHE_SHARE:.0%} of the model's weights)")
+    m = s.add_argument_group("memory bounds")
+    m.add_argument("--max-kv-bytes", type=_size, default=None,
+                   help="KV bytes the running batch may hold: a waiting request is admitted only while the "
+                        "running rows (their real bytes) plus its estimated peak fit (default: no bound, "
+                        "mlx-lm's --decode-concurrency alone)")
+    m.add_argument("--mlx-cache-limit", type=_size, default=MLX_CACHE_LIMIT,
+                   help="MLX's buffer cache bound while serving (mx.set_cache_limit); the cache is emptied "
+                        f"and freed memory handed back to the OS whenever the server idles (default "
+                        f"{MLX_CACHE_LIMIT // 2**20}M)")
     g.add_argument("--chat-template", default="", help="a chat template for the tokenizer")
     g.add_argument("--use-default-chat-template", action="store_true")
     g.add_argument("--chat-template-args", type=json.loads, default="{}",
@@ -92,7 +120,8 @@ def server_args(**overrides) -> argparse.Namespace:
                 top_k=0, min_p=0.0, decode_concurrency=32, prompt_concurrency=8, prefill_step_size=2048,
                 prompt_cache_size=10, prompt_cache_bytes=None, chat_template="",
                 use_default_chat_template=False, chat_template_args={}, trust_remote_code=False,
-                log_level="INFO", kv_bits=None, kv_group_size=64, quantized_kv_start=5000, pipeline=False)
+                log_level="INFO", kv_bits=None, kv_group_size=64, quantized_kv_start=5000, pipeline=False,
+                max_kv_bytes=None, mlx_cache_limit=MLX_CACHE_LIMIT)
     unknown = set(overrides) - set(args)
     if unknown:
         raise TypeError(f"unknown server options {sorted(unknown)}")
@@ -104,21 +133,107 @@ def _mib(n):
     return f"{n / 2**20:.2f} MiB"
 
 
+def _kvcache_bytes(caches) -> int:
+    """What mlx-lm's KVCache allocates for the tokens these caches have seen (it grows in steps of
+    ``KVCache.step`` rows): the honest reference for a short request's allocated bytes."""
+    from mlx_lm.models.cache import KVCache
+
+    total = 0
+    for c in caches:
+        if hasattr(c, "full_seq_bytes") and c.offset:
+            total += c.full_seq_bytes // c.offset * math.ceil(c.offset / KVCache.step) * KVCache.step
+    return total
+
+
+def request_log_line(n_tokens, caches) -> str:
+    kv = kv_report(caches)
+    line = f"request done: {n_tokens} tokens in its cache, KV allocated {_mib(kv['allocated_bytes'])}"
+    ref = _kvcache_bytes(caches)
+    if ref:
+        line += (f" ({kv['allocated_bytes'] / ref:.2f}x of the {_mib(ref)} mlx-lm's KVCache allocates for "
+                 f"them; kept rows {_mib(kv['kept_bytes'])})")
+    return line
+
+
+def _libc_trim():
+    """glibc's ``malloc_trim(0)`` (hands freed heap pages back to the OS), or None where there is none."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def release_memory():
+    """Empty MLX's buffer cache and trim the C heap: freed KV buffers return to the OS instead of
+    staying resident after a load."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def _prompt_cache_class():
-    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.models.cache import LRUPromptCache, PromptTrie
+
+    class DroppingTrie(PromptTrie):
+        """The store's trie, remembering every entry that leaves it (evicted, replaced, or a prefix of a
+        longer trimmable one)."""
+
+        def __init__(self):
+            super().__init__()
+            self.dropped = []
+
+        def add(self, model, tokens, value):
+            prev = super().add(model, tokens, value)
+            if prev is not None:
+                self.dropped.append(prev)
+            return prev
+
+        def pop(self, model, tokens):
+            entry = super().pop(model, tokens)
+            self.dropped.append(entry)
+            return entry
+
+        def pop_prefixes(self, model, tokens):
+            out = super().pop_prefixes(model, tokens)
+            self.dropped.extend(e for _, e in out)
+            return out
 
     class LoggingPromptCache(LRUPromptCache):
-        """The server's LRUPromptCache, logging KV bytes per finished request and turn reuse."""
+        """The server's LRUPromptCache (entries sized by their caches' ``nbytes``), logging KV bytes per
+        finished request and turn reuse. An entry that leaves the store has its cache list emptied at
+        once: the server keeps its last step's responses (and so their caches) alive until its next
+        request, which would hold evicted caches resident while it idles. Memory is handed back when
+        the request that finished was the batch's last (``idle`` says so)."""
+
+        idle = None  # () -> bool, set by the batch generator
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._trie = DroppingTrie()
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             if cache_type == "assistant":  # a request finished (the server stores its cache)
-                kv = kv_report(prompt_cache)
-                line = f"request done: {len(tokens)} tokens in its cache, KV allocated {_mib(kv['allocated_bytes'])}"
-                if kv["full_bytes"]:
-                    line += (f" ({kv['allocated_bytes'] / kv['full_bytes']:.2f}x of a full cache's "
-                             f"{_mib(kv['full_bytes'])}; kept rows {_mib(kv['kept_bytes'])})")
-                log.info(line)
+                log.info(request_log_line(len(tokens), prompt_cache))
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            self._empty_dropped()
+            if cache_type == "assistant" and self.idle is not None and self.idle():
+                release_memory()
+
+        def trim_to(self, **kwargs):
+            super().trim_to(**kwargs)
+            self._empty_dropped()
+
+        def _empty_dropped(self):
+            # The server hands each cache over and never reads it again; fetches return copies.
+            for entry in self._trie.dropped:
+                entry.prompt_cache.clear()
+            self._trie.dropped.clear()
 
         def fetch_nearest_cache(self, model, tokens):
             cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -137,6 +252,70 @@ def _prompt_cache_class():
             return cache, rest
 
     return LoggingPromptCache
+
+
+def row_bytes(model) -> int:
+    """Bytes one token's keys and values take over every layer in mlx-lm's KVCache (the model's dtype)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    return sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
+               for c in caches if getattr(c, "keys", None) is not None)
+
+
+def peak_bytes(config, token_bytes, cached_bytes, new_tokens) -> int:
+    """An upper estimate of what a waiting request's caches will hold: what it continues plus its new
+    tokens (prompt and answer) at ``token_bytes``; under ``prompt_eviction="stream"`` an eviction cache
+    never holds more than its budget, under ``"end"`` it holds the whole prompt until it ends."""
+    rows = new_tokens
+    if config is not None and config.prompt_eviction == "stream":
+        rows = min(rows, config.budget)
+    return cached_bytes + rows * token_bytes
+
+
+def _batch_generator_class(max_kv_bytes, estimate, prompt_cache):
+    from mlx_lm.generate import BatchGenerator
+
+    class BoundedBatchGenerator(BatchGenerator):
+        """mlx-lm's BatchGenerator that admits a waiting sequence only while the running rows (their
+        ``nbytes``) plus its estimated peak fit ``max_kv_bytes`` (one is always admitted when nothing
+        runs, so a request larger than the bound still gets served, alone)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            prompt_cache.idle = self.idle
+
+        def idle(self) -> bool:
+            return not (len(self._generation_batch) or len(self._prompt_batch) or self._unprocessed_sequences)
+
+        def admissible(self) -> int:
+            """How many waiting sequences (in order) fit the bound now."""
+            running = (sum(c.nbytes for c in self._prompt_batch.prompt_cache)
+                       + sum(c.nbytes for c in self._generation_batch.prompt_cache))
+            busy = len(self._prompt_batch) + len(self._generation_batch)
+            n = 0
+            for seq in self._unprocessed_sequences:
+                uid, segments, max_tokens, caches = seq[:4]
+                need = estimate(sum(c.nbytes for c in caches), sum(len(x) for x in segments) + max_tokens)
+                if busy + n and running + need > max_kv_bytes:
+                    break
+                running += need
+                n += 1
+            return n
+
+        def _next(self):
+            if max_kv_bytes is None or not self._unprocessed_sequences:
+                return super()._next()
+            wanted = self.prefill_batch_size  # mlx-lm admits up to this many into the prompt batch
+            self.prefill_batch_size = min(wanted, len(self._prompt_batch) + self.admissible())
+            try:
+                return super()._next()
+            finally:
+                self.prefill_batch_size = wanted
+
+    return BoundedBatchGenerator
 
 
 def _model_provider_class():
@@ -180,26 +359,73 @@ def _model_provider_class():
     return EvictionModelProvider
 
 
+def check_port(host, port):
+    """Refuse a port this host cannot listen on, before any slow work (a bind as the server's: address
+    reuse on, so a port left in TIME_WAIT is fine, one another process listens on is not)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise CLIError(f"cannot listen on {host}:{port}: {e.strerror}"
+                           + (" (another process is using it; pick another --port)"
+                              if e.errno == errno.EADDRINUSE else "")) from None
+
+
+def weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 def serve(model, tokenizer, config=None, model_name="bundled", **options):
     """Run mlx_lm.server on ``model`` with ``config``'s eviction caches (None: mlx-lm's own
     KVCache) until interrupted. ``model_name`` is what the server reports and keys its prompt cache
-    by; ``options`` are mlx_lm.server's (``host``, ``port``, ...; see :func:`server_args`)."""
+    by; ``options`` are mlx_lm.server's (``host``, ``port``, ...; see :func:`server_args`) and the
+    memory bounds (``max_kv_bytes``, ``mlx_cache_limit``; ``prompt_cache_bytes`` None: a share of
+    the model's weights)."""
+    import mlx.core as mx
     from mlx_lm import server
 
     args = server_args(model=str(model_name), **options)
+    stored = args.prompt_cache_bytes
+    if stored is None:
+        stored = int(PROMPT_CACHE_SHARE * weight_bytes(model))
+    # The store enforces its bound at every insertion. mlx-lm would also trim it to the bound minus
+    # the running batch at each admission (one budget for both); the running batch has its own bound.
+    args.prompt_cache_bytes = None
+    mx.set_cache_limit(args.mlx_cache_limit)
+    token_bytes = row_bytes(model) if args.max_kv_bytes is not None else 0
     provider = _model_provider_class()(args, model, tokenizer, config)
-    prompt_cache = _prompt_cache_class()(args.prompt_cache_size)
+    prompt_cache = _prompt_cache_class()(args.prompt_cache_size, stored)
+    # mlx_lm.server builds its BatchGenerator by this module-level name: the bounded one serves instead.
+    server.BatchGenerator = _batch_generator_class(
+        args.max_kv_bytes, lambda held, new: peak_bytes(config, token_bytes, held, new), prompt_cache)
+    log.info(f"memory bounds: stored conversations {_mib(stored)}, running batch "
+             + (_mib(args.max_kv_bytes) if args.max_kv_bytes is not None else "unbounded")
+             + f", MLX buffer cache {_mib(args.mlx_cache_limit)}")
     generator = server.ResponseGenerator(provider, prompt_cache)
     if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
         generator.join()
         return
-    server._run_http_server(args.host, args.port, generator)
+    try:
+        server._run_http_server(args.host, args.port, generator)
+    except OSError as e:  # the port was taken after check_port: stop the generation thread too
+        generator.stop_and_join()
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
 
 def cmd_serve(args):
     if args.density is not None:
         raise CLIError("serve takes --budget (tokens per KV head): --density depends on each prompt's length")
     config = config_from_args(args, 0)
+    if distributed.world()[1] == 0:  # only rank 0 listens
+        check_port(args.host, args.port)
 
     options = {k: getattr(args, k) for k in vars(server_args()) if hasattr(args, k) and k != "model"}
     if config is not None:
