@@ -6,7 +6,7 @@ count (4, 8, 16) the same requests go to one server and then the other, the orde
 one count to the next, so both see the same machine load. A request is a chat turn of ``--lo`` to
 ``--hi`` prompt tokens (spread evenly over the clients, each its own text: no prefix is shared but the
 chat template's system prompt) asking for ``--new-tokens`` tokens; every client sends its request at
-once and waits at most ``--timeout`` seconds. Measured per server and count: requests answered, p50 /
+once and waits at most ``--timeout`` seconds (an answer may end early at the model's end token). Measured per server and count: requests answered, p50 /
 p95 latency (request sent -> full answer), aggregate tok/s (answer tokens of all requests / the
 wall time until the last one finished), and the server's resident memory (VmRSS) when idle (after a
 warm-up request) and a few seconds after each load. Everything is bounded: a fixed count of
@@ -172,13 +172,14 @@ def run_level(server, reqs, args):
         out = list(pool.map(lambda r: chat(server.url, r[1], args.new_tokens, args.timeout), reqs))
     wall = time.perf_counter() - t0
     time.sleep(args.settle)
-    ok = [o for o in out if o[3] is None and o[2] == args.new_tokens]
+    ok = [o for o in out if o[3] is None and o[2] > 0]  # an answer may end (EOS) before --new-tokens
     lat = [o[0] for o in ok]
     return {"server": server.label, "clients": len(reqs), "answered": len(ok), "sent": len(reqs),
             "p50_s": statistics.median(lat) if lat else None, "p95_s": percentile(lat, 0.95),
             "max_s": max(lat) if lat else None, "wall_s": wall,
             "aggregate_tok_s": sum(o[2] for o in ok) / wall,
-            "prompt_tokens": [o[1] for o in out], "latencies_s": [o[0] for o in out],
+            "prompt_tokens": [o[1] for o in out], "answer_tokens": [o[2] for o in out],
+            "latencies_s": [o[0] for o in out],
             "errors": [o[3] for o in out if o[3]], "rss_before": rss_before, "rss_after": server.rss(),
             "load_average": os.getloadavg()}
 

@@ -1,7 +1,7 @@
 """``python -m veloxquant_mlx serve``: mlx-lm's OpenAI-compatible server with eviction caches.
 
 This is ``mlx_lm.server`` itself (its HTTP handler, request queue, continuous batching and
-prompt-cache reuse) with two pieces swapped in:
+prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``):
 
 * :class:`EvictionModelProvider` serves one model we loaded ourselves (the bundled SmolLM2, a GGUF
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
@@ -23,21 +23,17 @@ case); it never rewinds one. See docs/serving.md.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import errno
 import json
 import logging
-import math
 import socket
-import sys
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
 from ..builder import KVCacheBuilder
-from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
+from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -129,195 +125,6 @@ def server_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-def _mib(n):
-    return f"{n / 2**20:.2f} MiB"
-
-
-def _kvcache_bytes(caches) -> int:
-    """What mlx-lm's KVCache allocates for the tokens these caches have seen (it grows in steps of
-    ``KVCache.step`` rows): the honest reference for a short request's allocated bytes."""
-    from mlx_lm.models.cache import KVCache
-
-    total = 0
-    for c in caches:
-        if hasattr(c, "full_seq_bytes") and c.offset:
-            total += c.full_seq_bytes // c.offset * math.ceil(c.offset / KVCache.step) * KVCache.step
-    return total
-
-
-def request_log_line(n_tokens, caches) -> str:
-    kv = kv_report(caches)
-    line = f"request done: {n_tokens} tokens in its cache, KV allocated {_mib(kv['allocated_bytes'])}"
-    ref = _kvcache_bytes(caches)
-    if ref:
-        line += (f" ({kv['allocated_bytes'] / ref:.2f}x of the {_mib(ref)} mlx-lm's KVCache allocates for "
-                 f"them; kept rows {_mib(kv['kept_bytes'])})")
-    return line
-
-
-def _libc_trim():
-    """glibc's ``malloc_trim(0)`` (hands freed heap pages back to the OS), or None where there is none."""
-    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-_TRIM = _libc_trim()
-
-
-def release_memory():
-    """Empty MLX's buffer cache and trim the C heap: freed KV buffers return to the OS instead of
-    staying resident after a load."""
-    import mlx.core as mx
-
-    mx.clear_cache()
-    if _TRIM is not None:
-        _TRIM(0)
-
-
-def _prompt_cache_class():
-    from mlx_lm.models.cache import LRUPromptCache, PromptTrie
-
-    class DroppingTrie(PromptTrie):
-        """The store's trie, remembering every entry that leaves it (evicted, replaced, or a prefix of a
-        longer trimmable one)."""
-
-        def __init__(self):
-            super().__init__()
-            self.dropped = []
-
-        def add(self, model, tokens, value):
-            prev = super().add(model, tokens, value)
-            if prev is not None:
-                self.dropped.append(prev)
-            return prev
-
-        def pop(self, model, tokens):
-            entry = super().pop(model, tokens)
-            self.dropped.append(entry)
-            return entry
-
-        def pop_prefixes(self, model, tokens):
-            out = super().pop_prefixes(model, tokens)
-            self.dropped.extend(e for _, e in out)
-            return out
-
-    class LoggingPromptCache(LRUPromptCache):
-        """The server's LRUPromptCache (entries sized by their caches' ``nbytes``), logging KV bytes per
-        finished request and turn reuse. An entry that leaves the store has its cache list emptied at
-        once: the server keeps its last step's responses (and so their caches) alive until its next
-        request, which would hold evicted caches resident while it idles. Memory is handed back when
-        the request that finished was the batch's last (``idle`` says so)."""
-
-        idle = None  # () -> bool, set by the batch generator
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._trie = DroppingTrie()
-
-        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-            if cache_type == "assistant":  # a request finished (the server stores its cache)
-                log.info(request_log_line(len(tokens), prompt_cache))
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-            self._empty_dropped()
-            if cache_type == "assistant" and self.idle is not None and self.idle():
-                release_memory()
-
-        def trim_to(self, **kwargs):
-            super().trim_to(**kwargs)
-            self._empty_dropped()
-
-        def _empty_dropped(self):
-            # The server hands each cache over and never reads it again; fetches return copies.
-            for entry in self._trie.dropped:
-                entry.prompt_cache.clear()
-            self._trie.dropped.clear()
-
-        def fetch_nearest_cache(self, model, tokens):
-            cache, rest = super().fetch_nearest_cache(model, tokens)
-            if cache is not None and not rest:
-                # An exact hit leaves nothing to feed; mlx-lm rewinds one token by trimming, which
-                # eviction caches cannot do: compute this prompt afresh instead.
-                from mlx_lm.models.cache import can_trim_prompt_cache
-
-                if not can_trim_prompt_cache(cache):
-                    return None, tokens
-            if cache is not None:
-                for c in cache:
-                    if hasattr(c, "continue_on_purpose"):
-                        c.continue_on_purpose()  # continuing a stored conversation is on purpose
-                log.info(f"prompt cache: reusing {len(tokens) - len(rest)} of {len(tokens)} prompt tokens")
-            return cache, rest
-
-    return LoggingPromptCache
-
-
-def row_bytes(model) -> int:
-    """Bytes one token's keys and values take over every layer in mlx-lm's KVCache (the model's dtype)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    return sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
-               for c in caches if getattr(c, "keys", None) is not None)
-
-
-def peak_bytes(config, token_bytes, cached_bytes, new_tokens) -> int:
-    """An upper estimate of what a waiting request's caches will hold: what it continues plus its new
-    tokens (prompt and answer) at ``token_bytes``; under ``prompt_eviction="stream"`` an eviction cache
-    never holds more than its budget, under ``"end"`` it holds the whole prompt until it ends."""
-    rows = new_tokens
-    if config is not None and config.prompt_eviction == "stream":
-        rows = min(rows, config.budget)
-    return cached_bytes + rows * token_bytes
-
-
-def _batch_generator_class(max_kv_bytes, estimate, prompt_cache):
-    from mlx_lm.generate import BatchGenerator
-
-    class BoundedBatchGenerator(BatchGenerator):
-        """mlx-lm's BatchGenerator that admits a waiting sequence only while the running rows (their
-        ``nbytes``) plus its estimated peak fit ``max_kv_bytes`` (one is always admitted when nothing
-        runs, so a request larger than the bound still gets served, alone)."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            prompt_cache.idle = self.idle
-
-        def idle(self) -> bool:
-            return not (len(self._generation_batch) or len(self._prompt_batch) or self._unprocessed_sequences)
-
-        def admissible(self) -> int:
-            """How many waiting sequences (in order) fit the bound now."""
-            running = (sum(c.nbytes for c in self._prompt_batch.prompt_cache)
-                       + sum(c.nbytes for c in self._generation_batch.prompt_cache))
-            busy = len(self._prompt_batch) + len(self._generation_batch)
-            n = 0
-            for seq in self._unprocessed_sequences:
-                uid, segments, max_tokens, caches = seq[:4]
-                need = estimate(sum(c.nbytes for c in caches), sum(len(x) for x in segments) + max_tokens)
-                if busy + n and running + need > max_kv_bytes:
-                    break
-                running += need
-                n += 1
-            return n
-
-        def _next(self):
-            if max_kv_bytes is None or not self._unprocessed_sequences:
-                return super()._next()
-            wanted = self.prefill_batch_size  # mlx-lm admits up to this many into the prompt batch
-            self.prefill_batch_size = min(wanted, len(self._prompt_batch) + self.admissible())
-            try:
-                return super()._next()
-            finally:
-                self.prefill_batch_size = wanted
-
-    return BoundedBatchGenerator
-
-
 def _model_provider_class():
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import ModelProvider
@@ -377,12 +184,6 @@ def check_port(host, port):
                               if e.errno == errno.EADDRINUSE else "")) from None
 
 
-def weight_bytes(model) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
 def serve(model, tokenizer, config=None, model_name="bundled", **options):
     """Run mlx_lm.server on ``model`` with ``config``'s eviction caches (None: mlx-lm's own
     KVCache) until interrupted. ``model_name`` is what the server reports and keys its prompt cache
@@ -402,13 +203,13 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
     mx.set_cache_limit(args.mlx_cache_limit)
     token_bytes = row_bytes(model) if args.max_kv_bytes is not None else 0
     provider = _model_provider_class()(args, model, tokenizer, config)
-    prompt_cache = _prompt_cache_class()(args.prompt_cache_size, stored)
+    prompt_cache = prompt_cache_class()(args.prompt_cache_size, stored)
     # mlx_lm.server builds its BatchGenerator by this module-level name: the bounded one serves instead.
-    server.BatchGenerator = _batch_generator_class(
+    server.BatchGenerator = batch_generator_class(
         args.max_kv_bytes, lambda held, new: peak_bytes(config, token_bytes, held, new), prompt_cache)
-    log.info(f"memory bounds: stored conversations {_mib(stored)}, running batch "
-             + (_mib(args.max_kv_bytes) if args.max_kv_bytes is not None else "unbounded")
-             + f", MLX buffer cache {_mib(args.mlx_cache_limit)}")
+    log.info(f"memory bounds: stored conversations {mib(stored)}, running batch "
+             + (mib(args.max_kv_bytes) if args.max_kv_bytes is not None else "unbounded")
+             + f", MLX buffer cache {mib(args.mlx_cache_limit)}")
     generator = server.ResponseGenerator(provider, prompt_cache)
     if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
         generator.join()
