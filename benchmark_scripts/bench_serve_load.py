@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -60,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--server-flags", default="", help="flags given to every server (e.g. --prefill-step-size 256)")
     p.add_argument("--model", default="bundled")
     p.add_argument("--out-dir", default=str(OUT))
+    p.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary folder)")
     p.add_argument("--name", default="bench_serve_load", help="output file stem")
     return p.parse_args(argv)
 
@@ -186,13 +188,19 @@ def run_level(server, reqs, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
+
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serve_load_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    labels = [spec.split(":", 1)[0] for spec in args.servers]
+    prov = provenance(command_line(), sorted({lab for lab in labels if lab in ("nexus", "full")}))  # at the start
     servers = []
     try:
         for spec in args.servers:
             label, flags = spec.split(":", 1)
-            servers.append(Server(label, flags, args, out_dir))
+            servers.append(Server(label, flags, args, log_dir))
         for s in servers:
             s.wait_up(args.start_timeout)
         fits, idle = {}, {}
@@ -214,9 +222,6 @@ def main(argv=None):
     finally:
         for s in servers:
             s.stop()
-    from veloxquant_mlx.evaluation.provenance import command_line, provenance
-
-    methods = sorted({lab for lab in ("nexus", "full") if any(r["server"] == lab for r in rows)})
     meta = {"model": args.model, "clients": args.clients, "prompt_tokens": [args.lo, args.hi],
             "new_tokens": args.new_tokens, "timeout_s": args.timeout,
             "servers": {s.label: " ".join(s.cmd[1:]) for s in servers}, "host": "127.0.0.1",
@@ -227,8 +232,8 @@ def main(argv=None):
             "platform": platform.platform(), "cpu_count": os.cpu_count(), "fast_blas": True}
     path = out_dir / f"{args.name}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows,
-                                "provenance": provenance(command_line(), methods)}, indent=1) + "\n")
-    print(f"wrote {path}")
+                                "provenance": prov}, indent=1) + "\n")
+    print(f"wrote {path}; server logs in {log_dir}")
     return 0 if all(r["answered"] == r["sent"] for r in rows) else 1
 
 

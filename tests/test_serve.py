@@ -322,6 +322,8 @@ def test_serve_flags():
                                       "--prompt-cache-bytes", "2G", "--prompt-eviction", "stream"])
     assert (args.port, args.decode_concurrency, args.prompt_cache_bytes) == (9999, 4, 2 * 10**9)
     assert _size("512M") == 512 * 10**6 and _size("10") == 10
+    args = build_parser().parse_args(["serve", "--max-kv-bytes", "300M", "--mlx-cache-limit", "1G"])
+    assert (args.max_kv_bytes, args.mlx_cache_limit, args.prefill_step_size) == (300 * 10**6, 10**9, 256)
     assert server_args(port=1).kv_bits is None  # mlx-lm reads it: requests stay batchable
     with pytest.raises(TypeError, match="unknown server options"):
         server_args(kv_bitz=4)
@@ -494,3 +496,29 @@ def test_bundled_model_under_concurrent_mixed_load_answers_all_and_hands_memory_
     assert sum(row["answer_tokens"]) >= 8 * 16  # most answers run the full 16 tokens (some end early)
     assert min(row["prompt_tokens"]) <= 60 and max(row["prompt_tokens"]) >= 1400  # mixed lengths
     assert row["rss_after"] <= 1.25 * idle, (row["rss_after"], idle)
+
+
+def test_serve_wires_the_memory_bounds(monkeypatch):
+    from mlx_lm import server
+
+    from veloxquant_mlx.cli import serve_memory
+    from veloxquant_mlx.cli.serve import PROMPT_CACHE_SHARE, serve
+
+    seen = {}
+
+    class Generator:
+        def __init__(self, provider, prompt_cache):
+            seen.update(args=provider.cli_args, store=prompt_cache, batch=server.BatchGenerator)
+
+    limits = []
+    monkeypatch.setattr(server, "ResponseGenerator", Generator)
+    monkeypatch.setattr(server, "_run_http_server", lambda host, port, generator: None)
+    monkeypatch.setattr(server, "BatchGenerator", server.BatchGenerator)
+    monkeypatch.setattr(mx, "set_cache_limit", limits.append)
+    model = make_tiny_model("llama")
+    serve(model, tiny_tokenizer(), None, max_kv_bytes=10**6, mlx_cache_limit=123)
+    assert seen["store"].max_bytes == int(PROMPT_CACHE_SHARE * serve_memory.weight_bytes(model))
+    assert seen["args"].prompt_cache_bytes is None  # mlx-lm must not trim the store to bound minus batch
+    assert seen["batch"].__name__ == "BoundedBatchGenerator" and limits == [123]
+    serve(model, tiny_tokenizer(), None, prompt_cache_bytes=5000)
+    assert seen["store"].max_bytes == 5000
