@@ -167,7 +167,8 @@ def batch_generator_class(max_kv_bytes, estimate, prompt_cache):
 
     class BoundedBatchGenerator(BatchGenerator):
         """mlx-lm's BatchGenerator that admits a waiting sequence only while the running rows (their
-        ``nbytes``) plus its estimated peak fit ``max_kv_bytes`` (one is always admitted when nothing
+        ``nbytes``, plus the rest of the prompts still prefilling) plus its estimated peak fit
+        ``max_kv_bytes`` (one is always admitted when nothing
         runs, so a request larger than the bound still gets served, alone)."""
 
         def __init__(self, *args, **kwargs):
@@ -181,6 +182,8 @@ def batch_generator_class(max_kv_bytes, estimate, prompt_cache):
             """How many waiting sequences (in order) fit the bound now."""
             running = (sum(c.nbytes for c in self._prompt_batch.prompt_cache)
                        + sum(c.nbytes for c in self._generation_batch.prompt_cache))
+            # prompts still prefilling will hold their remaining tokens too
+            running += sum(estimate(0, total - done) for _, done, total in self._currently_processing)
             busy = len(self._prompt_batch) + len(self._generation_batch)
             n = 0
             for seq in self._unprocessed_sequences:
