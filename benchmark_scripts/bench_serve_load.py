@@ -194,8 +194,11 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serve_load_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    labels = [spec.split(":", 1)[0] for spec in args.servers]
-    prov = provenance(command_line(), sorted({lab for lab in labels if lab in ("nexus", "full")}))  # at the start
+    methods = set()
+    for spec in args.servers:  # the methods the servers run, from their flags
+        flags = shlex.split(spec.split(":", 1)[1])
+        methods.add(flags[flags.index("--method") + 1] if "--method" in flags else "full")
+    prov = provenance(command_line(), sorted(methods))  # at the start: the code the servers run
     servers = []
     try:
         for spec in args.servers:
