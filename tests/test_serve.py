@@ -313,6 +313,16 @@ def test_serve_kv_bits_flags(monkeypatch):
     assert seen["config"] is None and seen["kv_bits"] == 8  # full cache: mlx-lm's own QuantizedKVCache
 
 
+def test_serve_help_prints(capsys):
+    from veloxquant_mlx.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--max-kv-bytes" in out and "10% of the model's weights" in out and "default 256" in out
+
+
 def test_serve_flags():
     from veloxquant_mlx.cli import build_parser, main
     from veloxquant_mlx.cli.serve import _size, server_args

@@ -72,38 +72,40 @@ def add_parser(sub):
     g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     g.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
                    help="CORS allowed origins, comma separated (default *)")
-    g.add_argument("--max-tokens", type=int, default=512, help="default max tokens per answer")
-    g.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
-    g.add_argument("--top-p", type=float, default=1.0, help="default nucleus top-p")
-    g.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)")
-    g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together")
-    g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together")
+    g.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer when a request sets none (default 512)")
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature when a request sets none (default 0.0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p when a request sets none (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k when a request sets none (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p when a request sets none (default 0.0: off)")
+    g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together (default 32)")
+    g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default 8)")
     g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
                    help="prompt chunk length: each scheduling step prefills at most this many tokens of "
                         "every prompt in the prefill batch, then decodes one token of the running batch "
                         f"(default {PREFILL_STEP}; mlx-lm's 2048 pads a batch to its longest prompt and "
                         "stalls the decode for the whole prefill)")
     g.add_argument("--prompt-cache-size", type=int, default=10,
-                   help="conversations kept for reuse across turns")
+                   help="conversations kept for reuse across turns (default 10)")
     g.add_argument("--prompt-cache-bytes", type=_size, default=None,
                    help="byte bound of the kept conversations' caches, counted at their allocated bytes "
-                        f"(e.g. 2G; default {PROMPT_CACHE_SHARE:.0%} of the model's weights)")
+                        f"(e.g. 2G; default {PROMPT_CACHE_SHARE * 100:.0f}%% of the model's weights)")
     m = s.add_argument_group("memory bounds")
     m.add_argument("--max-kv-bytes", type=_size, default=None,
                    help="KV bytes the running batch may hold: a waiting request is admitted only while the "
-                        "running rows (their real bytes) plus its estimated peak fit (default: no bound, "
+                        "running rows (their real bytes, and the rest of the prompts still prefilling) plus its estimated peak fit (default: no bound, "
                         "mlx-lm's --decode-concurrency alone)")
     m.add_argument("--mlx-cache-limit", type=_size, default=MLX_CACHE_LIMIT,
                    help="MLX's buffer cache bound while serving (mx.set_cache_limit); the cache is emptied "
                         f"and freed memory handed back to the OS whenever the server idles (default "
                         f"{MLX_CACHE_LIMIT // 2**20}M)")
-    g.add_argument("--chat-template", default="", help="a chat template for the tokenizer")
-    g.add_argument("--use-default-chat-template", action="store_true")
+    g.add_argument("--chat-template", default="", help="a chat template for the tokenizer (default: its own)")
+    g.add_argument("--use-default-chat-template", action="store_true",
+                   help="use the tokenizer's default chat template when it has none (default off)")
     g.add_argument("--chat-template-args", type=json.loads, default="{}",
-                   help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\": false}'")
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+                   help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\": false}' (default none)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let the tokenizer run code from its repository (default off)")
+    g.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="log level (default INFO)")
     s.set_defaults(func=cmd_serve)
     return s
 
