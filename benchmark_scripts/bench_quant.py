@@ -67,7 +67,7 @@ def stamp(res: dict, labels):
 def parse_label(label: str):
     """label -> (method or 'kvcache', kwargs for KVCacheConfig)."""
     extra = {}
-    for suffix, kw in (("-4bit", {"kv_bits": 4}), ("-8bit", {"kv_bits": 8}), ("-nocap", {"max_head_factor": None})):
+    for suffix, kw in (("-4bit", {"kv_bits": 4, "kv_group_size": 64}), ("-8bit", {"kv_bits": 8}), ("-nocap", {"max_head_factor": None})):
         if label.endswith(suffix):
             label, extra = label[:-len(suffix)], {**kw, **extra}
     return label, extra
@@ -79,7 +79,7 @@ def make_caches(model, label: str, budget: int):
 
     method, extra = parse_label(label)
     if method == "kvcache":
-        return model_caches(model, extra.get("kv_bits"))
+        return model_caches(model, extra.get("kv_bits"), extra.get("kv_group_size", 64))
     return KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=budget, **extra))
 
 

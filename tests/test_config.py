@@ -83,3 +83,24 @@ def test_head_dim_mismatch_is_reported():
 def test_for_model_rejects_non_config():
     with pytest.raises(TypeError, match="KVCacheConfig"):
         KVCacheBuilder.for_model(make_tiny_model(), {"method": "streaming"})
+
+
+def test_kv_group_size_default_follows_the_bits():
+    """4-bit rows default to groups of 32 (docs/quality.md: groups of 64 lose Nexus's passkey answers on
+    SmolLM2 and Gemma 3, groups of 32 restore them); 8-bit and float rows keep 64."""
+    assert KVCacheConfig(method="nexus", kv_bits=4).kv_group_size == 32
+    assert KVCacheConfig(method="nexus", kv_bits=8).kv_group_size == 64
+    assert KVCacheConfig(method="nexus").kv_group_size == 64
+    assert KVCacheConfig(method="nexus", kv_bits=4, kv_group_size=64).kv_group_size == 64
+    c = KVCacheConfig(method="nexus", kv_bits=4)
+    assert KVCacheConfig.from_dict(c.to_dict()) == c and c.replace(kv_bits=8).kv_group_size == 32  # explicit now
+
+
+def test_published_4bit_labels_keep_the_groups_they_ran_with():
+    """Figures labelled ``<method>-4bit`` ran with groups of 64: the label pins them."""
+    from veloxquant_mlx.evaluation.results import make_caches, method_specs
+
+    q, g32, full = method_specs(["nexus-4bit", "nexus-4bit-g32", "full-4bit"])
+    assert (q.quant, g32.quant, full.quant) == ((4, 64), (4, 32), (4, 64))
+    model = make_tiny_model("llama", head_dim=64)
+    assert {c.config.kv_group_size for c in make_caches(model, q, budget=128)} == {64}

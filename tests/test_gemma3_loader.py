@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.base import EvictionCache
-from veloxquant_mlx.models import ModelNotAvailableError, convert_gguf, gguf_gemma3, load_model
+from veloxquant_mlx.models import ModelNotAvailableError, convert_gguf, gguf_gemma3, gguf_packages, load_model
 from veloxquant_mlx.models.gguf_common import assemble_chunks
 
 from conftest import make_tiny_model
@@ -175,19 +175,19 @@ def test_tiny_gemma3_tokenizer_round_trips(tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     src = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(src), "qwen2")
+    w = gguf.GGUFWriter(str(src), "phi3")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="'qwen2'.*'llama' and 'gemma3'"):
+    with pytest.raises(ValueError, match="'phi3'.*'llama', 'gemma3', 'qwen2'"):
         convert_gguf(src, tmp_path / "out")
 
 
 def test_gemma3_alias_without_packages_names_the_pip_command(monkeypatch, tmp_path):
-    monkeypatch.setattr(gguf_gemma3, "_locate_in_package", lambda *a, **k: None)
+    monkeypatch.setattr(gguf_packages, "_locate_in_package", lambda *a, **k: None)
     for spec in ("gemma3-270m", "Gemma-3-270M"):
         with pytest.raises(ModelNotAvailableError) as info:
             load_model(spec, cache_dir=tmp_path)

@@ -242,11 +242,14 @@ def _byte_chars():
     return [chars[b] for b in range(256)]
 
 
-def _write_tiny_llama_gguf(path, with_output=True):
+def _write_tiny_llama_gguf(path, with_output=True, arch="llama"):
+    """A random llama (or qwen2: q/k/v biases, no q/k permutation, Qwen2's pre-tokenizer) GGUF;
+    returns its sizes, vocabulary size and the mlx-lm weights it stands for."""
     gguf = pytest.importorskip("gguf")
+    qwen = arch == "qwen2"
     cfg = dict(hidden=64, heads=4, kv=2, head_dim=16, layers=2, ffn=96)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    merged = ["\u0120t", "he", "\u0120the"]
+    merged = ["\u0120t", "he", "\u0120the", "12"]
     tokens = specials + _byte_chars() + merged
     types_ = [3] * len(specials) + [1] * (len(tokens) - len(specials))
     vocab = len(tokens)
@@ -255,7 +258,7 @@ def _write_tiny_llama_gguf(path, with_output=True):
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
     w.add_embedding_length(cfg["hidden"])
     w.add_block_count(cfg["layers"])
@@ -268,24 +271,27 @@ def _write_tiny_llama_gguf(path, with_output=True):
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre("qwen2" if qwen else "smollm")
     w.add_token_list(tokens)
     w.add_token_types(types_)
-    w.add_token_merges(["\u0120 t", "h e", "\u0120t he"])
-    w.add_bos_token_id(1)
+    w.add_token_merges(["\u0120 t", "h e", "\u0120t he", "1 2"])
+    w.add_bos_token_id(0 if qwen else 1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
+    w.add_pad_token_id(0 if qwen else 2)
     w.add_add_bos_token(False)
     w.add_chat_template(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     originals = {}
-    embd = rand(vocab, cfg["hidden"])
-    originals["model.embed_tokens.weight"] = embd
-    w.add_tensor("token_embd.weight", embd)
-    w.add_tensor("output_norm.weight", np.ones(cfg["hidden"], np.float32))
+
+    def put(gguf_name, hf_name, value, stored=None):
+        w.add_tensor(gguf_name, value if stored is None else stored)
+        originals[hf_name] = value
+
+    put("token_embd.weight", "model.embed_tokens.weight", rand(vocab, cfg["hidden"]))
+    put("output_norm.weight", "model.norm.weight", 1.0 + rand(cfg["hidden"]))
     if with_output:
         out = rand(vocab, cfg["hidden"])
         # Q8_0-quantized, to exercise MLX's packed-GGUF path.
@@ -297,18 +303,22 @@ def _write_tiny_llama_gguf(path, with_output=True):
         originals["lm_head.weight"] = out
     q_rows, kv_rows = cfg["heads"] * cfg["head_dim"], cfg["kv"] * cfg["head_dim"]
     for i in range(cfg["layers"]):
+        pre, hf = f"blk.{i}.", f"model.layers.{i}."
         q, k = rand(q_rows, cfg["hidden"]), rand(kv_rows, cfg["hidden"])
-        originals[f"model.layers.{i}.self_attn.q_proj.weight"] = q
-        originals[f"model.layers.{i}.self_attn.k_proj.weight"] = k
-        w.add_tensor(f"blk.{i}.attn_q.weight", _llama_cpp_permute(q, cfg["heads"]))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _llama_cpp_permute(k, cfg["kv"]))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(kv_rows, cfg["hidden"]))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(cfg["hidden"], q_rows))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(cfg["ffn"], cfg["hidden"]))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(cfg["ffn"], cfg["hidden"]))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(cfg["hidden"], cfg["ffn"]))
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(cfg["hidden"], np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(cfg["hidden"], np.float32))
+        # llama.cpp permutes llama's q/k rows for its interleaved RoPE, and not qwen2's
+        put(pre + "attn_q.weight", hf + "self_attn.q_proj.weight", q, None if qwen else _llama_cpp_permute(q, cfg["heads"]))
+        put(pre + "attn_k.weight", hf + "self_attn.k_proj.weight", k, None if qwen else _llama_cpp_permute(k, cfg["kv"]))
+        put(pre + "attn_v.weight", hf + "self_attn.v_proj.weight", rand(kv_rows, cfg["hidden"]))
+        if qwen:
+            put(pre + "attn_q.bias", hf + "self_attn.q_proj.bias", rand(q_rows))
+            put(pre + "attn_k.bias", hf + "self_attn.k_proj.bias", rand(kv_rows))
+            put(pre + "attn_v.bias", hf + "self_attn.v_proj.bias", rand(kv_rows))
+        put(pre + "attn_output.weight", hf + "self_attn.o_proj.weight", rand(cfg["hidden"], q_rows))
+        put(pre + "ffn_gate.weight", hf + "mlp.gate_proj.weight", rand(cfg["ffn"], cfg["hidden"]))
+        put(pre + "ffn_up.weight", hf + "mlp.up_proj.weight", rand(cfg["ffn"], cfg["hidden"]))
+        put(pre + "ffn_down.weight", hf + "mlp.down_proj.weight", rand(cfg["hidden"], cfg["ffn"]))
+        put(pre + "attn_norm.weight", hf + "input_layernorm.weight", 1.0 + rand(cfg["hidden"]))
+        put(pre + "ffn_norm.weight", hf + "post_attention_layernorm.weight", 1.0 + rand(cfg["hidden"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -334,7 +344,7 @@ def test_convert_synthetic_llama_gguf(tmp_path):
     assert config["tie_word_embeddings"] is False
 
     weights = mx.load(str(out / "model.safetensors"))
-    assert len(weights) == 2 + 1 + 9 * cfg["layers"]
+    assert len(weights) == 2 + 1 + 9 * cfg["layers"] == len(originals)
     for name, ref in originals.items():
         got = np.array(weights[name])
         assert got.dtype == np.float32

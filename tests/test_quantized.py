@@ -53,7 +53,7 @@ def model():
 # -- configuration and errors ----------------------------------------------------------------------
 def test_config_fields_and_errors(monkeypatch):
     c = cfg("nexus", kv_bits=4)
-    assert (c.kv_bits, c.kv_group_size) == (4, 64)
+    assert (c.kv_bits, c.kv_group_size) == (4, 32)  # the 4-bit default (config.default_kv_group_size)
     assert KVCacheConfig.from_dict(c.to_dict()) == c and c.replace(kv_bits=8).kv_bits == 8
     assert cfg("nexus").kv_bits is None
     for bad in (2, 3, 16, True, "4", 4.0):
@@ -140,7 +140,7 @@ def test_eviction_gathers_packed_rows_without_requantizing(method):
 def test_ragged_mask_reaches_quantized_attention():
     """Ada-KV (ragged heads, GQA 2): the per-KV-head mask through mlx-lm's quantized attention equals
     fp attention over the dequantized rows with the per-query-head mask."""
-    c = cfg("h2o", allocation="ada", kv_bits=4, prompt_eviction="stream")
+    c = cfg("h2o", allocation="ada", kv_bits=4, kv_group_size=64, prompt_eviction="stream")
     cache = c.cache_class(c, layer_idx=0, n_layers=1)
     cache.tap_active = True
     k = mx.random.normal((1, 2, 110, D), key=mx.random.key(1)) * mx.array([1.0, 3.0]).reshape(1, 2, 1, 1)
@@ -177,7 +177,7 @@ def test_four_bit_bytes_at_a_small_budget(method, model):
     for allocation in allocations(method):
         got = {}
         for bits in (None, 4):
-            caches = KVCacheBuilder.for_model(model, cfg(method, allocation=allocation, kv_bits=bits))
+            caches = KVCacheBuilder.for_model(model, cfg(method, allocation=allocation, kv_bits=bits, kv_group_size=64))
             greedy(model, prompt, max_tokens=6, prompt_cache=caches, prefill_step_size=64)
             got[bits] = caches
         a4 = sum(c.nbytes for c in got[4])

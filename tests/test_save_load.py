@@ -97,3 +97,92 @@ def test_mismatched_metadata_raises(tmp_path):
     mx.save_safetensors(str(path), arrays, header)
     with pytest.raises(ValueError, match="missing"):
         load_prompt_cache(path)
+
+
+def _saved(tmp_path, model=None, name="c.safetensors", **cfg):
+    model = model or make_tiny_model("llama")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="streaming", budget=24, **cfg))
+    _run(model, caches, random_prompt(30))
+    path = tmp_path / name
+    save_prompt_cache(path, caches, metadata={"note": "hi"}, model=model)
+    return path, caches
+
+
+def _flip_data_byte(path, at=5):
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # safetensors: u64 header length, header, tensor data
+    data[start + at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_file_says_what_it_holds(tmp_path):
+    path, _ = _saved(tmp_path)
+    _, header = mx.load(str(path), return_metadata=True)
+    what = json.loads(header["contents"])
+    assert (what["method"], what["budget"], what["n_sink"], what["kv_bits"], what["tokens"]) == \
+        ("streaming", 24, 4, None, 30)
+    assert what["options"] == {"evict_every": 32} and what["layers"] == 2
+    assert what["model"]["model_type"] == "llama" and len(what["model"]["sha256"]) == 16
+    import hashlib
+
+    arrays = mx.load(str(path))
+    h = hashlib.sha256()
+    for name in sorted(arrays):  # the checksum is reproducible from the file alone
+        a = arrays[name]
+        h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
+        h.update(bytes(memoryview(a)))
+    assert header["checksum"] == h.hexdigest()
+
+
+def test_corrupted_tensor_data_is_refused(tmp_path):
+    path, _ = _saved(tmp_path)
+    load_prompt_cache(path)
+    for at in (0, 37, 401):
+        p, _ = _saved(tmp_path, name=f"bad{at}.safetensors")
+        _flip_data_byte(p, at)
+        with pytest.raises(ValueError, match="checksum"):
+            load_prompt_cache(p)
+
+
+def test_file_for_another_model_is_refused(tmp_path):
+    path, _ = _saved(tmp_path)
+    load_prompt_cache(path, model=make_tiny_model("llama", seed=5))  # same architecture and config: fine
+    for other in (make_tiny_model("llama", layers=3), make_tiny_model("qwen3"),
+                  make_tiny_model("llama", max_position_embeddings=512)):
+        with pytest.raises(ValueError, match="another model"):
+            load_prompt_cache(path, model=other)
+    load_prompt_cache(path)  # no model given: nothing to compare
+
+
+def test_file_from_before_checksums_loads_with_a_warning(tmp_path):
+    path, caches = _saved(tmp_path)
+    arrays, header = mx.load(str(path), return_metadata=True)
+    old = tmp_path / "old.safetensors"
+    mx.save_safetensors(str(old), arrays, {k: header[k] for k in ("format", "layers", "user")})
+    with pytest.warns(UserWarning, match="written before checksums"):
+        loaded = load_prompt_cache(old, model=make_tiny_model("llama"))
+    assert all(mx.array_equal(a.state["keys"], b.state["keys"]) for a, b in zip(caches, loaded))
+
+
+def test_save_is_all_or_nothing(tmp_path, monkeypatch):
+    path, _ = _saved(tmp_path)
+    before = path.read_bytes()
+    real = mx.save_safetensors
+
+    def dies_halfway(file, arrays, metadata=None):
+        real(file, arrays, metadata)
+        with open(file, "r+b") as f:
+            f.truncate(100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mx, "save_safetensors", dies_halfway)
+    with pytest.raises(OSError, match="disk full"):
+        _saved(tmp_path)
+    assert path.read_bytes() == before  # the old file is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]  # and no temporary is left
+
+
+def test_any_file_name_is_written_and_read_as_named(tmp_path):
+    path, caches = _saved(tmp_path, name="doc.cache")  # mlx would append ".safetensors" to this name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cache"]
+    assert load_prompt_cache(path)[0].offset == caches[0].offset

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -233,14 +234,14 @@ def test_bundled_model_serves_with_nexus(tmp_path):
 
 # -- in-process pieces (no HTTP) -------------------------------------------------------------------
 def test_prompt_cache_reuses_prefixes_and_recomputes_exact_hits():
-    from veloxquant_mlx.cli.serve import _prompt_cache_class
+    from veloxquant_mlx.cli.serve_memory import prompt_cache_class
 
     model = make_tiny_model("llama")
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
     tokens = list(range(1, 30))
     model(mx.array(tokens)[None], cache=caches)
     model(mx.array([[7]]), cache=caches)  # a decode step: the cache now warns on a new prompt
-    store = _prompt_cache_class()(4)
+    store = prompt_cache_class()(4)
     store.insert_cache("m", tokens + [7], caches)
     got, rest = store.fetch_nearest_cache("m", tokens + [7, 9, 9])
     assert rest == [9, 9] and got is not caches and got[0].offset == 30
@@ -312,6 +313,14 @@ def test_serve_kv_bits_flags(monkeypatch):
     assert seen["config"] is None and seen["kv_bits"] == 8  # full cache: mlx-lm's own QuantizedKVCache
 
 
+def test_serve_help_prints(capsys):
+    from veloxquant_mlx.cli import main
+
+    assert main(["serve", "--help"]) == 0  # main returns argparse's exit code instead of raising it
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--max-kv-bytes" in out and "10% of the model's weights" in out and "default 256" in out
+
+
 def test_serve_flags():
     from veloxquant_mlx.cli import build_parser, main
     from veloxquant_mlx.cli.serve import _size, server_args
@@ -321,8 +330,203 @@ def test_serve_flags():
                                       "--prompt-cache-bytes", "2G", "--prompt-eviction", "stream"])
     assert (args.port, args.decode_concurrency, args.prompt_cache_bytes) == (9999, 4, 2 * 10**9)
     assert _size("512M") == 512 * 10**6 and _size("10") == 10
+    args = build_parser().parse_args(["serve", "--max-kv-bytes", "300M", "--mlx-cache-limit", "1G"])
+    assert (args.max_kv_bytes, args.mlx_cache_limit, args.prefill_step_size) == (300 * 10**6, 10**9, 256)
     assert server_args(port=1).kv_bits is None  # mlx-lm reads it: requests stay batchable
     with pytest.raises(TypeError, match="unknown server options"):
         server_args(kv_bitz=4)
     assert main(["serve", "--density", "0.2"]) == 2  # a server does not know prompt lengths
     assert main(["serve", "--method", "h2o", "--nexus-window", "4"]) == 2  # option of another method
+
+
+# -- fail fast, honest bytes, bounded memory --------------------------------------------------------
+@pytest.mark.integration
+def test_taken_port_is_one_line_error_before_loading():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-m", "veloxquant_mlx", "serve", "--method", "nexus", "--budget",
+                            "410", "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(another process is using it; pick another --port)"]
+    assert "Traceback" not in r.stdout + r.stderr
+    assert time.time() - t0 < 60  # checked before the model loads; nothing left running
+
+
+def test_port_taken_after_the_check_stops_the_generation_thread(monkeypatch):
+    import errno
+
+    from mlx_lm import server
+
+    from veloxquant_mlx.cli.args import CLIError
+    from veloxquant_mlx.cli.serve import serve
+
+    started = []
+
+    class Generator:
+        def __init__(self, provider, prompt_cache):
+            started.append(self)
+            self.stopped = False
+
+        def stop_and_join(self):
+            self.stopped = True
+
+    def bind_fails(host, port, generator):
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    monkeypatch.setattr(server, "ResponseGenerator", Generator)
+    monkeypatch.setattr(server, "_run_http_server", bind_fails)
+    monkeypatch.setattr(server, "BatchGenerator", server.BatchGenerator)  # serve() swaps it: restore after
+    model = make_tiny_model("llama")
+    with pytest.raises(CLIError, match="cannot listen on 127.0.0.1:1: Address already in use"):
+        serve(model, tiny_tokenizer(), None, port=1)
+    assert started and started[0].stopped  # else the non-daemon thread would keep the process alive
+
+
+def test_request_log_compares_with_what_kvcache_allocates():
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx.cli.serve_memory import kvcache_bytes, request_log_line
+
+    model = make_tiny_model("llama")
+    for n in (3, 300):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="nexus", budget=128))
+        full = make_prompt_cache(model)
+        tokens = mx.array(np.arange(1, n + 1) % VOCAB)[None]
+        model(tokens, cache=caches)
+        model(tokens, cache=full)
+        assert kvcache_bytes(caches) == sum(c.nbytes for c in full)  # mlx-lm's 256-row steps
+        line = request_log_line(n, caches)
+        ratio = float(line.split("(")[1].split("x")[0])
+        assert ratio == pytest.approx(sum(c.nbytes for c in caches) / sum(c.nbytes for c in full), abs=0.01)
+        assert ratio < 2  # a 3-token request is not "130x a full cache"
+
+
+def test_prompt_cache_bounds_bytes_at_our_caches_nbytes():
+    from veloxquant_mlx.cli.serve_memory import prompt_cache_class
+
+    model = make_tiny_model("llama")
+    stored = []
+    for seed in range(3):
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(**CONFIG))
+        model(mx.array(np.random.default_rng(seed).integers(1, VOCAB, 40))[None], cache=caches)
+        stored.append(caches)
+    one = sum(c.nbytes for c in stored[0])
+    assert one > 0
+    store = prompt_cache_class()(10, int(2.5 * one))
+    for i, caches in enumerate(stored):
+        store.insert_cache("m", [i + 1] * 40, caches)
+    assert len(store) == 2 and store.nbytes == 2 * one  # the oldest went: the bound holds
+    assert stored[0] == [] and len(stored[1]) == 2  # an evicted entry's caches are let go at once
+    assert store.fetch_nearest_cache("m", [1] * 40 + [5])[0] is None
+
+
+def _batch_run(model, prompts, max_kv_bytes, config):
+    from mlx_lm.generate import BatchGenerator
+
+    from veloxquant_mlx.cli.serve_memory import batch_generator_class, prompt_cache_class, peak_bytes, row_bytes
+
+    token_bytes = row_bytes(model)
+    store = prompt_cache_class()(4)
+    if max_kv_bytes is None:
+        gen = BatchGenerator(model, prefill_step_size=STEP)
+    else:
+        cls = batch_generator_class(max_kv_bytes, lambda held, new: peak_bytes(config, token_bytes, held, new),
+                                     store)
+        gen = cls(model, prefill_step_size=STEP)
+    uids = gen.insert(prompts, max_tokens=[6] * len(prompts))
+    out = {u: [] for u in uids}
+    most = 0
+    while not all(len(v) == 6 for v in out.values()):
+        _, responses = gen.next()
+        most = max(most, len(gen._prompt_batch) + len(gen._generation_batch))
+        for r in responses:
+            out[r.uid].append(r.token)
+    assert max_kv_bytes is None or store.idle()
+    return [out[u] for u in uids], most
+
+
+@pytest.mark.parametrize("config", [None, KVCacheConfig(**CONFIG)])
+def test_max_kv_bytes_bounds_the_running_rows(config):
+    from veloxquant_mlx.cli.serve_memory import row_bytes
+
+    model = make_tiny_model("llama")
+    if config is not None:
+        KVCacheBuilder.install(model, config)
+    try:
+        prompts = [np.random.default_rng(s).integers(1, VOCAB, n).tolist() for s, n in ((1, 30), (2, 12), (3, 21))]
+        free, most_free = _batch_run(model, prompts, None, config)
+        assert most_free == 3
+        one_at_a_time, most = _batch_run(model, prompts, 0, config)
+        assert most == 1 and one_at_a_time == free  # each admitted alone, same greedy tokens
+        two, most = _batch_run(model, prompts, (30 + 12 + 12) * row_bytes(model), config)
+        assert most == 2 and two == free
+    finally:
+        if config is not None:
+            KVCacheBuilder.uninstall(model)
+
+
+def test_release_memory_empties_mlx_cache():
+    from veloxquant_mlx.cli.serve_memory import release_memory
+
+    a = mx.ones((1024, 1024))
+    mx.eval(a)
+    del a
+    assert mx.get_cache_memory() > 0
+    release_memory()
+    assert mx.get_cache_memory() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.integration
+def test_bundled_model_under_concurrent_mixed_load_answers_all_and_hands_memory_back(tmp_path):
+    """16 clients at once on loopback, prompts of 45-1,500 tokens, 16 new tokens each: every request is
+    answered, and the server's RSS a few seconds after the load is within 25 % of its idle figure."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+    import bench_serve_load as bench
+
+    args = bench.parse_args(["--timeout", "900", "--settle", "3"])
+    srv = bench.Server("nexus", "--method nexus --budget 410", args, tmp_path)
+    try:
+        srv.wait_up(args.start_timeout)
+        fit = bench.calibrate(srv, args.timeout)
+        time.sleep(args.settle)
+        idle = srv.rss()
+        row = bench.run_level(srv, bench.requests_for(16, args, fit, level_seed=1), args)
+    finally:
+        srv.stop()
+    assert row["errors"] == [] and row["answered"] == 16, row
+    assert sum(row["answer_tokens"]) >= 8 * 16  # most answers run the full 16 tokens (some end early)
+    assert min(row["prompt_tokens"]) <= 60 and max(row["prompt_tokens"]) >= 1400  # mixed lengths
+    assert row["rss_after"] <= 1.25 * idle, (row["rss_after"], idle)
+
+
+def test_serve_wires_the_memory_bounds(monkeypatch):
+    from mlx_lm import server
+
+    from veloxquant_mlx.cli import serve_memory
+    from veloxquant_mlx.cli.serve import PROMPT_CACHE_SHARE, serve
+
+    seen = {}
+
+    class Generator:
+        def __init__(self, provider, prompt_cache):
+            seen.update(args=provider.cli_args, store=prompt_cache, batch=server.BatchGenerator)
+
+    limits = []
+    monkeypatch.setattr(server, "ResponseGenerator", Generator)
+    monkeypatch.setattr(server, "_run_http_server", lambda host, port, generator: None)
+    monkeypatch.setattr(server, "BatchGenerator", server.BatchGenerator)
+    monkeypatch.setattr(mx, "set_cache_limit", limits.append)
+    model = make_tiny_model("llama")
+    serve(model, tiny_tokenizer(), None, max_kv_bytes=10**6, mlx_cache_limit=123)
+    assert seen["store"].max_bytes == int(PROMPT_CACHE_SHARE * serve_memory.weight_bytes(model))
+    assert seen["args"].prompt_cache_bytes is None  # mlx-lm must not trim the store to bound minus batch
+    assert seen["batch"].__name__ == "BoundedBatchGenerator" and limits == [123]
+    serve(model, tiny_tokenizer(), None, prompt_cache_bytes=5000)
+    assert seen["store"].max_bytes == 5000

@@ -34,6 +34,12 @@ PROMPT_EVICTIONS = ("end", "stream")
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 
+
+def default_kv_group_size(kv_bits: int | None) -> int:
+    """32 for 4-bit rows, else 64 (mlx-lm's). Paired passkey runs (docs/quality.md) lost Nexus's answers
+    with 4-bit groups of 64 on SmolLM2 and Gemma 3, and groups of 32 restored them (~12 % more bytes)."""
+    return 32 if kv_bits == 4 else 64
+
 # Head-budget fields a method may default differently (``EvictionCache.config_defaults``; KVzip takes
 # the paper's non-uniform budget). A config left at ``METHOD_DEFAULT`` takes the method's value.
 HEAD_BUDGET_DEFAULTS = {"allocation": "uniform", "floor_alpha": 0.2, "max_head_factor": 1.1}
@@ -78,7 +84,7 @@ class KVCacheConfig:
             mlx-lm's ``QuantizedKVCache`` layout (packed words + scales + biases), read by mlx-lm's own
             quantized attention. Eviction gathers packed rows, never requantizing them.
         kv_group_size: elements per quantization group along head_dim (32, 64 or 128; must divide
-            head_dim). mlx-lm's names and default.
+            head_dim). mlx-lm's names; ``None``: :func:`default_kv_group_size` (32 for 4 bits, else 64).
         recall: ``None`` (evicted rows are gone: every method's own behaviour), ``"memory"`` or
             ``"disk"``: evicted rows go to a cold tier, in pages of ``recall_page`` rows with their
             positions, and a later multi-token input (a follow-up turn) recalls the pages its queries
@@ -99,7 +105,7 @@ class KVCacheConfig:
     def __init__(self, method: str = "nexus", budget: int | None = None, n_sink: int | None = None,
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
                  options: Any = None, allocation: Any = METHOD_DEFAULT, floor_alpha: Any = METHOD_DEFAULT,
-                 prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int = 64,
+                 prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int | None = None,
                  max_head_factor: Any = METHOD_DEFAULT, recall: str | None = None, recall_page: int = 32,
                  recall_bits: int = 4, recall_dir: str | None = None, recall_pages: int = 8,
                  recall_window: int = 32, **flat):
@@ -170,6 +176,8 @@ class KVCacheConfig:
         self.max_head_factor = check_value("KVCacheConfig", "max_head_factor", max_head_factor,
                                             dict(kind=float, low=1.0, high=None, low_open=False, choices=None,
                                                  allow_none=True))
+        if kv_group_size is None:
+            kv_group_size = default_kv_group_size(kv_bits)
         if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
             raise ValueError(f"kv_bits={kv_bits!r} is not supported: use None (full precision) or one of "
                              f"{list(KV_BITS)}")

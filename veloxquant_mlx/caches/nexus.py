@@ -108,7 +108,7 @@ def min_budget(block_size: int, n_sink: int, recent: int) -> int:
 
 @register("nexus")
 class NexusKVCache(EvictionCache):
-    """Nexus Sampling: walk-augmented block scores, n-averaged weighted reservoir block selection."""
+    """Nexus Sampling: walk-augmented block scores; top-K blocks at the prompt's end, n-averaged reservoir in decode."""
 
     Options = NexusOptions
     supports_ada = True  # Ada-Nexus (App. C): block-level Ada-KV allocation in select_rows

@@ -6,14 +6,13 @@ Bad input ends with one ``error:`` line and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from .. import _blas as blas
 from ..registry import methods
 from . import compress, demo, generate, serve
 from . import eval as eval_cmd
-from .args import CLIError
+from .args import CLIError, Parser
 
 
 def cmd_methods(args):
@@ -23,15 +22,16 @@ def cmd_methods(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m veloxquant_mlx", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m veloxquant_mlx", description=__doc__.splitlines()[0])
     p.add_argument("--fast-blas", action="store_true",
                    help="Linux CPU: re-run with OpenBLAS preloaded (pip's cmeel-openblas, the fast-cpu extra, "
                         "else Debian's libopenblas0-pthread; ~30x faster fp32 matmul); nothing on macOS")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     generate.add_parser(sub)
     compress.add_parser(sub)  # compress once, ask many (generate --prompt-cache)
-    m = sub.add_parser("methods", help="list the registered eviction methods")
+    m = sub.add_parser("methods", help="list the registered eviction methods", description="List the "
+                       "registered eviction methods (--method NAME) with a one-line description each.")
     m.set_defaults(func=cmd_methods)
     demo.add_parser(sub)
     eval_cmd.add_parser(sub)  # real-model evaluation
@@ -62,11 +62,14 @@ def _fast_blas() -> bool:
 def main(argv=None) -> int:
     from ..models import ModelNotAvailableError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad flag (2, its one-line error already printed)
+        return e.code
     args.blas_hint_shown = _fast_blas() if args.fast_blas else False
     try:
         return args.func(args)
-    except (CLIError, ValueError, TypeError, ModelNotAvailableError, FileNotFoundError) as e:
+    except (CLIError, ValueError, TypeError, ModelNotAvailableError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,13 +6,59 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
 
-from ..config import KVCacheConfig
+from ..config import KV_GROUP_SIZES, KVCacheConfig, default_kv_group_size
 from ..registry import FULL, get_method, methods
 
 
 class CLIError(Exception):
     """A user-facing error: printed as one line."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default" in text.lower() or action.required else super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage only with --help), defaults shown in --help, and the
+    4-bit / 8-bit default of ``--kv-group-size`` filled in once ``--kv-bits`` is known."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*a, **kw)
+
+    def error(self, message):
+        print(f"error: {message} (`{self.prog} --help` lists the options)", file=sys.stderr)
+        raise SystemExit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "kv_group_size", 0) is None:
+            ns.kv_group_size = default_kv_group_size(getattr(ns, "kv_bits", None))
+        return ns, rest
+
+
+_GIVEN = "given_flags"
+
+
+class _Given(argparse.Action):
+    """Stores the value and records that the flag was typed, so a flag equal to its default still counts
+    (``generate --prompt-cache FILE --method nexus`` on a kvzip file must be refused)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, _GIVEN, set(getattr(namespace, _GIVEN, ())) | {self.dest})
+
+
+def given_flags(args) -> set:
+    """The dests of the cache flags typed on the command line (method options count whenever present)."""
+    return set(getattr(args, _GIVEN, ())) | {k for k in vars(args) if k.startswith("opt__")}
 
 
 def parse_value(kind, allow_none):
@@ -46,31 +92,50 @@ def add_method_options(parser):
             group.add_argument(flag, dest=f"opt__{name}__{f.name}", default=argparse.SUPPRESS,
                                metavar=f.name.upper(),
                                type=parse_value(kind, meta.get("allow_none", False)),
-                               help=f"{meta.get('doc') or f.name} (default {f.default!r})")
+                               help=f"{meta.get('doc') or f.name} (default: {_cli_value(f.default)})")
+
+
+def _cli_value(value) -> str:
+    """A default as it is typed on the command line (None: ``none``; tuples comma separated)."""
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
 
 
 def add_cache_args(parser, default_method="nexus"):
     """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
     policy, method options); :func:`config_from_args` turns them into a config."""
-    parser.add_argument("--method", default=default_method,
-                        help=f"eviction method, or '{FULL}' for mlx-lm's full KVCache (default {default_method})")
-    parser.add_argument("--budget", type=int, default=None, help="tokens kept per KV head per layer")
-    parser.add_argument("--density", type=float, default=None,
-                        help="budget as a fraction of the prompt length (instead of --budget)")
-    parser.add_argument("--n-sink", type=int, default=None, help="leading tokens never evicted")
-    parser.add_argument("--recent", type=int, default=None, help="trailing tokens never evicted")
-    parser.add_argument("--cache-seed", type=int, default=None, help="seed of the eviction randomness")
-    parser.add_argument("--allocation", choices=("uniform", "ada"), default=None,
-                        help="budget across KV heads: uniform, or Ada-KV head-adaptive (needs a per-head score)")
-    parser.add_argument("--floor-alpha", type=float, default=None, help="Ada-KV guaranteed floor fraction")
-    parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None,
+    given = dict(action=_Given)
+    parser.add_argument("--method", default=default_method, **given,
+                        help=f"eviction method (`methods` lists them), or '{FULL}' for mlx-lm's full KVCache "
+                             f"(default: {default_method})")
+    parser.add_argument("--budget", type=int, default=None, **given,
+                        help="tokens kept per KV head per layer (default: 512)")
+    parser.add_argument("--density", type=float, default=None, **given,
+                        help="budget as a fraction of the prompt length, instead of --budget (default: unset)")
+    parser.add_argument("--n-sink", type=int, default=None, **given,
+                        help="leading tokens never evicted (default: 4)")
+    parser.add_argument("--recent", type=int, default=None, **given,
+                        help="trailing tokens never evicted (default: the method's, e.g. Nexus's window)")
+    parser.add_argument("--cache-seed", type=int, default=None, **given,
+                        help="seed of the eviction randomness (default: 0)")
+    parser.add_argument("--allocation", choices=("uniform", "ada"), default=None, **given,
+                        help="budget across KV heads: uniform, or Ada-KV head-adaptive, for methods with a "
+                             "per-head score (default: the method's; uniform except kvzip's ada)")
+    parser.add_argument("--floor-alpha", type=float, default=None, **given,
+                        help="Ada-KV guaranteed floor fraction (default: 0.2; kvzip 0.0)")
+    parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None, **given,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
                              "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
-    parser.add_argument("--kv-bits", type=int, default=None,
+    parser.add_argument("--kv-bits", type=int, default=None, **given,
                         help="store the kept rows quantized, 4 or 8 bits (mlx-lm's QuantizedKVCache layout, read by "
-                             "its quantized attention); with --method full: mlx-lm's QuantizedKVCache")
-    parser.add_argument("--kv-group-size", type=int, default=64,
-                        help="quantization group along head_dim: 32, 64 (default) or 128")
+                             "its quantized attention); with --method full: mlx-lm's QuantizedKVCache "
+                             "(default: unset, rows in the model's dtype)")
+    parser.add_argument("--kv-group-size", type=int, default=None, **given,
+                        help="quantization group along head_dim: 32, 64 or 128 (default: 32 for 4-bit rows, "
+                             "where groups of 64 lost answers in paired passkey runs; 64 for 8-bit)")
     add_method_options(parser)
 
 
@@ -78,8 +143,13 @@ def config_from_args(args, prompt_len: int):
     """KVCacheConfig from CLI flags, or None for the full cache."""
     extra = {k: v for k, v in vars(args).items() if k.startswith("opt__")}
     if args.method == FULL:
+        for dest in _EVICTION_FLAGS:
+            if getattr(args, dest, None) is not None:
+                raise CLIError(f"--{dest.replace('_', '-')} does not apply to --method {FULL} (the full cache "
+                               "keeps every token)")
         if extra:
-            raise CLIError(f"--method {FULL} takes no method options (got {_flags(extra)})")
+            raise CLIError(f"{_flags(extra)} {'does' if len(extra) == 1 else 'do'} not apply to --method {FULL} "
+                           "(it takes no method options)")
         _check_full_kv_bits(args)
         return None
     get_method(args.method)  # unknown method -> ValueError listing the known ones
@@ -102,14 +172,19 @@ def config_from_args(args, prompt_len: int):
                          seed=args.cache_seed, options=options, **alloc)
 
 
+# Flags that only an eviction cache reads.
+_EVICTION_FLAGS = ("budget", "density", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha",
+                   "prompt_eviction")
+
+
 def _check_full_kv_bits(args):
     """--method full --kv-bits: mlx-lm's own QuantizedKVCache; same supported values as ours."""
-    from ..config import KV_BITS, KV_GROUP_SIZES
+    from ..config import KV_BITS
 
     bits = getattr(args, "kv_bits", None)
     if bits is not None and bits not in KV_BITS:
         raise CLIError(f"--kv-bits {bits} is not supported: use one of {list(KV_BITS)} (or leave it out)")
-    if getattr(args, "kv_group_size", 64) not in KV_GROUP_SIZES:
+    if (getattr(args, "kv_group_size", None) or default_kv_group_size(bits)) not in KV_GROUP_SIZES:
         raise CLIError(f"--kv-group-size {args.kv_group_size} is not supported: use one of {list(KV_GROUP_SIZES)}")
 
 
@@ -136,10 +211,75 @@ def parse_method_spec(spec: str, budget: int) -> KVCacheConfig:
     return KVCacheConfig(method=name, budget=budget, options=options)
 
 
+def _model_args(model):
+    """The model's ModelArgs (mlx-lm models keep them as ``args``; multimodal wrappers on their text model)."""
+    for obj in (model, getattr(model, "language_model", None)):
+        if getattr(obj, "args", None) is not None:
+            return obj.args
+    return None
+
+
+def model_context_length(model):
+    """The context the model was trained for (``max_position_embeddings``; GGUF: ``<arch>.context_length``),
+    or None when the model does not say."""
+    n = getattr(_model_args(model), "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def check_context(model, prompt_tokens: int, new_tokens: int = 0, allow: bool = False):
+    """Refuse, before any work, a prompt (plus the tokens to generate) longer than the model's context."""
+    ctx = model_context_length(model)
+    if allow or ctx is None or prompt_tokens + new_tokens <= ctx:
+        return
+    what = f"{prompt_tokens:,} tokens" if prompt_tokens > ctx or not new_tokens else \
+        f"{prompt_tokens:,} + {new_tokens:,} new tokens"
+    raise CLIError(f"the prompt is {what} but the model's context is {ctx:,} tokens (max_position_embeddings): "
+                   "shorten it, or pass --allow-past-context to run past it anyway")
+
+
+def fit_kv_group(model, args) -> None:
+    """Check --kv-group-size against the model's head_dim before any work. A default group that does not
+    divide it is replaced (with a warning) by the largest supported one that does; one the user asked
+    for is refused."""
+    bits = getattr(args, "kv_bits", None)
+    a = _model_args(model)
+    head_dim = getattr(a, "head_dim", None) or (a.hidden_size // a.num_attention_heads if
+                                                getattr(a, "num_attention_heads", None) else None)
+    if bits is None or not head_dim or head_dim % args.kv_group_size == 0:
+        return
+    fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]
+    if "kv_group_size" in given_flags(args):
+        raise CLIError(f"--kv-group-size {args.kv_group_size} does not divide the model's head_dim {head_dim}: "
+                       f"use {' or '.join(map(str, fits)) if fits else 'no --kv-bits'}")
+    if not fits:
+        raise CLIError(f"--kv-bits needs a head_dim divisible by 32; this model's is {head_dim} (leave --kv-bits out)")
+    print(f"warning: the model's head_dim {head_dim} cannot take the default groups of {args.kv_group_size} for "
+          f"{bits}-bit rows; using groups of {max(fits)}", file=sys.stderr)
+    args.kv_group_size = max(fits)
+
+
+# Prompts shorter than this run in about a second on a CPU: no progress bar for them.
+PROGRESS_MIN_TOKENS = 512
+
+
+def prompt_bar(n_tokens: int, desc: str = "prefill"):
+    """A tqdm bar over the prompt's tokens on stderr, or None for a short prompt."""
+    if n_tokens < PROGRESS_MIN_TOKENS:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=n_tokens, desc=desc, unit="tok", file=sys.stderr, leave=False, mininterval=0.0,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} prompt tokens [{elapsed}<{remaining}]")
+
+
 def load_model_for_cli(spec):
     """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path."""
+    import logging
+
     from ..models import load_model  # deferred: loading mlx-lm models is slow to import
 
+    # check_context refuses a prompt past the context in one line; transformers' own notice would be a second
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     return load_model(None if spec in (None, "bundled") else spec)
 
 
@@ -161,9 +301,15 @@ def load_compressed_document(model, tokenizer, path: str):
     from ..distributed import attach, resolve_group
     from ..model_pass import install_model_pass
     from ..prompt_cache import load_prompt_cache
+    import warnings
+
     from ..tap import install_query_tap
 
-    caches, meta = load_prompt_cache(path, return_metadata=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        caches, meta = load_prompt_cache(path, return_metadata=True, model=model)
+    for w in seen:  # e.g. a file from before checksums: one line, not a warnings traceback
+        print(f"warning: {w.message}", file=sys.stderr)
     if meta.get("format") != DOCUMENT_FORMAT:
         raise CLIError(f"{path!r} was not written by `compress` (format {meta.get('format')!r})")
     install_query_tap(model)
@@ -180,3 +326,42 @@ def question_tokens(tokenizer, meta: dict, question: str) -> list:
     """The question as the continuation of the document's turn (no second BOS), then the rest of the
     chat template's turn that ``compress`` kept in the metadata."""
     return list(tokenizer.encode("\n\n" + question + meta.get("turn_tail", ""), add_special_tokens=False))
+
+
+# (flag dest, the config's key) for the cache flags a compressed document fixes
+_FILE_FLAGS = (("method", "method"), ("budget", "budget"), ("n_sink", "n_sink"), ("recent", "recent"),
+               ("cache_seed", "seed"), ("allocation", "allocation"), ("floor_alpha", "floor_alpha"),
+               ("prompt_eviction", "prompt_eviction"), ("kv_bits", "kv_bits"), ("kv_group_size", "kv_group_size"))
+
+
+def describe_file_config(cfg) -> str:
+    """One line for a compressed document's config (a dict or its JSON)."""
+    cfg = json.loads(cfg) if isinstance(cfg, str) else (cfg or {})
+    rows = "float rows" if cfg.get("kv_bits") is None else f"{cfg['kv_bits']}-bit rows in groups of {cfg.get('kv_group_size')}"
+    return (f"{cfg.get('method')} (budget {cfg.get('budget')}/head, {rows}, n_sink {cfg.get('n_sink')}, "
+            f"recent {cfg.get('recent')}, prompt_eviction {cfg.get('prompt_eviction')})")
+
+
+def check_flags_against_file(args, meta: dict, path: str) -> None:
+    """Refuse cache flags that differ from what a compressed document holds: the file's caches are
+    continued as they are, so such a flag would be silently ignored. Flags equal to the file's pass."""
+    cfg = meta.get("config")
+    cfg = json.loads(cfg) if isinstance(cfg, str) else (cfg or {})
+    given = given_flags(args)
+    bad = []
+    for dest, key in _FILE_FLAGS:
+        if dest in given and getattr(args, dest) != cfg.get(key):
+            bad.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (file: {_cli_value(cfg.get(key))})")
+    if "density" in given:
+        bad.append(f"--density {args.density} (file: budget {cfg.get('budget')})")
+    options = cfg.get("options") or {}
+    for k in sorted(k for k in given if k.startswith("opt__")):
+        _, method, field = k.split("__")
+        value = getattr(args, k)
+        held = options.get(field) if method == cfg.get("method") else None
+        if method != cfg.get("method") or (list(value) if isinstance(value, tuple) else value) != held:
+            bad.append(f"--{method}-{field.replace('_', '-')} {value} (file: "
+                       f"{held if method == cfg.get('method') else 'method ' + str(cfg.get('method'))})")
+    if bad:
+        raise CLIError(f"{path} holds {describe_file_config(cfg)}; these flags conflict with it: {', '.join(bad)}. Leave "
+                       "them out (the file's settings apply), or compress the document again with them")

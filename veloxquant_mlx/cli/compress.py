@@ -19,8 +19,8 @@ import time
 from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
-from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, config_from_args, fmt_bytes,
-                   load_model_for_cli)
+from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, check_context, config_from_args, fit_kv_group,
+                   fmt_bytes, load_model_for_cli, prompt_bar)
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
 
@@ -51,28 +51,59 @@ def compress_document(model, tokenizer, text: str, config, out: str, prefill_ste
     x = mx.array(tokens)[None]
     t0 = time.perf_counter()
     n = x.shape[1]
-    for s in range(0, n - 1, prefill_step_size):  # mlx_lm.generate's prefill: all but the last token
-        model(x[:, s:min(s + prefill_step_size, n - 1)], cache=caches)
+    bar = prompt_bar(n)
+    try:
+        for s in range(0, n - 1, prefill_step_size):  # mlx_lm.generate's prefill: all but the last token
+            model(x[:, s:min(s + prefill_step_size, n - 1)], cache=caches)
+            mx.eval([c.state for c in caches])
+            if bar is not None:
+                bar.update(min(s + prefill_step_size, n - 1) - bar.n)
+        if bar is not None:  # the pass has no progress hook of its own: say what runs
+            bar.set_description_str("compressing at the prompt's end" + (
+                " (KVzip's reconstruction pass)" if any(getattr(c, "needs_model_pass", False) for c in caches)
+                else ""))
+        model(x[:, n - 1:], cache=caches)  # the prompt's end: the compression (KVzip: its pass) runs here
         mx.eval([c.state for c in caches])
-    model(x[:, n - 1:], cache=caches)  # the prompt's end: the compression (KVzip: its pass) runs here
-    mx.eval([c.state for c in caches])
+        if bar is not None:
+            bar.update(n - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()
     seconds = time.perf_counter() - t0
     meta = {"format": DOCUMENT_FORMAT, "tokens": n, "turn_tail": tail, "model": model_spec,
             "config": config.to_json(), "compress_s": round(seconds, 3)}
-    save_prompt_cache(out, caches, meta)
+    save_prompt_cache(out, caches, meta, model=model)
     held = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
     return {"tokens": n, "seconds": seconds, "file_bytes": os.path.getsize(out), "allocated_bytes": held,
             "caches": caches}
 
 
+def check_output_path(path: str) -> None:
+    """Refuse, before any work, an --out whose directory is missing or not writable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CLIError(f"--out {path}: is a directory (name the .safetensors file to write)")
+    if not os.path.isdir(directory):
+        raise CLIError(f"--out {path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CLIError(f"--out {path}: the directory {directory} is not writable")
+
+
 def cmd_compress(args):
+    check_output_path(args.out)
     with open(args.prompt_file, encoding="utf-8") as f:
         text = f.read()
+    if not text.strip():
+        raise CLIError(f"{args.prompt_file} is empty: nothing to compress")
+    if args.method == FULL:
+        raise CLIError(f"compress needs an eviction method, not --method {FULL}")
     if args.density is None:
         config_from_args(args, 0)  # reject bad flags before the (slow) model load
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)
+    fit_kv_group(model, args)
     n = len(split_template(tokenizer, text, not args.ignore_chat_template)[0])
+    check_context(model, n, allow=args.allow_past_context)
     config = config_from_args(args, n)
     if config is None:
         raise CLIError(f"compress needs an eviction method, not --method {FULL}")
@@ -86,12 +117,18 @@ def cmd_compress(args):
 
 
 def add_parser(sub):
-    c = sub.add_parser("compress", help="compress a document into a prompt-cache file (compress once, ask many)")
-    c.add_argument("--model", default="bundled")
-    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text)")
-    c.add_argument("--out", required=True, help="the .safetensors file to write")
-    c.add_argument("--prefill-step-size", type=int, default=2048)
+    c = sub.add_parser("compress", help="compress a document into a prompt-cache file (compress once, ask many)",
+                       description="Compress a document into a prompt-cache file; `generate --prompt-cache FILE "
+                                   "--prompt QUESTION` continues it.")
+    c.add_argument("--model", default="bundled", help="'bundled', 'gemma3-270m', a .gguf path, or an mlx-lm "
+                   "model path")
+    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text) (required)")
+    c.add_argument("--out", required=True, help="the .safetensors file to write; its directory must exist "
+                   "(written to a temporary file beside it, then renamed) (required)")
+    c.add_argument("--prefill-step-size", type=int, default=2048, help="document tokens per prefill chunk")
     c.add_argument("--ignore-chat-template", action="store_true", help="feed the document as raw text")
+    c.add_argument("--allow-past-context", action="store_true",
+                   help="compress a document longer than the model's context (refused otherwise)")
     add_cache_args(c, default_method="kvzip")
     c.set_defaults(func=cmd_compress)
     return c

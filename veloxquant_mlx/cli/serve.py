@@ -1,14 +1,18 @@
 """``python -m veloxquant_mlx serve``: mlx-lm's OpenAI-compatible server with eviction caches.
 
 This is ``mlx_lm.server`` itself (its HTTP handler, request queue, continuous batching and
-prompt-cache reuse) with two pieces swapped in:
+prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``):
 
 * :class:`EvictionModelProvider` serves one model we loaded ourselves (the bundled SmolLM2, a GGUF
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
   server builds is a fresh list of our eviction caches. Their ``merge`` makes the server batch
   them (``mlx_lm.server`` probes ``hasattr(c, "merge")``); see ``veloxquant_mlx/caches/batch.py``.
-* :class:`LoggingPromptCache` is the server's ``LRUPromptCache`` that logs each finished request's
-  allocated KV bytes, and the tokens reused from an earlier turn.
+* :class:`LoggingPromptCache` is the server's ``LRUPromptCache`` bounded by ``--prompt-cache-bytes``
+  (entries sized by their caches' ``nbytes``: capacity, positions and method state included); it
+  logs each finished request's allocated KV bytes and the tokens reused from an earlier turn, and
+  hands memory back once the server is idle.
+* :class:`BoundedBatchGenerator` (the server's ``BatchGenerator``) admits a waiting request only
+  while the running rows plus its estimated peak fit ``--max-kv-bytes``.
 
 Multi-turn reuse is "true eviction": the cache kept after a turn holds what eviction left, and the
 next turn continues from it (evicted tokens are gone for good). Eviction caches are not trimmable,
@@ -19,22 +23,28 @@ case); it never rewinds one. See docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import socket
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
 from ..builder import KVCacheBuilder
-from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
+from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
-# mlx_lm.server options this server takes (same flags and defaults as ``mlx_lm.server`` 0.32).
-# Adapters, draft models (speculative decoding trims caches) and --kv-bits (quantizes mlx-lm's
-# KVCache) do not apply to eviction caches and are left out.
+# mlx_lm.server options this server takes (same flags as ``mlx_lm.server`` 0.32). Adapters and draft
+# models (speculative decoding trims caches) do not apply to eviction caches and are left out.
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Stored conversations' default byte bound, as a share of the model's weights: what stays resident
+# after a load besides the model itself.
+PROMPT_CACHE_SHARE = 0.10
+PREFILL_STEP = 256  # docs/serving.md, "Memory bounds under load": measured against mlx-lm's 2048
+MLX_CACHE_LIMIT = 512 * 2**20  # MLX's buffer cache while serving; handed back whenever the server idles
 
 
 def _size(text):
@@ -62,24 +72,40 @@ def add_parser(sub):
     g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     g.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
                    help="CORS allowed origins, comma separated (default *)")
-    g.add_argument("--max-tokens", type=int, default=512, help="default max tokens per answer")
-    g.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
-    g.add_argument("--top-p", type=float, default=1.0, help="default nucleus top-p")
-    g.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)")
-    g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together")
-    g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together")
-    g.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk length")
+    g.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer when a request sets none (default 512)")
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature when a request sets none (default 0.0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p when a request sets none (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k when a request sets none (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p when a request sets none (default 0.0: off)")
+    g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together (default 32)")
+    g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default 8)")
+    g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+                   help="prompt chunk length: each scheduling step prefills at most this many tokens of "
+                        "every prompt in the prefill batch, then decodes one token of the running batch "
+                        f"(default {PREFILL_STEP}; mlx-lm's 2048 pads a batch to its longest prompt and "
+                        "stalls the decode for the whole prefill)")
     g.add_argument("--prompt-cache-size", type=int, default=10,
-                   help="conversations kept for reuse across turns")
+                   help="conversations kept for reuse across turns (default 10)")
     g.add_argument("--prompt-cache-bytes", type=_size, default=None,
-                   help="byte limit of the kept conversations' caches (e.g. 2G)")
-    g.add_argument("--chat-template", default="", help="a chat template for the tokenizer")
-    g.add_argument("--use-default-chat-template", action="store_true")
+                   help="byte bound of the kept conversations' caches, counted at their allocated bytes "
+                        f"(e.g. 2G; default {PROMPT_CACHE_SHARE * 100:.0f}%% of the model's weights)")
+    m = s.add_argument_group("memory bounds")
+    m.add_argument("--max-kv-bytes", type=_size, default=None,
+                   help="KV bytes the running batch may hold: a waiting request is admitted only while the "
+                        "running rows (their real bytes, and the rest of the prompts still prefilling) plus its estimated peak fit (default: no bound, "
+                        "mlx-lm's --decode-concurrency alone)")
+    m.add_argument("--mlx-cache-limit", type=_size, default=MLX_CACHE_LIMIT,
+                   help="MLX's buffer cache bound while serving (mx.set_cache_limit); the cache is emptied "
+                        f"and freed memory handed back to the OS whenever the server idles (default "
+                        f"{MLX_CACHE_LIMIT // 2**20}M)")
+    g.add_argument("--chat-template", default="", help="a chat template for the tokenizer (default: its own)")
+    g.add_argument("--use-default-chat-template", action="store_true",
+                   help="use the tokenizer's default chat template when it has none (default off)")
     g.add_argument("--chat-template-args", type=json.loads, default="{}",
-                   help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\": false}'")
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+                   help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\": false}' (default none)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let the tokenizer run code from its repository (default off)")
+    g.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="log level (default INFO)")
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -92,51 +118,13 @@ def server_args(**overrides) -> argparse.Namespace:
                 top_k=0, min_p=0.0, decode_concurrency=32, prompt_concurrency=8, prefill_step_size=2048,
                 prompt_cache_size=10, prompt_cache_bytes=None, chat_template="",
                 use_default_chat_template=False, chat_template_args={}, trust_remote_code=False,
-                log_level="INFO", kv_bits=None, kv_group_size=64, quantized_kv_start=5000, pipeline=False)
+                log_level="INFO", kv_bits=None, kv_group_size=64, quantized_kv_start=5000, pipeline=False,
+                max_kv_bytes=None, mlx_cache_limit=MLX_CACHE_LIMIT)
     unknown = set(overrides) - set(args)
     if unknown:
         raise TypeError(f"unknown server options {sorted(unknown)}")
     args.update(overrides)
     return argparse.Namespace(**args)
-
-
-def _mib(n):
-    return f"{n / 2**20:.2f} MiB"
-
-
-def _prompt_cache_class():
-    from mlx_lm.models.cache import LRUPromptCache
-
-    class LoggingPromptCache(LRUPromptCache):
-        """The server's LRUPromptCache, logging KV bytes per finished request and turn reuse."""
-
-        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-            if cache_type == "assistant":  # a request finished (the server stores its cache)
-                kv = kv_report(prompt_cache)
-                line = f"request done: {len(tokens)} tokens in its cache, KV allocated {_mib(kv['allocated_bytes'])}"
-                if kv["full_bytes"]:
-                    line += (f" ({kv['allocated_bytes'] / kv['full_bytes']:.2f}x of a full cache's "
-                             f"{_mib(kv['full_bytes'])}; kept rows {_mib(kv['kept_bytes'])})")
-                log.info(line)
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-
-        def fetch_nearest_cache(self, model, tokens):
-            cache, rest = super().fetch_nearest_cache(model, tokens)
-            if cache is not None and not rest:
-                # An exact hit leaves nothing to feed; mlx-lm rewinds one token by trimming, which
-                # eviction caches cannot do: compute this prompt afresh instead.
-                from mlx_lm.models.cache import can_trim_prompt_cache
-
-                if not can_trim_prompt_cache(cache):
-                    return None, tokens
-            if cache is not None:
-                for c in cache:
-                    if hasattr(c, "continue_on_purpose"):
-                        c.continue_on_purpose()  # continuing a stored conversation is on purpose
-                log.info(f"prompt cache: reusing {len(tokens) - len(rest)} of {len(tokens)} prompt tokens")
-            return cache, rest
-
-    return LoggingPromptCache
 
 
 def _model_provider_class():
@@ -180,26 +168,67 @@ def _model_provider_class():
     return EvictionModelProvider
 
 
+def check_port(host, port):
+    """Refuse a port this host cannot listen on, before any slow work (a bind as the server's: address
+    reuse on, so a port left in TIME_WAIT is fine, one another process listens on is not)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise CLIError(f"cannot listen on {host}:{port}: {e.strerror}"
+                           + (" (another process is using it; pick another --port)"
+                              if e.errno == errno.EADDRINUSE else "")) from None
+
+
 def serve(model, tokenizer, config=None, model_name="bundled", **options):
     """Run mlx_lm.server on ``model`` with ``config``'s eviction caches (None: mlx-lm's own
     KVCache) until interrupted. ``model_name`` is what the server reports and keys its prompt cache
-    by; ``options`` are mlx_lm.server's (``host``, ``port``, ...; see :func:`server_args`)."""
+    by; ``options`` are mlx_lm.server's (``host``, ``port``, ...; see :func:`server_args`) and the
+    memory bounds (``max_kv_bytes``, ``mlx_cache_limit``; ``prompt_cache_bytes`` None: a share of
+    the model's weights)."""
+    import mlx.core as mx
     from mlx_lm import server
 
     args = server_args(model=str(model_name), **options)
+    stored = args.prompt_cache_bytes
+    if stored is None:
+        stored = int(PROMPT_CACHE_SHARE * weight_bytes(model))
+    # The store enforces its bound at every insertion. mlx-lm would also trim it to the bound minus
+    # the running batch at each admission (one budget for both); the running batch has its own bound.
+    args.prompt_cache_bytes = None
+    mx.set_cache_limit(args.mlx_cache_limit)
+    token_bytes = row_bytes(model) if args.max_kv_bytes is not None else 0
     provider = _model_provider_class()(args, model, tokenizer, config)
-    prompt_cache = _prompt_cache_class()(args.prompt_cache_size)
+    prompt_cache = prompt_cache_class()(args.prompt_cache_size, stored)
+    # mlx_lm.server builds its BatchGenerator by this module-level name: the bounded one serves instead.
+    server.BatchGenerator = batch_generator_class(
+        args.max_kv_bytes, lambda held, new: peak_bytes(config, token_bytes, held, new), prompt_cache)
+    log.info(f"memory bounds: stored conversations {mib(stored)}, running batch "
+             + (mib(args.max_kv_bytes) if args.max_kv_bytes is not None else "unbounded")
+             + f", MLX buffer cache {mib(args.mlx_cache_limit)}")
     generator = server.ResponseGenerator(provider, prompt_cache)
     if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
         generator.join()
         return
-    server._run_http_server(args.host, args.port, generator)
+    try:
+        server._run_http_server(args.host, args.port, generator)
+    except OSError as e:  # the port was taken after check_port: stop the generation thread too
+        generator.stop_and_join()
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
 
 
 def cmd_serve(args):
     if args.density is not None:
         raise CLIError("serve takes --budget (tokens per KV head): --density depends on each prompt's length")
     config = config_from_args(args, 0)
+    if distributed.world()[1] == 0:  # only rank 0 listens
+        check_port(args.host, args.port)
 
     options = {k: getattr(args, k) for k in vars(server_args()) if hasattr(args, k) and k != "model"}
     if config is not None:

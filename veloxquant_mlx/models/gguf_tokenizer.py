@@ -21,16 +21,19 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (tokenizer.ggml.pre == "qwen2"): Llama-3's, but every digit is its own pre-token.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _bpe_pre_tokenizer(pre: Optional[str]):
     from tokenizers import Regex, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+    if pre in ("llama-bpe", "llama3", "smaug-bpe", "qwen2"):
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT),
+                                     behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ), pre in ("llama-bpe", "llama3")
@@ -98,6 +101,8 @@ def _build_tokenizer(meta: Dict[str, Any]):
             models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges)
         )
         tok.pre_tokenizer = pre_tok
+        if _meta(meta, "tokenizer.ggml.pre") == "qwen2":
+            tok.normalizer = normalizers.NFC()  # as Qwen2's own tokenizer.json
         tok.decoder = decoders.ByteLevel()
         add_bos_default = False
         post = processors.ByteLevel(trim_offsets=False)
