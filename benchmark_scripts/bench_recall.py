@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
 from veloxquant_mlx.caches.accounting import kv_report  # noqa: E402
+from veloxquant_mlx.caches.quant import model_caches  # noqa: E402
 from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings  # noqa: E402
 from veloxquant_mlx.evaluation.task_eval import run_prompt  # noqa: E402
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--recall-bits", type=int, default=4)
     p.add_argument("--recall-pages", type=int, default=8)
     p.add_argument("--recall-page", type=int, default=32)
+    p.add_argument("--quantized-baseline", action="store_true",
+                   help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
     p.add_argument("--out", default=str(ROOT / "figures" / "recall" / "followup_smollm2.json"))
     args = p.parse_args(argv)
     quiet_cache_warnings()
@@ -99,6 +102,7 @@ def main(argv=None) -> int:
     setting = {"model": desc, "task": "followup", "n_facts": 2, "length": args.length, "density": args.density,
                "prompt_eviction": "end", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
                "recall_pages": args.recall_pages, "methods": args.methods, "tiers": args.tiers,
+               "quantized_baseline": "QuantizedKVCache(bits=4, group_size=32)" if args.quantized_baseline else None,
                "blas": "OpenBLAS preloaded (python -m veloxquant_mlx._blas)"}
     for index in range(args.start, args.start + args.prompts):
         if index in done:
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
         inst, tokens = build(tokenizer, "followup", args.length, index, 0, 2)
         budget = max(int(round(args.density * len(tokens))), 1)
         named = {"full": (make_prompt_cache(model), False)}
+        if args.quantized_baseline:  # its prompt attends over its own 4-bit rows: its own prefill
+            named["full-4bit"] = (model_caches(model, 4, 32), True)
         for m in args.methods:
             for tier in args.tiers:
                 extra = {} if tier == "none" else {"recall": tier, "recall_bits": args.recall_bits,
