@@ -95,7 +95,8 @@ class KVCacheConfig:
         recall_bits: 2, 4 or 8: the cold rows' bits under ``recall="memory"`` (mlx-lm's layout, groups
             of 32 along head_dim).
         recall_dir: folder of the ``"disk"`` tier's files (must exist and be writable; checked here).
-        recall_pages: pages per KV head read back and scored exactly at each recall.
+        recall_pages: pages per KV head read back at each recall (the best Quest bounds); the
+            compression at the input's end then scores them with the method's own rule.
         recall_window: the new input's last queries that score the pages.
         options: the method's options dataclass (or a dict of its fields).
         **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
