@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
-from .options import check_value, validate_options
+from .options import check_recall, check_value, validate_options
 from .registry import get_method
 
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
@@ -85,6 +85,19 @@ class KVCacheConfig:
             quantized attention. Eviction gathers packed rows, never requantizing them.
         kv_group_size: elements per quantization group along head_dim (32, 64 or 128; must divide
             head_dim). mlx-lm's names; ``None``: :func:`default_kv_group_size` (32 for 4 bits, else 64).
+        recall: ``None`` (evicted rows are gone: every method's own behaviour), ``"memory"`` or
+            ``"disk"``: evicted rows go to a cold tier, in pages of ``recall_page`` rows with their
+            positions, and a later multi-token input (a follow-up turn) recalls the pages its queries
+            need (docs/recall.md). ``"memory"`` keeps the cold rows quantized at ``recall_bits``;
+            ``"disk"`` keeps them at full precision in a file the cache owns (in ``recall_dir``, else
+            the OS temporary folder), nothing of them resident.
+        recall_page: rows per cold page (per KV head); each page keeps its keys' min and max in memory.
+        recall_bits: 2, 4 or 8: the cold rows' bits under ``recall="memory"`` (mlx-lm's layout, groups
+            of 32 along head_dim).
+        recall_dir: folder of the ``"disk"`` tier's files (must exist and be writable; checked here).
+        recall_pages: pages per KV head read back at each recall (the best Quest bounds); the
+            compression at the input's end then scores them with the method's own rule.
+        recall_window: the new input's last queries that score the pages.
         options: the method's options dataclass (or a dict of its fields).
         **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
             option field of the chosen method, e.g. ``nexus_window=16``, ``nestedkv_budget=512``.
@@ -94,7 +107,9 @@ class KVCacheConfig:
                  recent: int | None = None, seed: int | None = None, head_dim: int | None = None,
                  options: Any = None, allocation: Any = METHOD_DEFAULT, floor_alpha: Any = METHOD_DEFAULT,
                  prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int | None = None,
-                 max_head_factor: Any = METHOD_DEFAULT, **flat):
+                 max_head_factor: Any = METHOD_DEFAULT, recall: str | None = None, recall_page: int = 32,
+                 recall_bits: int = 4, recall_dir: str | None = None, recall_pages: int = 8,
+                 recall_window: int = 32, **flat):
         cls = get_method(method)
         defaults = {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}
         allocation, floor_alpha, max_head_factor = (
@@ -184,6 +199,14 @@ class KVCacheConfig:
             raise ValueError(
                 f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
                 f"{self.n_sink + self.recent}): nothing would be left for {method!r} to select")
+        self.recall, self.recall_page, self.recall_bits, self.recall_dir, self.recall_pages, self.recall_window = (
+            check_recall(recall, recall_page, recall_bits, recall_dir, recall_pages, recall_window))
+        if recall is not None and self.allocation != "uniform":
+            raise ValueError(f"recall={recall!r} needs uniform per-head storage: allocation={self.allocation!r} "
+                             "keeps ragged heads (use allocation='uniform')")
+        if recall is not None and getattr(self.options, "cross_head", False):
+            raise ValueError(f"recall={recall!r} needs uniform per-head storage: {method}'s cross-head "
+                             f"competition keeps ragged heads (use {method}_cross_head=False)")
         cls.check_config(self)
 
     # ``config.nexus.window`` reads the chosen method's options under the method's name.
@@ -218,8 +241,17 @@ class KVCacheConfig:
                 "recent": self.recent, "seed": self.seed, "head_dim": self.head_dim,
                 "allocation": self.allocation, "floor_alpha": self.floor_alpha,
                 "prompt_eviction": self.prompt_eviction, "kv_bits": self.kv_bits,
-                "kv_group_size": self.kv_group_size, "max_head_factor": self.max_head_factor, "options": {k: (list(v) if isinstance(v, tuple) else v)
-                            for k, v in dataclasses.asdict(self.options).items()}}
+                "kv_group_size": self.kv_group_size, "max_head_factor": self.max_head_factor,
+                **self._recall_dict(), "options": {k: (list(v) if isinstance(v, tuple) else v)
+                                                   for k, v in dataclasses.asdict(self.options).items()}}
+
+    def _recall_dict(self) -> dict:
+        # Only when recall is on: a config without it serializes exactly as before recall existed.
+        if self.recall is None:
+            return {}
+        return {"recall": self.recall, "recall_page": self.recall_page, "recall_bits": self.recall_bits,
+                "recall_dir": self.recall_dir, "recall_pages": self.recall_pages,
+                "recall_window": self.recall_window}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVCacheConfig":
@@ -239,4 +271,5 @@ class KVCacheConfig:
                 f"floor_alpha={self.floor_alpha}, prompt_eviction={self.prompt_eviction!r}, "
                 f"kv_bits={self.kv_bits}, kv_group_size={self.kv_group_size}, "
                 f"max_head_factor={self.max_head_factor}, "
+                + "".join(f"{k}={v!r}, " for k, v in self._recall_dict().items()) +
                 f"{self.method}=({opts}))")

@@ -85,3 +85,38 @@ def small_options(options_cls) -> dict:
 @dataclasses.dataclass
 class NoOptions:
     """Methods without tunable options."""
+
+
+RECALL_TIERS = ("memory", "disk")
+RECALL_BITS = (2, 4, 8)
+
+
+def check_recall(recall, page, bits, folder, pages, window) -> tuple:
+    """Validate the cold-tier fields of a KVCacheConfig (recall, recall_page, recall_bits, recall_dir,
+    recall_pages, recall_window). A ``recall_dir`` is tried for writing here, before any cache exists,
+    so a read-only folder fails before a single row is evicted."""
+    import os
+    import tempfile
+
+    if recall is not None and recall not in RECALL_TIERS:
+        raise ValueError(f"recall={recall!r} is not supported: use None, 'memory' or 'disk'")
+    int_meta = dict(kind=int, high=None, low_open=False, choices=None, allow_none=False)
+    page = check_value("KVCacheConfig", "recall_page", page, {**int_meta, "low": 1, "high": 1024})
+    pages = check_value("KVCacheConfig", "recall_pages", pages, {**int_meta, "low": 1})
+    window = check_value("KVCacheConfig", "recall_window", window, {**int_meta, "low": 1})
+    if isinstance(bits, bool) or bits not in RECALL_BITS:
+        raise ValueError(f"recall_bits={bits!r} is not supported: use one of {list(RECALL_BITS)}")
+    if folder is not None:
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"recall_dir must be a path, got {type(folder).__name__}")
+        folder = os.fspath(folder)
+        if recall != "disk":
+            raise ValueError(f"recall_dir={folder!r} is only used by recall='disk' (recall={recall!r})")
+        if not os.path.isdir(folder):
+            raise ValueError(f"recall_dir={folder!r} is not an existing folder")
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ValueError(f"recall_dir={folder!r} is not writable: {e.strerror or e}") from None
+    return recall, page, bits, folder, pages, window

@@ -20,8 +20,9 @@ class Accounting:
         if self.keys is None:
             return 0
         held = [self.positions, *self.row_extras.values(), self._window_q, *self.extra_state().values()]
+        cold = 0 if self.cold is None else self.cold.resident_bytes + self.cold.summary_bytes
         return (buf_nbytes(self.keys) + buf_nbytes(self.values)
-                + sum(a.nbytes for a in held if isinstance(a, mx.array)))
+                + sum(a.nbytes for a in held if isinstance(a, mx.array)) + cold)
 
     # Reporting only, never called from update_and_fetch: with ragged storage the kept counts are
     # data, so tokens_kept / kept_bytes read them back from the device (a host sync).
@@ -87,7 +88,11 @@ class Accounting:
         """Allocated bytes (what the process holds for this layer), the bytes of the kept rows and
         of the full sequence; ``allocated_fraction`` = allocated / full is the memory a user sees."""
         full, alloc = self.full_seq_bytes, self.nbytes
-        return {"method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
+        # With a cold tier (config.recall), allocated_bytes includes its resident part; the split:
+        # hot_bytes + cold_resident_bytes + summary_bytes = allocated_bytes; cold_disk_bytes is on disk.
+        cold = {} if self.cold is None else {"hot_bytes": alloc - self.cold.resident_bytes - self.cold.summary_bytes,
+                                              **self.cold.report()}
+        return {**cold, "method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
                 "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
                 "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,
                 "compression_ratio": self.compression_ratio, "evictions": self.evictions}

@@ -28,6 +28,7 @@ from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .batch import BatchMerge
 from .quant import row_dim, rows_map
+from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage, with_headroom
 
@@ -97,6 +98,7 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self._fetched_ragged = False
         self._attend = False  # inside observe_and_attend: the tap will use an output the scoring pass makes
         self._attention_out = None
+        self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
     # Hooks a method may override -------------------------------------------------------------
     # KVCacheConfig fields this method defaults differently from HEAD_BUDGET_DEFAULTS (allocation,
@@ -201,6 +203,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_kv(keys, values)
+        if self.cold is not None and self.keys is None:
+            self.cold.check_head_dim(keys.shape[-1])
         self._before_append(keys.shape[2])
         self._append(keys, values)
         fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
@@ -213,6 +217,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def _before_append(self, S: int) -> None:
         """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per
         row: caches.batch)."""
+        if self.cold is not None and S > 1 and not self._prompt_open and self.offset > 0:
+            self.cold.arm()  # a new turn on a cache that has evicted: recall with its queries
         if S > 1 and self._saw_decode:
             warnings.warn(
                 f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
@@ -299,10 +305,27 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.scale = scale
         self.queries_observed += 1
         self.on_queries(queries)
+        if self.cold is not None and self.cold.armed:
+            self._recall(queries, scale)
         if self._ending:
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
+
+    def _recall(self, queries: mx.array, scale: float) -> None:
+        """A new input on a cache with a cold tier (caches.recall). Where the tap lets this cache hand
+        the layer's output back (``observe_and_attend``, fp rows), its first chunk recalls at once and
+        attends to the recalled rows too, so the new input's own hidden states see them; elsewhere the
+        recall waits for the input's last token. Either way the compression at the input's end picks."""
+        self.cold.note_queries(queries)
+        S = queries.shape[2]
+        early = S > 1 and self._attend and self.kv_bits is None
+        if (early or S == 1) and self.cold.recall(self):
+            if early:  # recalled rows are older than the chunk: "causal" (bottom-right) stays right
+                self._attention_out = mx.fast.scaled_dot_product_attention(
+                    queries, self.stored("keys"), self.stored("values"), scale=scale, mask="causal")
+            else:
+                self._ending = True
 
     def _end_prompt(self) -> None:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every
@@ -378,6 +401,8 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def _evict(self):
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
+        if self.cold is not None:  # the rows not kept go to the cold tier (before any buffer changes)
+            self.cold.evicted(self, idx, real)
         if real is not None:
             idx, real = self.trim_ragged(idx, real)
         K = idx.shape[-1]

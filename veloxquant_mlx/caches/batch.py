@@ -54,6 +54,9 @@ def unbatchable_reason(cache):
     if not getattr(cache, "tap_active", False):
         return ("the query tap is not active for this model, so per-layer masks cannot reach "
                 "attention (a batch of rows with different kept counts needs them)")
+    if getattr(cache, "cold", None) is not None:
+        return (f"recall={cache.config.recall!r} keeps a cold tier per sequence, and a batch row's recall "
+                "is not wired into the batch's shared buffers")
     pos = getattr(cache, "positions", None)
     if pos is not None and pos.shape[0] != 1:
         return f"it already holds a batch of {pos.shape[0]} sequences (merge takes one per cache)"

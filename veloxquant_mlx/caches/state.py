@@ -36,6 +36,8 @@ class StateRoundTrip:
         if self._window_q is not None:
             st["window_q"] = self._window_q
         st.update({"extra." + k: v for k, v in self.extra_state().items()})
+        if self.cold is not None:
+            st.update(self.cold.state())
         return st
 
     @state.setter
@@ -65,6 +67,10 @@ class StateRoundTrip:
                              f"expected {sorted(want)}")
         self._window_q = st.get("window_q")
         self.set_extra_state({k[6:]: v for k, v in st.items() if k.startswith("extra.")})
+        if self.cold is not None:
+            self.cold.set_state(st)
+        elif any(k.startswith("recall.") for k in st):
+            raise ValueError(f"{type(self).__name__} state holds a cold tier but the config has recall=None")
         rows = self.positions.shape[2]
         parts = [p for buf in (self.keys, self.values) for p in (buf if isinstance(buf, tuple) else (buf,))]
         if any(p.shape[:3] != self.positions.shape for p in parts):
@@ -81,6 +87,7 @@ class StateRoundTrip:
             "scale": self.scale, "saw_decode": self._saw_decode, "prompt_open": self._prompt_open,
             "ending": self._ending,
             "ragged": self.is_ragged, "evict_floor": self._evict_floor,
+            **({} if self.cold is None else {"recall": self.cold.meta()}),
         }, sort_keys=True)
 
     @meta_state.setter
@@ -105,6 +112,8 @@ class StateRoundTrip:
         self._ending = meta.get("ending", False)
         self._ragged = meta["ragged"]
         self._evict_floor = meta.get("evict_floor", 0)
+        if self.cold is not None:
+            self.cold.set_meta(meta.get("recall", {}))
 
     @classmethod
     def from_state(cls, state, meta_state):

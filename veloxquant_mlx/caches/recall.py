@@ -1,0 +1,288 @@
+"""The cold tier of recallable eviction (``KVCacheConfig(recall="memory" | "disk")``, docs/recall.md).
+
+The hot tier is the cache as every method keeps it. The rows an eviction step drops come here instead
+of being discarded: in pages of ``recall_page`` rows per KV head, each row with its absolute position
+(keys are stored already rotated, so a recalled row needs no re-rotation), and per page and KV head
+the elementwise min and max of its keys (Quest's summaries) in memory.
+
+When a new multi-token input arrives on a cache that has evicted (a follow-up turn), its last
+``recall_window`` queries bound every page's attention (Quest's upper bound, ``ops.recall.quest_bounds``)
+and the best ``recall_pages`` pages per KV head are read back and join the hot rows in position order:
+on the input's first chunk when the query tap lets the cache hand the layer's output back (fp rows:
+that chunk then attends to the recalled rows too, so the new input's own hidden states see them), else
+on its last token. The compression every method runs when an input ends then scores hot and recalled
+rows alike, exactly, with the method's own rule and the new input's queries, and returns the hot tier
+to ``budget`` rows; the rows it evicts refill the pages that were read (then new pages). So a cold row
+comes back exactly when it beats a hot row by the method's own measure, and nothing is ever dropped.
+
+* ``"memory"``: cold rows quantized at ``recall_bits`` (mlx-lm's layout, groups of 32); every step is
+  lazy MLX work, no host sync anywhere.
+* ``"disk"``: cold rows at full precision in a file this tier owns (removed when the cache is freed or
+  the process exits). Writing needs materialized arrays, so evicted pages wait in memory ("pending")
+  and are written at the end of a prompt's one-shot compression and at each recall: one host sync per
+  layer there, never per decode token (decode-time evictions stay pending until the next of those).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..ops import gather_rows
+from ..ops.recall import evicted_rows, page_rows, page_summaries, quest_bounds, top_pages
+from .quant import buf_nbytes, dequantize_rows, quantize_rows, rows_map, rows_zip
+from .storage import with_headroom
+
+COLD_GROUP = 32  # cold rows' quantization group along head_dim ("memory" tier)
+
+
+def summary_dtype(dtype):
+    """Page summaries are kept in 16 bits (float16 for float32 keys): half the bytes, and a bound
+    only ranks pages."""
+    return mx.float16 if dtype == mx.float32 else dtype
+
+
+def put_rows(buf: mx.array, idx: mx.array, rows: mx.array) -> mx.array:
+    """``buf`` with ``buf[b, h, idx[b, h, i]] = rows[b, h, i]`` (a new array; buf (B, H, N, ...))."""
+    B, H, N = buf.shape[:3]
+    rest = buf.shape[3:]
+    offsets = (mx.arange(B * H, dtype=mx.int32) * N).reshape(B, H, 1)
+    flat = buf.reshape(B * H * N, *rest)
+    flat[(idx.astype(mx.int32) + offsets).reshape(-1)] = rows.reshape(-1, *rest)
+    return flat.reshape(buf.shape)
+
+
+def _grown(buf, need: int):
+    """``buf`` (or each part) with room for ``need`` rows along axis 2 (a new array when it grows)."""
+    def grow(a):
+        cap = a.shape[2]
+        if need <= cap:
+            return a
+        return with_headroom(a, need + need // 8 - cap)  # 1/8 headroom: amortized, little waste
+    return rows_map(grow, buf)
+
+
+class ColdTier:
+    """What both tiers share: evicted rows in pages, summaries, the recall step."""
+
+    def __init__(self, config):
+        self.page, self.pages, self.window = config.recall_page, config.recall_pages, config.recall_window
+        self.kmin = self.kmax = None  # (B, H, page capacity, D) summaries in the keys' dtype
+        self.n_pages = 0
+        self.armed = False  # a new multi-token input arrived: recall with its queries when it ends
+        self.q = None  # the last ``window`` queries of that input
+        self.holes = None  # (B, H, m) pages read back by the last recall, refilled by the next eviction
+        self.carry = None  # [keys, values, positions] of evicted rows short of a whole page
+        self.recalls = 0
+
+    # -- hooks of EvictionCache ---------------------------------------------------------------
+    def check_head_dim(self, head_dim: int) -> None:
+        """Called with the first keys a cache receives (before anything is stored or dropped)."""
+
+    def arm(self) -> None:
+        self.armed, self.q = self.n_pages > 0, None
+
+    def evicted(self, cache, kept: mx.array, real) -> None:
+        """Called by ``EvictionCache._evict`` before it replaces the hot buffers: ``kept`` (B, H, K) are
+        the row indices the method keeps, so every other stored row comes here: first into the pages a
+        recall just emptied, then into new pages; fewer than a page's rows wait in ``carry``."""
+        if real is not None:
+            raise ValueError("recall needs uniform per-head storage, and this eviction step keeps ragged "
+                             "heads: nothing was evicted (use allocation='uniform')")
+        rows, K = cache.size(), kept.shape[-1]
+        if rows - K <= 0:
+            return
+        gone = evicted_rows(kept, rows)
+        bits, gs = cache.kv_bits, cache.kv_group_size
+        keys = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.keys), bits, gs)
+        values = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.values), bits, gs)
+        parts = [keys, values, gather_rows(cache.positions, gone)]
+        if self.holes is not None:  # refill the pages the recall read back (whole pages: E >= their rows)
+            holes, self.holes = self.holes, None
+            n = holes.shape[-1] * self.page
+            fill = [a[:, :, :n] for a in parts]
+            lo, hi = page_summaries(fill[0], fill[2], self.page, self.kmin.dtype)
+            self.kmin, self.kmax = put_rows(self.kmin, holes, lo), put_rows(self.kmax, holes, hi)
+            self.write(holes, page_rows(holes, self.page), *fill)
+            parts = [a[:, :, n:] for a in parts]
+        if self.carry is not None:
+            parts = [mx.concatenate([c, a], axis=2) for c, a in zip(self.carry, parts, strict=True)]
+        n = parts[2].shape[2] // self.page * self.page
+        self.carry = [mx.contiguous(a[:, :, n:]) for a in parts] if parts[2].shape[2] > n else None
+        if n:
+            whole = [a[:, :, :n] for a in parts]
+            self._add_summaries(*page_summaries(whole[0], whole[2], self.page, summary_dtype(whole[0].dtype)))
+            self.store(*whole)
+        if cache.compressing_prompt:
+            self.flush()
+
+    def _add_summaries(self, lo, hi):
+        n = lo.shape[2]
+        if self.kmin is None:
+            self.kmin, self.kmax = lo, hi
+        else:
+            need = self.n_pages + n
+            self.kmin, self.kmax = _grown(self.kmin, need), _grown(self.kmax, need)
+            self.kmin[:, :, self.n_pages:need] = lo
+            self.kmax[:, :, self.n_pages:need] = hi
+        self.n_pages += n
+
+    def note_queries(self, queries: mx.array) -> None:
+        """Keep the new input's last ``window`` queries (a copy: a view would pin the whole chunk's)."""
+        W = self.window
+        if self.q is not None and queries.shape[2] < W:
+            queries = mx.concatenate([self.q, queries], axis=2)
+        self.q = mx.contiguous(queries[:, :, -W:])
+
+    def recall(self, cache) -> bool:
+        """On a new input (its first chunk where the layer's attention can include them, else its last
+        token): the pages its queries may attend to most (Quest's bound) join the hot rows, in position
+        order, so the compression at the input's end scores them with the method's own rule; what it
+        evicts goes back into those pages. False: nothing to recall."""
+        q, self.q, self.armed = self.q, None, False
+        self.flush()
+        n = self.n_pages
+        if n == 0 or q is None:
+            return False
+        pages = top_pages(quest_bounds(q, self.kmin[:, :, :n], self.kmax[:, :, :n]), min(self.pages, n))
+        ck, cv, cpos = self.read(pages, page_rows(pages, self.page))
+        self.holes = pages
+        R = cache.size()
+        pos = mx.concatenate([cache.stored("positions"), cpos], axis=2)
+        order = mx.argsort(pos, axis=-1).astype(mx.int32)  # rows stay in position order
+        bits, gs = cache.kv_bits, cache.kv_group_size
+
+        def joined(held, cand):  # the hot rows as held (exact), the candidates converted once
+            both = rows_zip(lambda h, c: mx.concatenate([h, c], axis=2), held, quantize_rows(cand, bits, gs))
+            return rows_map(lambda a: gather_rows(a, order), both)
+
+        cache.keys = joined(cache.stored_raw("keys"), ck.astype(cache.stored("keys").dtype))
+        cache.values = joined(cache.stored_raw("values"), cv.astype(cache.stored("values").dtype))
+        for name, fill in cache.extra_row_fields().items():  # recalled rows start from the method's fill
+            both = mx.concatenate([cache.stored(name), mx.full(cpos.shape, fill, mx.float32)], axis=2)
+            cache.row_extras[name] = gather_rows(both, order)
+        cache.positions = gather_rows(pos, order)
+        cache._rows = R + cpos.shape[2]
+        self.recalls += 1
+        return True
+
+    # -- storage (per tier) -------------------------------------------------------------------
+    def store(self, keys, values, pos) -> None:
+        raise NotImplementedError
+
+    def read(self, pages, rows):
+        """(keys, values, positions) of the given pages: (B, H, m*page, ...), full precision."""
+        raise NotImplementedError
+
+    def write(self, pages, rows, keys, values, pos) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Write pending rows where they belong (the disk tier)."""
+
+    # -- accounting and state -----------------------------------------------------------------
+    @property
+    def summary_bytes(self) -> int:
+        return buf_nbytes(self.kmin) + buf_nbytes(self.kmax) + buf_nbytes(self.q)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Cold rows held in memory: the tier's own (``rows_bytes``) and the carry short of a page."""
+        return self.rows_bytes + sum(buf_nbytes(a) for a in self.carry or ())
+
+    rows_bytes = 0
+    disk_bytes = 0
+
+    @property
+    def cold_rows(self) -> int:
+        """Cold slots per (batch row, KV head), padding included."""
+        return self.n_pages * self.page
+
+    def report(self) -> dict:
+        return {"cold_resident_bytes": self.resident_bytes, "cold_disk_bytes": self.disk_bytes,
+                "summary_bytes": self.summary_bytes, "cold_pages": self.n_pages, "recalls": self.recalls}
+
+    def state(self) -> dict:
+        st = {} if self.carry is None else dict(zip(("recall.carry.k", "recall.carry.v", "recall.carry.pos"),
+                                                    self.carry, strict=True))
+        if self.q is not None:
+            st["recall.q"] = self.q
+        if self.kmin is None:
+            return st
+        n = self.n_pages
+        return {**st, "recall.kmin": self.kmin[:, :, :n], "recall.kmax": self.kmax[:, :, :n], **self.rows_state()}
+
+    def set_state(self, st: dict) -> None:
+        self.carry = ([st[f"recall.carry.{k}"] for k in ("k", "v", "pos")] if "recall.carry.pos" in st else None)
+        self.q = st.get("recall.q")
+        if "recall.kmin" not in st:
+            return
+        self.kmin, self.kmax = st["recall.kmin"], st["recall.kmax"]
+        self.n_pages = self.kmin.shape[2]
+        self.set_rows_state(st)
+
+    def meta(self) -> dict:
+        return {"armed": self.armed, "recalls": self.recalls}
+
+    def set_meta(self, meta: dict) -> None:
+        self.armed, self.recalls = meta.get("armed", False), meta.get("recalls", 0)
+
+
+class MemoryTier(ColdTier):
+    """Cold rows quantized at ``recall_bits`` in mlx-lm's (words, scales, biases) layout."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.bits = config.recall_bits
+        self.k = self.v = self.pos = None  # (B, H, capacity, ...) cold rows, page p = rows [p*page, (p+1)*page)
+        self.filled = 0
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % COLD_GROUP:
+            raise ValueError(f"recall='memory' quantizes cold rows in groups of {COLD_GROUP} along head_dim, "
+                             f"and head_dim={head_dim} is not a multiple (use recall='disk')")
+
+    def _q(self, x):
+        return quantize_rows(x, self.bits, COLD_GROUP)
+
+    def store(self, keys, values, pos) -> None:
+        k, v = self._q(keys), self._q(values)
+        at, need = self.filled, self.filled + pos.shape[2]
+        if self.k is None:
+            self.k, self.v, self.pos = k, v, pos
+        else:
+            self.k, self.v, self.pos = _grown(self.k, need), _grown(self.v, need), _grown(self.pos, need)
+            for buf, new in ((self.k, k), (self.v, v)):
+                for part, r in zip(buf, new, strict=True):
+                    part[:, :, at:need] = r
+            self.pos[:, :, at:need] = pos
+        self.filled = need
+
+    def read(self, pages, rows):
+        deq = lambda buf: mx.dequantize(*(gather_rows(p, rows) for p in buf), group_size=COLD_GROUP, bits=self.bits)
+        return deq(self.k), deq(self.v), gather_rows(self.pos, rows)
+
+    def write(self, pages, rows, keys, values, pos) -> None:
+        k, v = self._q(keys), self._q(values)
+        self.k = tuple(put_rows(p, rows, r) for p, r in zip(self.k, k, strict=True))
+        self.v = tuple(put_rows(p, rows, r) for p, r in zip(self.v, v, strict=True))
+        self.pos = put_rows(self.pos, rows, pos)
+
+    @property
+    def rows_bytes(self) -> int:
+        return buf_nbytes(self.k) + buf_nbytes(self.v) + buf_nbytes(self.pos)
+
+    def rows_state(self) -> dict:
+        if self.k is None:
+            return {}
+        r = self.cold_rows
+        st = {"recall.pos": self.pos[:, :, :r]}
+        for name, buf in (("k", self.k), ("v", self.v)):
+            for part, a in zip(("words", "scales", "biases"), buf, strict=True):
+                st[f"recall.{name}.{part}"] = a[:, :, :r]
+        return st
+
+    def set_rows_state(self, st: dict) -> None:
+        self.pos = st["recall.pos"]
+        self.filled = self.pos.shape[2]
+        self.k = tuple(st[f"recall.k.{p}"] for p in ("words", "scales", "biases"))
+        self.v = tuple(st[f"recall.v.{p}"] for p in ("words", "scales", "biases"))

@@ -1,0 +1,67 @@
+"""Recall scoring: Quest's page bound, page summaries, the rows of chosen pages and the rows an
+eviction step drops. Pure MLX, no state, no Python loops over heads, pages or rows.
+
+Shapes: B batch rows, H KV heads, G query heads per KV head, W queries, D head_dim, P rows per page.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .attention import group_queries
+
+PAD = 2**31 - 1  # position of padding rows (same sentinel as caches.storage.PAD_POSITION)
+
+
+def page_summaries(keys: mx.array, positions: mx.array, page: int, dtype=None):
+    """Elementwise (min, max) of each page's real keys: keys (B, H, n*page, D), positions
+    (B, H, n*page) -> two (B, H, n, D). Padding rows are left out (a page of padding only keeps
+    +inf / -inf, so its bound is -inf and it is never read back)."""
+    B, H, N, D = keys.shape
+    real = mx.expand_dims(positions != PAD, -1)
+    k = keys.astype(mx.float32)
+    lo = mx.where(real, k, mx.inf).reshape(B, H, N // page, page, D).min(axis=3)
+    hi = mx.where(real, k, -mx.inf).reshape(B, H, N // page, page, D).max(axis=3)
+    dtype = dtype or keys.dtype
+    if dtype == mx.float16:  # finite in 16 bits (keys beyond its range are clipped, the bound only ranks)
+        lo, hi = mx.clip(lo, -65504, 65504), mx.clip(hi, -65504, 65504)
+    return lo.astype(dtype), hi.astype(dtype)
+
+
+def quest_bounds(queries: mx.array, kmin: mx.array, kmax: mx.array) -> mx.array:
+    """Quest's upper bound of q·k over a page, sum_d max(q_d min_d, q_d max_d), taken at its largest
+    over the queries and the query heads of each KV head: (B, Hq, W, D) x (B, H, n, D) -> (B, H, n).
+
+    max(q min, q max) = relu(q) max + min(q, 0) min, so the bound is two matmuls."""
+    q = group_queries(queries.astype(mx.float32), kmin.shape[1])  # (B, H, G, W, D)
+    lo = mx.expand_dims(mx.where(mx.isfinite(kmin), kmin, 0).astype(mx.float32), 2)
+    hi = mx.expand_dims(mx.where(mx.isfinite(kmax), kmax, 0).astype(mx.float32), 2)
+    bound = mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
+    bound = bound.max(axis=(2, 3))
+    empty = ~mx.isfinite(kmin[..., 0])  # a page of padding only
+    return mx.where(empty, -mx.inf, bound)
+
+
+def top_pages(bounds: mx.array, m: int) -> mx.array:
+    """(B, H, m) indices of the m pages with the largest bound, ascending."""
+    n = bounds.shape[-1]
+    if m >= n:
+        return mx.broadcast_to(mx.arange(n, dtype=mx.int32), bounds.shape)
+    return mx.sort(mx.argpartition(-bounds, kth=m - 1, axis=-1)[..., :m], axis=-1).astype(mx.int32)
+
+
+def page_rows(pages: mx.array, page: int) -> mx.array:
+    """(B, H, m) page indices -> (B, H, m*page) row indices of those pages, in page order."""
+    rows = mx.expand_dims(pages, -1) * page + mx.arange(page, dtype=mx.int32)
+    return rows.reshape(*pages.shape[:-1], -1)
+
+
+def evicted_rows(kept: mx.array, rows: int) -> mx.array:
+    """The rows of ``[0, rows)`` not in ``kept`` (B, H, K), ascending: (B, H, rows - K). The count is
+    a Python int (uniform storage), so this is a static-shaped, lazy graph."""
+    K = kept.shape[-1]
+    gone = mx.ones((*kept.shape[:-1], rows), mx.bool_)
+    gone = mx.put_along_axis(gone, kept.astype(mx.int32), mx.array(False), axis=-1)
+    r = mx.arange(rows, dtype=mx.int32)
+    order = mx.argsort(mx.where(gone, r, rows + r), axis=-1).astype(mx.int32)
+    return order[..., :rows - K]
