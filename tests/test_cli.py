@@ -353,3 +353,37 @@ def test_methods_describes_nexus_default(capsys):
     rc, out, _ = _run(capsys, "methods")
     nexus = next(line for line in out.splitlines() if line.startswith("nexus"))
     assert "top-K" in nexus and "reservoir" in nexus and "decode" in nexus, nexus
+
+
+def test_recall_flags_build_the_config_and_refuse_what_does_not_apply(capsys, tmp_path, tiny_cli):
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.args import config_from_args
+
+    args = build_parser().parse_args(["generate", "--method", "snapkv", "--budget", "64", "--recall", "memory",
+                                      "--recall-bits", "2", "--recall-page", "16", "--recall-pages", "3"])
+    cfg = config_from_args(args, 100)
+    assert (cfg.recall, cfg.recall_bits, cfg.recall_page, cfg.recall_pages) == ("memory", 2, 16, 3)
+    assert config_from_args(build_parser().parse_args(["generate", "--budget", "128"]), 100).recall is None
+    rc, _, err = _main(capsys, "generate", "--prompt", "t1 t2", "--budget", "32", "--recall-bits", "2")
+    assert rc == 2 and tiny_cli["loads"] == 0
+    _one_error_line(err, r"--recall-bits only apply with --recall")
+    rc, _, err = _main(capsys, "generate", "--method", "full", "--prompt", "t1 t2", "--recall", "memory")
+    assert rc == 2 and tiny_cli["loads"] == 0
+    _one_error_line(err, r"--recall does not apply to --method full")
+    rc, _, err = _main(capsys, "generate", "--prompt", "t1 t2", "--budget", "32", "--recall", "memory",
+                       "--recall-bits", "3")
+    assert rc == 2 and tiny_cli["loads"] == 0
+    _one_error_line(err, r"recall_bits")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(_words(40))
+    rc, _, err = _main(capsys, "compress", "--prompt-file", str(doc), "--out", str(tmp_path / "d.safetensors"),
+                       "--method", "streaming", "--budget", "24", "--recall", "disk")
+    assert rc == 2 and tiny_cli["loads"] == 0
+    _one_error_line(err, r"--recall disk cannot be saved")
+
+
+def test_generate_with_a_disk_recall_tier_runs_and_leaves_no_file(capsys, tmp_path, tiny_cli):
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(120), "--method", "snapkv", "--budget", "48",
+                         "--recall", "disk", "--recall-dir", str(tmp_path), "--max-tokens", "4")
+    assert rc == 0, err
+    assert list(tmp_path.iterdir()) == []  # the cold tier's file goes with its cache

@@ -136,6 +136,18 @@ def add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--kv-group-size", type=int, default=None, **given,
                         help="quantization group along head_dim: 32, 64 or 128 (default: 32 for 4-bit rows, "
                              "where groups of 64 lost answers in paired passkey runs; 64 for 8-bit)")
+    parser.add_argument("--recall", choices=("memory", "disk"), default=None, **given,
+                        help="keep evicted rows in a cold tier that a follow-up input recalls from "
+                             "(docs/recall.md): memory (quantized at --recall-bits) or disk (a file the cache owns; "
+                             "default: unset, evicted rows are gone)")
+    parser.add_argument("--recall-bits", type=int, default=None, **given,
+                        help="bits of the memory tier's rows: 2, 4 or 8 (default: 4)")
+    parser.add_argument("--recall-dir", default=None, **given,
+                        help="folder of the disk tier's files (default: the OS's temporary folder)")
+    parser.add_argument("--recall-page", type=int, default=None, **given,
+                        help="rows per cold page and KV head (default: 32)")
+    parser.add_argument("--recall-pages", type=int, default=None, **given,
+                        help="cold pages per KV head read back at each recall (default: 8)")
     add_method_options(parser)
 
 
@@ -167,14 +179,18 @@ def config_from_args(args, prompt_len: int):
     alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
                                ("prompt_eviction", getattr(args, "prompt_eviction", None)),
                                ("kv_bits", getattr(args, "kv_bits", None)),
-                               ("kv_group_size", getattr(args, "kv_group_size", None))) if v is not None}
+                               ("kv_group_size", getattr(args, "kv_group_size", None)),
+                               *((k, getattr(args, k, None)) for k in _RECALL_FLAGS)) if v is not None}
+    if not alloc.get("recall") and any(k in alloc for k in _RECALL_FLAGS[1:]):
+        raise CLIError(f"{_flags({'opt__' + k: 0 for k in _RECALL_FLAGS[1:] if k in alloc})} only apply with --recall")
     return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
                          seed=args.cache_seed, options=options, **alloc)
 
 
 # Flags that only an eviction cache reads.
+_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages")
 _EVICTION_FLAGS = ("budget", "density", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha",
-                   "prompt_eviction")
+                   "prompt_eviction", *_RECALL_FLAGS)
 
 
 def _check_full_kv_bits(args):
@@ -331,7 +347,8 @@ def question_tokens(tokenizer, meta: dict, question: str) -> list:
 # (flag dest, the config's key) for the cache flags a compressed document fixes
 _FILE_FLAGS = (("method", "method"), ("budget", "budget"), ("n_sink", "n_sink"), ("recent", "recent"),
                ("cache_seed", "seed"), ("allocation", "allocation"), ("floor_alpha", "floor_alpha"),
-               ("prompt_eviction", "prompt_eviction"), ("kv_bits", "kv_bits"), ("kv_group_size", "kv_group_size"))
+               ("prompt_eviction", "prompt_eviction"), ("kv_bits", "kv_bits"), ("kv_group_size", "kv_group_size"),
+               *((k, k) for k in _RECALL_FLAGS))
 
 
 def describe_file_config(cfg) -> str:

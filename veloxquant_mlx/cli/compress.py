@@ -97,6 +97,8 @@ def cmd_compress(args):
         raise CLIError(f"{args.prompt_file} is empty: nothing to compress")
     if args.method == FULL:
         raise CLIError(f"compress needs an eviction method, not --method {FULL}")
+    if args.recall == "disk":  # the disk tier's file belongs to this process and is removed when it exits
+        raise CLIError("--recall disk cannot be saved in a compressed document: use --recall memory")
     if args.density is None:
         config_from_args(args, 0)  # reject bad flags before the (slow) model load
     model, tokenizer = load_model_for_cli(args.model)
