@@ -218,3 +218,77 @@ def test_report_counts_and_pairs(tmp_path):
     (tmp_path / "tasks.json").write_text(json.dumps(data))
     md = write_tasks_report(tmp_path).read_text()
     assert "## density 0.2" in md and (tmp_path / "tasks_0.2.png").exists()
+
+
+def _task_run(tmp_path, name, *extra):
+    import json
+
+    from veloxquant_mlx.cli import main
+
+    out = tmp_path / name
+    argv = ["eval", "tasks", "--quick", "--out-dir", str(out), "--no-progress", "--no-report",
+            "--tasks", "niah_single", "followup", "--lengths", "700", "--n-prompts", "1", "--n-facts", "2",
+            "--methods", "full", "rotating", "nexus", "snapkv", "--densities", "0.2",
+            "--budgets", "300", "--question", "in", "out", *extra]
+    assert main(argv) == 0
+    return json.loads((out / "tasks.json").read_text())["cells"]
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_shared_prefill_cell_equals_the_cell_run_alone(tmp_path):
+    """Every cell of a shared-prefill run (fan-out of two methods per pass, the full cache as the pass's
+    own cache) has the tokens and KV bytes of the same cell run alone: mlx-lm's RotatingKVCache, a
+    fixed budget, and the question left out of what is compressed included (4-bit rows: below)."""
+    shared = _task_run(tmp_path, "shared", "--fanout", "2")
+    alone = _task_run(tmp_path, "alone", "--no-shared-prefill")
+    # 2 tasks x 2 question variants x (the full cache + 3 rows x 2 budgets)
+    assert set(shared) == set(alone) and len(shared) == 2 * 2 * (1 + 3 * 2)
+    for cid, c in shared.items():
+        a = alone[cid]
+        assert "turns" in c and "turns" in a, (cid, c.get("error"), a.get("error"))
+        assert [t["output"] for t in c["turns"]] == [t["output"] for t in a["turns"]], cid
+        assert c["kv_bytes_after_prompt"] == a["kv_bytes_after_prompt"], cid
+        assert c["shared_prefill"] == (c["method"] in ("full", "nexus", "snapkv")) and not a["shared_prefill"]
+    fixed = [c for c in shared.values() if c.get("budget_tokens") == 300]
+    assert fixed and all(c["budget"] == 300 for c in fixed)
+    out = [c for c in shared.values() if c.get("question") == "out"]
+    assert out and all(c["question_tokens"] > 5 and c["kv_bytes_after_context"] > 0 for c in out)
+    # the question left out is a different computation: some cache holds other bytes after the prompt
+    pair = {(c["task"], c["method"], c.get("budget_tokens"), c["density"]): c for c in shared.values()
+            if c.get("question") != "out"}
+    assert any(c["kv_bytes_after_prompt"] != pair[(c["task"], c["method"], c.get("budget_tokens"),
+                                                   c["density"])]["kv_bytes_after_prompt"] for c in out)
+    # rotating holds budget rows, the full cache every row
+    rot = next(c for c in shared.values() if c["method"] == "rotating" and c.get("budget_tokens") == 300)
+    full = next(c for c in shared.values() if c["method"] == "full" and c["task"] == rot["task"]
+                and c.get("question") == rot.get("question"))
+    assert rot["kv_bytes_after_prompt"] < 0.6 * full["kv_bytes_after_prompt"]
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_quantized_rows_equal_alone_with_the_question_left_out():
+    """mlx-lm's QuantizedKVCache (full-4bit) and 4-bit eviction rows take their own prefill inside a
+    shared run and equal the run alone (tokens, bytes), with the question inside and left out."""
+    from conftest import make_tiny_model
+
+    from veloxquant_mlx.evaluation.results import ByteTokenizer, make_caches, method_specs
+    from veloxquant_mlx.evaluation.task_eval import needs_own_prefill, run_prompt
+    from veloxquant_mlx.evaluation.task_prompts import split_question
+
+    model = make_tiny_model("llama", heads=2, kv_heads=1, hidden_size=128, vocab_size=256)  # head_dim 64
+    tk = ByteTokenizer()
+    inst, toks = build(tk, "niah_single", 600, 0)
+    specs = method_specs(["full", "full-4bit", "nexus-4bit", "nexus", "rotating"])
+    assert [needs_own_prefill(s) for s in specs] == [False, True, True, False, True]
+    for ctx, q in ((toks, None), split_question(tk, inst)):
+        res = {}
+        for shared in (True, False):
+            named = {s.name: (make_caches(model, s, 120), needs_own_prefill(s)) for s in specs}
+            res[shared] = run_prompt(model, tk, inst, ctx, named, shared, question_tokens=q, fanout=1)
+        for s in specs:
+            a, b = res[True][s.name], res[False][s.name]
+            assert "turns" in a and "turns" in b, (s.name, a.get("error"), b.get("error"))
+            assert a["turns"][0]["output"] == b["turns"][0]["output"]
+            assert a["kv_bytes_after_prompt"] == b["kv_bytes_after_prompt"]
+        assert res[True]["full-4bit"]["kv_bytes_after_prompt"] < 0.5 * res[True]["full"]["kv_bytes_after_prompt"]
+    assert split_question(tk, inst)[0] + split_question(tk, inst)[1] == toks  # bytes: the cut loses nothing

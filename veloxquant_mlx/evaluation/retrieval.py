@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from .passkey import extract_digits, make_passkey_prompt, prose_text
+from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       now, quiet_cache_warnings, run_experiment)
 from .speed import feed_prompt, greedy_continue, greedy_generate, last_prompt_step
@@ -307,6 +308,7 @@ def run(args) -> int:
                  "depths": args.depths or [0.1, 0.5, 0.9], "n_keys": args.n_keys, "seeds": args.seeds or [0]}]
     else:
         plan = default_plan(specs, quick)
+    check_lengths(model, sorted({c for st in plan for c in st["contexts"]}), "--contexts", headroom=max(args.max_new_tokens, 1))
     cells, seen = [], set()
     for stage in plan:
         for cid, p in _stage_cells(stage, specs, keys):
@@ -324,7 +326,7 @@ def run(args) -> int:
             "stage_counts": {st["name"]: sum(1 for _, p in cells if p["stage"] == st["name"]) for st in plan},
             "needles": {"grass": "The pass key is N. Remember it. N is the pass key.",
                                                "text": MAGIC_NEEDLE.format(key="N").strip()}}
-    store = ResultStore(f"{args.out_dir}/{getattr(args, 'out_name', 'passkey.json')}", "passkey")
+    store = ResultStore(f"{args.out_dir}/{getattr(args, 'out_name', 'passkey.json')}", "passkey", write=writes(args))
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
     prompts = {}
     eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
@@ -342,7 +344,7 @@ def run(args) -> int:
         prompt = (p["haystack"], p["context"], p["depth"], p["key"])
         done = store.done()
         group = [(cid, q) for cid, q in cells if q["regime"] == "prefill" and cid not in done
-                 and specs[q["method"]].quant == quant
+                 and specs[q["method"]].quant == quant and specs[q["method"]].mlx_cache is None
                  and (q["haystack"], q["context"], q["depth"], q["key"]) == prompt]
         group = [(cid, q) for cid, q in group if store.claim(cid)]  # skip cells another worker holds
         named, budgets, errs = {}, {}, {}
@@ -388,7 +390,7 @@ def run(args) -> int:
                                                           "regime", "method", "seed")})
         # One shared pass per prompt and row storage: quantized caches attend over their quantized
         # rows from the first chunk on (what mlx_lm.generate does), so they share a quantized pass.
-        if p["regime"] == "prefill" and args.shared_prefill:
+        if p["regime"] == "prefill" and args.shared_prefill and spec.mlx_cache is None:  # rotating: its own pass
             if my not in pending:
                 t = time.perf_counter()
                 recs = run_group(p, toks, pos, spec.quant)
@@ -400,7 +402,7 @@ def run(args) -> int:
                         store.put(cid, r)  # siblings are stored right away (resumable)
                 pending[my] = recs[my]
             return dict(pending.pop(my))
-        budget = len(toks) if spec.method is None else max(int(round(p["density"] * len(toks))), 1)
+        budget = len(toks) if spec.is_full else max(int(round(p["density"] * len(toks))), 1)
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
         step = 2048 if p["regime"] == "prefill" else args.chunk
         r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)
