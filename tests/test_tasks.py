@@ -292,3 +292,26 @@ def test_quantized_rows_equal_alone_with_the_question_left_out():
             assert a["kv_bytes_after_prompt"] == b["kv_bytes_after_prompt"]
         assert res[True]["full-4bit"]["kv_bytes_after_prompt"] < 0.5 * res[True]["full"]["kv_bytes_after_prompt"]
     assert split_question(tk, inst)[0] + split_question(tk, inst)[1] == toks  # bytes: the cut loses nothing
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_long_report_counts_prompts_and_pairs_with_rotating(tmp_path):
+    import json
+
+    from veloxquant_mlx.cli import main
+
+    t, s = tmp_path / "t", tmp_path / "s"
+    assert main(["eval", "tasks", "--quick", "--out-dir", str(t), "--no-progress", "--no-report", "--tasks",
+                 "niah_single", "--lengths", "700", "--n-prompts", "2", "--methods", "full", "rotating", "nexus"]) == 0
+    assert main(["eval", "speed", "--quick", "--out-dir", str(s), "--no-progress", "--no-report", "--methods",
+                 "kvcache", "rotating", "nexus", "--contexts", "640", "--repeats", "2", "--decode-tokens", "4"]) == 0
+    md = tmp_path / "long.md"
+    assert main(["eval", "long-report", "--tasks", str(t), str(tmp_path / "missing"), "--speed", str(s),
+                 "--md", str(md), "--figs", str(tmp_path / "figs")]) == 0
+    text = md.read_text()
+    cells = json.loads((t / "tasks.json").read_text())["cells"]
+    k = sum(c["correct"] for c in cells.values() if c["method"] == "nexus")
+    row = next(line for line in text.splitlines() if line.startswith("| nexus |"))
+    assert row.endswith(f"({k}/2) |") and "| nexus vs rotating |" in text and "| full vs rotating |" in text
+    assert "## Speed and memory against context length" in text and "| rotating |" in text
+    assert (tmp_path / "figs" / "speed_memory_vs_context.png").exists() and (tmp_path / "figs" / "tasks_0.2.png").exists()

@@ -134,6 +134,10 @@ def add_parser(subparsers):
     tk.set_defaults(func=task_eval.cli_run)
     task_eval.add_report_args(sub.add_parser("tasks-report", help="tables and figures from eval tasks runs"))
 
+    from ..evaluation import report_long
+
+    report_long.add_args(sub.add_parser("long-report", help="method x task x context and speed vs context, one page"))
+
     rp = sub.add_parser("report", help="regenerate figures and docs/results.md from the JSON files")
     rp.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     rp.add_argument("--results-md", default=None)
