@@ -315,3 +315,16 @@ def test_long_report_counts_prompts_and_pairs_with_rotating(tmp_path):
     assert row.endswith(f"({k}/2) |") and "| nexus vs rotating |" in text and "| full vs rotating |" in text
     assert "## Speed and memory against context length" in text and "| rotating |" in text
     assert (tmp_path / "figs" / "speed_memory_vs_context.png").exists() and (tmp_path / "figs" / "tasks_0.2.png").exists()
+
+
+def test_lengths_over_the_models_context_are_refused():
+    from conftest import make_tiny_model
+
+    from veloxquant_mlx.evaluation.outputs import check_lengths, model_context
+
+    model = make_tiny_model("llama")  # max_position_embeddings 4096
+    assert model_context(model) == 4096
+    check_lengths(model, [1024, 4096 - 256])
+    with pytest.raises(ValueError, match="exceed the model's context of 4096 tokens .at most 3840"):
+        check_lengths(model, [2048, 4096])
+    check_lengths(type("M", (), {"args": None})(), [10 ** 6])  # a model that does not say: no check

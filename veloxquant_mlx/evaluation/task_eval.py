@@ -144,7 +144,8 @@ def run(args) -> int:
                               needs_own_prefill(spec))
             except Exception as e:
                 recs[cid] = {"error": f"{type(e).__name__}: {e}"}
-        res = run_prompt(model, tokenizer, inst, ctx, named, shared, eos, question_tokens=qtoks, fanout=args.fanout)
+        res = run_prompt(model, tokenizer, inst, ctx, named, shared, eos, question_tokens=qtoks, fanout=args.fanout,
+                         progress=not args.no_progress)
         for cid, q in group:
             r = recs.get(cid) or res.get(cid, {"error": "not run"})
             if "turns" in r:

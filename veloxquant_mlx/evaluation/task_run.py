@@ -94,17 +94,22 @@ def _shared_pass(model, x, group: dict, out: dict) -> float:
 
 
 def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_ids=(), question_tokens=None,
-               fanout: int | None = None) -> dict:
+               fanout: int | None = None, progress: bool = False) -> dict:
     """{name: {"turns": [...], ...} or {"error"}} for every cache list of ``named`` ({name: (caches,
     needs its own prefill)}) on one prompt. ``question_tokens``: the question left out of ``tokens``
-    (the context), fed after the context's compression."""
+    (the context), fed after the context's compression. ``progress``: a second bar (shared passes,
+    then rows answered), since one long prompt takes minutes."""
     import mlx.core as mx
+    from tqdm import tqdm
 
     x = mx.array(tokens)
     xq = mx.array(question_tokens) if question_tokens else None
     out, firsts = {}, {}
     fan = [n for n, c in named.items() if shared and not c[1]]
     step = max(int(fanout or len(fan) or 1), 1)
+    n_pass = -(-len(fan) // step)
+    bar = tqdm(total=n_pass + len(named), desc=f"prompt ({len(tokens)} tok)", leave=False, disable=not progress,
+               dynamic_ncols=True, unit="step")
 
     def first(name, caches, pre_s, t0):
         y = last_prompt_step(model, x, caches) if pre_s is not None else _first_token(model, x, caches)
@@ -123,9 +128,11 @@ def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_id
                 except Exception as e:
                     out[name] = {"error": f"{type(e).__name__}: {e}"}
         del group
+        bar.update(1)
     for name, (caches, own) in named.items():
         if name in out:
             named[name] = (None, own)
+            bar.update(1)
             continue
         try:
             if name not in firsts:
@@ -142,4 +149,7 @@ def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_id
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         finally:
             named[name] = (None, own)  # free this method's caches before the next one decodes
+            bar.update(1)
+            bar.set_postfix_str(name[-40:])
+    bar.close()
     return out
