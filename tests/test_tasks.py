@@ -235,10 +235,14 @@ def _task_run(tmp_path, name, *extra):
 
 
 @pytest.mark.filterwarnings("ignore:.*receives a new prompt")
-def test_shared_prefill_cell_equals_the_cell_run_alone(tmp_path):
+def test_shared_prefill_cell_equals_the_cell_run_alone(tmp_path, monkeypatch):
     """Every cell of a shared-prefill run (fan-out of two methods per pass, the full cache as the pass's
-    own cache) has the tokens and KV bytes of the same cell run alone: mlx-lm's RotatingKVCache, a
-    fixed budget, and the question left out of what is compressed included (4-bit rows: below)."""
+    own cache, the prompt in 256-token chunks) has the tokens and KV bytes of the same cell run alone:
+    mlx-lm's RotatingKVCache, a fixed budget, and the question left out of what is compressed included
+    (4-bit rows: below)."""
+    from veloxquant_mlx.evaluation import task_run
+
+    monkeypatch.setattr(task_run, "PREFILL_STEP", 256)  # a long prompt's chunked prefill, on a short one
     shared = _task_run(tmp_path, "shared", "--fanout", "2")
     alone = _task_run(tmp_path, "alone", "--no-shared-prefill")
     # 2 tasks x 2 question variants x (the full cache + 3 rows x 2 budgets)
