@@ -332,3 +332,18 @@ def test_lengths_over_the_models_context_are_refused():
     with pytest.raises(ValueError, match="exceed the model's context of 4096 tokens .at most 3840"):
         check_lengths(model, [2048, 4096])
     check_lengths(type("M", (), {"args": None})(), [10 ** 6])  # a model that does not say: no check
+
+
+def test_long_report_pairs_question_inside_and_left_out():
+    from veloxquant_mlx.evaluation.report_long import question_pairs
+
+    cells = {}
+    for i in range(4):
+        for q, ok in (("in", True), ("out", i < 1)):
+            c = {"task": "niah_single", "length": 4096, "index": i, "density": 0.2, "method": "nexus",
+                 "turns": [{"turn": 0, "correct": ok}], "correct": ok}
+            if q == "out":
+                c["question"] = "out"
+            cells[f"{i}{q}"] = c
+    text = "\n".join(question_pairs({"cells": cells, "grid": {}}, 0.2))
+    assert "| nexus | 4→1/4: 3 / 0, p=0.25 |" in text

@@ -32,6 +32,33 @@ def _speed_section(speed_dir, figs_dir: Path, md_dir: Path) -> list:
     return lines
 
 
+def question_pairs(data: dict, d) -> list:
+    """Markdown lines: each row with the question inside vs left out, paired on the same prompts."""
+    from .stats import fmt_p, paired
+
+    per = outcomes(data).get(d, {})
+    cols = sorted(c for c in per if c.endswith(" q-out") and c[:-len(" q-out")] in per)
+    if not cols:
+        return []
+    lines = [f"Question inside vs left out at {_setting_name(d)} (only inside right / only left-out right, "
+             "exact McNemar; accuracy inside → left out):", "",
+             "| row | " + " | ".join(c[:-len(" q-out")] for c in cols) + " |", "|---|" + "---|" * len(cols)]
+    rows = sorted({m for c in cols for m in per[c]})
+    for m in rows:
+        cells = []
+        for c in cols:
+            a, b = per[c[:-len(" q-out")]].get(m), per[c].get(m)
+            if not a or not b:
+                cells.append("–")
+                continue
+            pr = paired(a, b)
+            common = set(a) & set(b)
+            cells.append(f"{sum(a[k] for k in common)}→{sum(b[k] for k in common)}/{pr['n']}: "
+                         f"{pr['only_a']} / {pr['only_b']}, p={fmt_p(pr['p'])}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def write_long_report(task_dirs, speed_dir, md_path, figs_dir) -> Path:
     """``md_path`` from the ``tasks.json`` of ``task_dirs`` and the ``speed.json`` of ``speed_dir``;
     figures go to ``figs_dir``."""
@@ -54,7 +81,7 @@ def write_long_report(task_dirs, speed_dir, md_path, figs_dir) -> Path:
             lines += _source_lines(src)
         lines.append("")
         for d in sorted(outcomes(data), key=setting_order):
-            lines += [f"## Tasks, {_setting_name(d)}", ""] + table(data, d) + [""]
+            lines += [f"## Tasks, {_setting_name(d)}", ""] + table(data, d) + [""] + question_pairs(data, d)
             png = plot(data, d, figs_dir / f"tasks_{str(d).replace(' tokens', 'tok')}.png")
             if png:
                 lines += [f"![{_setting_name(d)}]({os.path.relpath(png, md_path.parent)})", ""]
