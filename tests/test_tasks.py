@@ -347,3 +347,13 @@ def test_long_report_pairs_question_inside_and_left_out():
             cells[f"{i}{q}"] = c
     text = "\n".join(question_pairs({"cells": cells, "grid": {}}, 0.2))
     assert "| nexus | 4→1/4: 3 / 0, p=0.25 |" in text
+
+
+def test_haystack_reaches_32k_and_short_prompts_keep_their_filler(tok):
+    from veloxquant_mlx.evaluation.tasks import long_filler, prose_sentences
+
+    first = prose_sentences(5)
+    assert long_filler(5)[:len(first)] == first and len(long_filler(5)) == 3 * len(first)
+    n_words = len(" ".join(first).split())
+    inst, toks = build(tok, "niah_single", int(1.5 * n_words), 0)  # past one pass of the prose
+    assert len(toks) > n_words and inst.answers_in_text
