@@ -12,16 +12,23 @@ from pathlib import Path
 from .report_tasks import _setting_name, _source_lines, load, outcomes, plot, setting_order, table
 
 
-def _speed_section(speed_dir, figs_dir: Path, md_dir: Path) -> list:
+def _speed_section(speed_dirs, figs_dir: Path, md_dir: Path) -> list:
+    """Speed tables and the figure against context length from the ``speed.json`` of every folder
+    (cells merged: each context's caches were measured side by side within their own cell)."""
     from .report import _source_line
     from .report_perf import _speed_tables
 
-    path = Path(speed_dir) / "speed.json"
-    if not path.exists():
-        return [f"_No speed run yet (`{path}`)._", ""]
-    data = json.loads(path.read_text())
-    lines, figures = ["## Speed and memory against context length", ""], []
-    _source_line(speed_dir, "speed", data, lines)
+    found = [Path(d) for d in speed_dirs if (Path(d) / "speed.json").exists()]
+    if not found:
+        return [f"_No speed run yet ({', '.join(f'`{d}`' for d in speed_dirs)})._", ""]
+    lines, figures, data = ["## Speed and memory against context length", ""], [], None
+    for d in found:
+        one = json.loads((d / "speed.json").read_text())
+        _source_line(d, "speed", one, lines)
+        if data is None:
+            data = one
+        else:
+            data = {**data, "cells": {**data["cells"], **one.get("cells", {})}}
     m = data.get("meta", {}).get("machine", {})
     lines.append(f"Model {data.get('meta', {}).get('model')}; OpenBLAS preloaded={m.get('openblas_preloaded')} "
                  f"({m.get('openblas_num_threads')} threads), {m.get('cpu_count')} CPUs shared with other jobs: "
@@ -59,8 +66,8 @@ def question_pairs(data: dict, d) -> list:
     return lines + [""]
 
 
-def write_long_report(task_dirs, speed_dir, md_path, figs_dir) -> Path:
-    """``md_path`` from the ``tasks.json`` of ``task_dirs`` and the ``speed.json`` of ``speed_dir``;
+def write_long_report(task_dirs, speed_dirs, md_path, figs_dir) -> Path:
+    """``md_path`` from the ``tasks.json`` of ``task_dirs`` and the ``speed.json`` of ``speed_dirs``;
     figures go to ``figs_dir``."""
     md_path, figs_dir = Path(md_path), Path(figs_dir)
     figs_dir.mkdir(parents=True, exist_ok=True)
@@ -90,8 +97,8 @@ def write_long_report(task_dirs, speed_dir, md_path, figs_dir) -> Path:
             lines += [f"{len(errs)} cells ended in an error, e.g. `{errs[0]['method']}`: {errs[0]['error'][:200]}", ""]
     else:
         lines += ["_No task run yet._", ""]
-    if speed_dir:
-        lines += _speed_section(speed_dir, figs_dir, md_path.parent)
+    if speed_dirs:
+        lines += _speed_section(speed_dirs, figs_dir, md_path.parent)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(lines))
     return md_path
@@ -99,7 +106,7 @@ def write_long_report(task_dirs, speed_dir, md_path, figs_dir) -> Path:
 
 def add_args(p):
     p.add_argument("--tasks", nargs="+", default=[], help="folders holding an eval tasks tasks.json")
-    p.add_argument("--speed", default=None, help="folder holding an eval speed speed.json")
+    p.add_argument("--speed", nargs="+", default=[], help="folders holding an eval speed speed.json")
     p.add_argument("--md", required=True, help="markdown path to write (e.g. docs/results_long.md)")
     p.add_argument("--figs", required=True, help="folder for the figures")
     p.set_defaults(func=lambda a: print(f"wrote {write_long_report(a.tasks, a.speed, a.md, a.figs)}") or 0)
