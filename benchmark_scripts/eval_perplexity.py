@@ -1,6 +1,7 @@
 """Thin wrapper: `python benchmark_scripts/eval_perplexity.py [--quick] [...]` ==
-`python -m veloxquant_mlx [--fast-blas] eval perplexity ...` (see `--help`). Results go to figures/eval/perplexity.json and
-docs/results.md is regenerated afterwards; finished cells are skipped on a re-run."""
+`python -m veloxquant_mlx [--fast-blas] eval perplexity ...` (see `--help`). Results go to ./veloxquant_eval/perplexity.json (the
+published figures/eval/ with --out-dir figures/eval --publish, which also regenerates docs/results.md)
+and the report beside them; finished cells are skipped on a re-run."""
 
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Thin wrapper: `python benchmark_scripts/eval_tasks.py [--quick] [...]` ==
-`python -m veloxquant_mlx [--fast-blas] eval tasks ...` (see `--help`). Results go to figures/eval/tasks/tasks.json and
-<out-dir>/tasks.md is regenerated afterwards; finished cells are skipped on a re-run."""
+`python -m veloxquant_mlx [--fast-blas] eval tasks ...` (see `--help`). Results go to ./veloxquant_eval/tasks/tasks.json
+(a folder under figures/ needs --publish) and <out-dir>/tasks.md is regenerated afterwards; finished cells are skipped on a re-run."""
 
 import sys
 from pathlib import Path

@@ -403,3 +403,30 @@ def test_speed_table_limit_column_pairs_rounds():
     _speed_block({k: v for k, v in med.items() if k[0] != "rotating"}, lines, [1024], ["kvcache", "h2o"],
                  with_peak=False)
     assert "×limit" not in lines[0]
+
+
+def test_user_runs_never_touch_the_published_grid(tmp_path, monkeypatch, capsys):
+    """A bare `eval passkey` writes to ./veloxquant_eval, a run into figures/ needs --publish, and
+    --max-cells 0 writes nothing anywhere (not even into the published grid it reads)."""
+    from pathlib import Path
+
+    from veloxquant_mlx.evaluation.outputs import is_published
+
+    repo = Path(__file__).resolve().parents[1]
+    published = repo / "figures" / "eval"
+    before = {p: p.read_bytes() for p in published.iterdir() if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    small = ["--quick", "--no-progress", "--methods", "full", "--contexts", "640", "--depths", "0.5",
+             "--n-keys", "1", "--regimes", "prefill"]
+    assert main(["eval", "passkey", "--out-dir", str(published), "--max-cells", "0", "--publish"]) == 0
+    assert "nothing written" in capsys.readouterr().out
+    assert main(["eval", "passkey", "--max-cells", "0", *small]) == 0 and list(tmp_path.iterdir()) == []
+    assert main(["eval", "tasks", "--max-cells", "0", "--quick", "--no-progress"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert main(["eval", "passkey", "--out-dir", str(published / "x"), "--max-cells", "1", *small]) == 2
+    assert "--publish" in capsys.readouterr().err and not (published / "x").exists()
+    assert {p: p.read_bytes() for p in published.iterdir() if p.is_file()} == before
+    assert is_published(published) and not is_published(tmp_path)
+    _run("eval", "passkey", "--max-cells", "1", *small)  # the bare command: the user's folder
+    data = json.loads((tmp_path / "veloxquant_eval" / "passkey.json").read_text())
+    assert len(data["cells"]) == 1 and (tmp_path / "veloxquant_eval" / "results.md").exists()

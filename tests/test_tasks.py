@@ -218,3 +218,142 @@ def test_report_counts_and_pairs(tmp_path):
     (tmp_path / "tasks.json").write_text(json.dumps(data))
     md = write_tasks_report(tmp_path).read_text()
     assert "## density 0.2" in md and (tmp_path / "tasks_0.2.png").exists()
+
+
+def _task_run(tmp_path, name, *extra):
+    import json
+
+    from veloxquant_mlx.cli import main
+
+    out = tmp_path / name
+    argv = ["eval", "tasks", "--quick", "--out-dir", str(out), "--no-progress", "--no-report",
+            "--tasks", "niah_single", "followup", "--lengths", "700", "--n-prompts", "1", "--n-facts", "2",
+            "--methods", "full", "rotating", "nexus", "snapkv", "--densities", "0.2",
+            "--budgets", "300", "--question", "in", "out", *extra]
+    assert main(argv) == 0
+    return json.loads((out / "tasks.json").read_text())["cells"]
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_shared_prefill_cell_equals_the_cell_run_alone(tmp_path, monkeypatch):
+    """Every cell of a shared-prefill run (fan-out of two methods per pass, the full cache as the pass's
+    own cache, the prompt in 256-token chunks) has the tokens and KV bytes of the same cell run alone:
+    mlx-lm's RotatingKVCache, a fixed budget, and the question left out of what is compressed included
+    (4-bit rows: below)."""
+    from veloxquant_mlx.evaluation import task_run
+
+    monkeypatch.setattr(task_run, "PREFILL_STEP", 256)  # a long prompt's chunked prefill, on a short one
+    shared = _task_run(tmp_path, "shared", "--fanout", "2")
+    alone = _task_run(tmp_path, "alone", "--no-shared-prefill")
+    # 2 tasks x 2 question variants x (the full cache + 3 rows x 2 budgets)
+    assert set(shared) == set(alone) and len(shared) == 2 * 2 * (1 + 3 * 2)
+    for cid, c in shared.items():
+        a = alone[cid]
+        assert "turns" in c and "turns" in a, (cid, c.get("error"), a.get("error"))
+        assert [t["output"] for t in c["turns"]] == [t["output"] for t in a["turns"]], cid
+        assert c["kv_bytes_after_prompt"] == a["kv_bytes_after_prompt"], cid
+        assert c["shared_prefill"] == (c["method"] in ("full", "nexus", "snapkv")) and not a["shared_prefill"]
+    fixed = [c for c in shared.values() if c.get("budget_tokens") == 300]
+    assert fixed and all(c["budget"] == 300 for c in fixed)
+    out = [c for c in shared.values() if c.get("question") == "out"]
+    assert out and all(c["question_tokens"] > 5 and c["kv_bytes_after_context"] > 0 for c in out)
+    # the question left out is a different computation: some cache holds other bytes after the prompt
+    pair = {(c["task"], c["method"], c.get("budget_tokens"), c["density"]): c for c in shared.values()
+            if c.get("question") != "out"}
+    assert any(c["kv_bytes_after_prompt"] != pair[(c["task"], c["method"], c.get("budget_tokens"),
+                                                   c["density"])]["kv_bytes_after_prompt"] for c in out)
+    # rotating holds budget rows, the full cache every row
+    rot = next(c for c in shared.values() if c["method"] == "rotating" and c.get("budget_tokens") == 300)
+    full = next(c for c in shared.values() if c["method"] == "full" and c["task"] == rot["task"]
+                and c.get("question") == rot.get("question"))
+    assert rot["kv_bytes_after_prompt"] < 0.6 * full["kv_bytes_after_prompt"]
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_quantized_rows_equal_alone_with_the_question_left_out():
+    """mlx-lm's QuantizedKVCache (full-4bit) and 4-bit eviction rows take their own prefill inside a
+    shared run and equal the run alone (tokens, bytes), with the question inside and left out."""
+    from conftest import make_tiny_model
+
+    from veloxquant_mlx.evaluation.results import ByteTokenizer, make_caches, method_specs
+    from veloxquant_mlx.evaluation.task_eval import needs_own_prefill, run_prompt
+    from veloxquant_mlx.evaluation.task_prompts import split_question
+
+    model = make_tiny_model("llama", heads=2, kv_heads=1, hidden_size=128, vocab_size=256)  # head_dim 64
+    tk = ByteTokenizer()
+    inst, toks = build(tk, "niah_single", 600, 0)
+    specs = method_specs(["full", "full-4bit", "nexus-4bit", "nexus", "rotating"])
+    assert [needs_own_prefill(s) for s in specs] == [False, True, True, False, True]
+    for ctx, q in ((toks, None), split_question(tk, inst)):
+        res = {}
+        for shared in (True, False):
+            named = {s.name: (make_caches(model, s, 120), needs_own_prefill(s)) for s in specs}
+            res[shared] = run_prompt(model, tk, inst, ctx, named, shared, question_tokens=q, fanout=1)
+        for s in specs:
+            a, b = res[True][s.name], res[False][s.name]
+            assert "turns" in a and "turns" in b, (s.name, a.get("error"), b.get("error"))
+            assert a["turns"][0]["output"] == b["turns"][0]["output"]
+            assert a["kv_bytes_after_prompt"] == b["kv_bytes_after_prompt"]
+        assert res[True]["full-4bit"]["kv_bytes_after_prompt"] < 0.5 * res[True]["full"]["kv_bytes_after_prompt"]
+    assert split_question(tk, inst)[0] + split_question(tk, inst)[1] == toks  # bytes: the cut loses nothing
+
+
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")
+def test_long_report_counts_prompts_and_pairs_with_rotating(tmp_path):
+    import json
+
+    from veloxquant_mlx.cli import main
+
+    t, s = tmp_path / "t", tmp_path / "s"
+    assert main(["eval", "tasks", "--quick", "--out-dir", str(t), "--no-progress", "--no-report", "--tasks",
+                 "niah_single", "--lengths", "700", "--n-prompts", "2", "--methods", "full", "rotating", "nexus"]) == 0
+    assert main(["eval", "speed", "--quick", "--out-dir", str(s), "--no-progress", "--no-report", "--methods",
+                 "kvcache", "rotating", "nexus", "--contexts", "640", "--repeats", "2", "--decode-tokens", "4"]) == 0
+    md = tmp_path / "long.md"
+    assert main(["eval", "long-report", "--tasks", str(t), str(tmp_path / "missing"), "--speed", str(s),
+                 "--md", str(md), "--figs", str(tmp_path / "figs")]) == 0
+    text = md.read_text()
+    cells = json.loads((t / "tasks.json").read_text())["cells"]
+    k = sum(c["correct"] for c in cells.values() if c["method"] == "nexus")
+    row = next(line for line in text.splitlines() if line.startswith("| nexus |"))
+    assert row.endswith(f"({k}/2) |") and "| nexus vs rotating |" in text and "| full vs rotating |" in text
+    assert "## Speed and memory against context length" in text and "| rotating |" in text
+    assert (tmp_path / "figs" / "speed_memory_vs_context.png").exists() and (tmp_path / "figs" / "tasks_0.2.png").exists()
+
+
+def test_lengths_over_the_models_context_are_refused():
+    from conftest import make_tiny_model
+
+    from veloxquant_mlx.evaluation.outputs import check_lengths, model_context
+
+    model = make_tiny_model("llama")  # max_position_embeddings 4096
+    assert model_context(model) == 4096
+    check_lengths(model, [1024, 4096 - 256])
+    with pytest.raises(ValueError, match="exceed the model's context of 4096 tokens .at most 3840"):
+        check_lengths(model, [2048, 4096])
+    check_lengths(type("M", (), {"args": None})(), [10 ** 6])  # a model that does not say: no check
+
+
+def test_long_report_pairs_question_inside_and_left_out():
+    from veloxquant_mlx.evaluation.report_long import question_pairs
+
+    cells = {}
+    for i in range(4):
+        for q, ok in (("in", True), ("out", i < 1)):
+            c = {"task": "niah_single", "length": 4096, "index": i, "density": 0.2, "method": "nexus",
+                 "turns": [{"turn": 0, "correct": ok}], "correct": ok}
+            if q == "out":
+                c["question"] = "out"
+            cells[f"{i}{q}"] = c
+    text = "\n".join(question_pairs({"cells": cells, "grid": {}}, 0.2))
+    assert "| nexus | 4→1/4: 3 / 0, p=0.25 |" in text
+
+
+def test_haystack_reaches_32k_and_short_prompts_keep_their_filler(tok):
+    from veloxquant_mlx.evaluation.tasks import long_filler, prose_sentences
+
+    first = prose_sentences(5)
+    assert long_filler(5)[:len(first)] == first and len(long_filler(5)) == 3 * len(first)
+    n_words = len(" ".join(first).split())
+    inst, toks = build(tok, "niah_single", int(1.5 * n_words), 0)  # past one pass of the prose
+    assert len(toks) > n_words and inst.answers_in_text

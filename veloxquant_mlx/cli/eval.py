@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..evaluation.results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD
+from ..evaluation.results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD, USER_OUT_DIR
 
 
 def _shard(text):
@@ -27,11 +27,15 @@ def _shard(text):
 def _common(p):
     p.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), a .gguf or mlx-lm path")
     p.add_argument("--quick", action="store_true", help="tiny random model + byte tokenizer (harness check)")
-    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help=f"JSON / figure folder (default {DEFAULT_OUT_DIR})")
+    p.add_argument("--out-dir", default=USER_OUT_DIR, help=f"JSON / figure folder (default ./{USER_OUT_DIR}; the "
+                   f"published {DEFAULT_OUT_DIR} needs --publish)")
+    p.add_argument("--publish", action="store_true",
+                   help="allow --out-dir inside the project's figures/ (resumes and changes the published grid)")
     p.add_argument("--shard", type=_shard, default=(0, 1), help="I/N: run every N-th cell starting at I "
                    "(several workers can share one JSON file)")
     p.add_argument("--time-budget", type=float, default=None, help="stop starting new cells after this many seconds")
-    p.add_argument("--max-cells", type=int, default=None, help="run at most this many unfinished cells")
+    p.add_argument("--max-cells", type=int, default=None,
+                   help="run at most this many unfinished cells (0: say what would run, write nothing)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--methods", nargs="+", default=None,
                    help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk, <method>-ada "
@@ -55,9 +59,12 @@ def _cmd(module_name):
         from ..evaluation import perplexity, retrieval, speed
         from ..evaluation.report import write_report
 
+        from ..evaluation.outputs import check_out_dir, writes
+
         mod = {"retrieval": retrieval, "perplexity": perplexity, "speed": speed}[module_name]
+        check_out_dir(args)
         rc = mod.run(args)
-        if not getattr(args, "no_report", False):
+        if not getattr(args, "no_report", False) and writes(args):
             write_report(args.out_dir, _md_path(args))
         return rc
 
@@ -126,6 +133,10 @@ def add_parser(subparsers):
     task_eval.add_args(tk, _common)
     tk.set_defaults(func=task_eval.cli_run)
     task_eval.add_report_args(sub.add_parser("tasks-report", help="tables and figures from eval tasks runs"))
+
+    from ..evaluation import report_long
+
+    report_long.add_args(sub.add_parser("long-report", help="method x task x context and speed vs context, one page"))
 
     rp = sub.add_parser("report", help="regenerate figures and docs/results.md from the JSON files")
     rp.add_argument("--out-dir", default=DEFAULT_OUT_DIR)

@@ -14,6 +14,7 @@ import math
 import time
 
 from .passkey import prose_text
+from .outputs import writes
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
 
@@ -72,7 +73,7 @@ def run(args) -> int:
     grid = {"n_tokens": n_tokens, "chunk": chunk, "densities_all_methods": dens_all,
             "densities_few_methods": dens_few, "few_methods": few,
             "text": "stdlib pydoc_data.topics prose (code blocks removed)", "n_cells": len(cells)}
-    store = ResultStore(f"{args.out_dir}/perplexity.json", "perplexity")
+    store = ResultStore(f"{args.out_dir}/perplexity.json", "perplexity", write=writes(args))
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
 
     def run_one(p):

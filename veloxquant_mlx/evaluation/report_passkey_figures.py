@@ -121,6 +121,9 @@ def passkey_figures(g, lines, figs_dir, figures):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not g.densities:  # only the full cache ran: nothing to plot against density
+        lines.append("_(no passkey figures: no method with a budget in these cells)_\n")
+        return
     _density_figure(g, plt, figs_dir, figures)
     _depth_figure(g, plt, figs_dir, figures)
     _forest_figure(g, plt, figs_dir, figures)

@@ -218,13 +218,16 @@ def _speed_tables(data, lines, figs_dir, figures):
         import matplotlib.pyplot as plt
 
         mib = 1024 * 1024
-        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        fig, axes = plt.subplots(1, 4, figsize=(18, 4))
         for c in caches:
             xs = [n for n in ctxs if "decode_tps" in med.get((c, n), {})]
             axes[0].plot(xs, [med[(c, n)]["decode_tps"] for n in xs], marker="o", label=c, color=_color(c))
             axes[1].plot(xs, [med[(c, n)]["prefill_tps"] for n in xs], marker="o", label=c, color=_color(c))
             axes[2].plot(xs, [med[(c, n)]["kv_bytes_end"] / mib for n in xs], marker="o", label=c, color=_color(c))
-        for ax, t in zip(axes, ("decode tok/s", "prefill tok/s", "allocated KV MiB at end of decode")):
+            axes[3].plot(xs, [med[(c, n)].get("peak_memory_bytes", 0) / mib for n in xs], marker="o", label=c,
+                         color=_color(c))
+        for ax, t in zip(axes, ("decode tok/s", "prefill tok/s", "allocated KV MiB at end of decode",
+                                "prefill peak memory Δ MiB")):
             ax.set_xlabel("prompt tokens")
             ax.set_title(t)
             ax.set_xscale("log", base=2)

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from .results import FULL
+from .results import FULL, ROTATING
 from .stats import fmt_ci, fmt_p, paired, wilson
 
 # Paired comparisons printed besides "vs full" (both labels must be present).
@@ -21,14 +21,30 @@ PAIRS = (("nexus", "nexus-prompt-topk"), ("nestedkv", "nexus"), ("nestedkv", "ne
          ("nexus", "snapkv"))
 
 
+def setting(c: dict):
+    """A cell's budget setting: its density (a float), ``"<n> tokens"`` for a fixed budget, None for
+    the full cache's rows (no budget)."""
+    if c.get("budget_tokens") is not None:
+        return f"{c['budget_tokens']} tokens"
+    return c.get("density")
+
+
+def setting_order(v):
+    return (0, 0) if v is None else (1, v) if isinstance(v, (int, float)) else (2, int(str(v).split()[0]))
+
+
 def outcomes(data: dict) -> dict:
-    """{density: {column: {method: {prompt index: correct}}}}; the full cache joins every density."""
+    """{setting: {column: {method: {prompt index: correct}}}}; the rows without a budget (the full
+    cache, mlx-lm's QuantizedKVCache) join every setting. A question-left-out cell's column ends in
+    "q-out"."""
     cells = [c for c in data.get("cells", {}).values() if "turns" in c]
-    densities = sorted({c["density"] for c in cells if c["density"] is not None}) or [None]
+    settings = sorted({setting(c) for c in cells if setting(c) is not None}, key=setting_order) or [None]
     out = {}
     for c in cells:
-        for d in (densities if c["density"] is None else [c["density"]]):
+        for d in (settings if setting(c) is None else [setting(c)]):
             base = f"{c['task']} {c['length'] // 1024}K" if c["length"] % 1024 == 0 else f"{c['task']} {c['length']}"
+            if c.get("question", "in") != "in":
+                base += f" q-{c['question']}"
             cols = {}
             if len(c["turns"]) > 1:
                 for t in c["turns"]:
@@ -71,7 +87,8 @@ def table(data: dict, density) -> list:
             row.append(fmt_ci(k, n).replace(", ", "–") + f" ({k}/{n})")
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     pair_lines = []
-    for a, b in [(FULL, m) for m in methods if m != FULL] + list(PAIRS):
+    vs_rotating = [(m, ROTATING) for m in methods if m not in (FULL, ROTATING)] if ROTATING in methods else []
+    for a, b in [(FULL, m) for m in methods if m != FULL] + vs_rotating + list(PAIRS):
         if a not in methods or b not in methods:
             continue
         cells = []
@@ -120,7 +137,7 @@ def plot(data: dict, density, path) -> Path | None:
     ax.set_ylabel("correct (%), Wilson 95 %")
     ax.set_ylim(0, 105)
     meta = data.get("meta", {})
-    ax.set_title(f"{meta.get('model', '')[:60]}\n density {density}, prompt_eviction={meta.get('prompt_eviction')}",
+    ax.set_title(f"{meta.get('model', '')[:60]}\n {_setting_name(density)}, prompt_eviction={meta.get('prompt_eviction')}",
                  fontsize=9)
     ax.legend(fontsize=7, ncol=min(len(methods), 3))
     fig.tight_layout()
@@ -145,6 +162,10 @@ def load(dirs) -> dict:
                 data["grid"]["methods"].append(m)
     data["meta"] = data["sources"][0]["meta"] if data["sources"] else {}
     return data
+
+
+def _setting_name(d) -> str:
+    return f"density {d}" if d is None or isinstance(d, (int, float)) else f"fixed budget {d}"
 
 
 def _source_lines(src: dict) -> list:
@@ -179,11 +200,11 @@ def write_tasks_report(out_dir, md_path=None, inputs=None) -> Path:
         lines += _source_lines(src)
     lines.append("")
     path = Path(md_path) if md_path else out_dir / "tasks.md"
-    for d in sorted(outcomes(data), key=lambda v: -1 if v is None else v):
-        lines += [f"## density {d}", ""] + table(data, d) + [""]
-        png = plot(data, d, out_dir / f"tasks_{d}.png")
+    for d in sorted(outcomes(data), key=setting_order):
+        lines += [f"## {_setting_name(d)}", ""] + table(data, d) + [""]
+        png = plot(data, d, out_dir / f"tasks_{str(d).replace(' tokens', 'tok')}.png")
         if png:
-            lines += [f"![density {d}]({os.path.relpath(png, path.parent)})", ""]
+            lines += [f"![{_setting_name(d)}]({os.path.relpath(png, path.parent)})", ""]
     errs = [c for c in data.get("cells", {}).values() if "error" in c]
     if errs:
         lines += [f"{len(errs)} cells ended in an error, e.g. `{errs[0]['method']}`: {errs[0]['error'][:200]}", ""]

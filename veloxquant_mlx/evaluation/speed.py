@@ -13,6 +13,7 @@ import time
 
 from ..caches.accounting import kv_report
 from .passkey import prose_text
+from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
 
@@ -199,14 +200,16 @@ def run(args) -> int:
     quiet_cache_warnings()
     quick = args.quick
     model, tokenizer, desc = load_eval_model(args.model, quick)
-    store = ResultStore(f"{args.out_dir}/speed.json", "speed")
+    store = ResultStore(f"{args.out_dir}/speed.json", "speed", write=writes(args))
     density = args.density
     decode_tokens = args.decode_tokens if args.decode_tokens is not None else (8 if quick else 32)
     repeats = args.repeats
     prefill_step = args.prefill_step
-    specs = {s.name: s for s in method_specs()}
     contexts = args.contexts or ([640] if quick else [1024, 2048, 4096])
     core = args.methods or CORE
+    specs = {s.name: s for s in method_specs()}
+    specs.update({s.name: s for s in method_specs([n for n in core if n not in specs and n not in ("kvcache", "rotating")])})
+    check_lengths(model, contexts, "--contexts", headroom=decode_tokens * repeats + 1)
     groups = [("core", n, core) for n in contexts]
     if not args.methods and not args.contexts:
         others = [m for m in specs if m not in (FULL, "nexus")]

@@ -1,44 +1,45 @@
-"""``eval tasks``: method x task x density cells through the generate path.
+"""``eval tasks``: method x task x budget cells through the generate path.
 
-Every cell is one prompt of :mod:`.tasks` under one cache (the full ``KVCache`` or
-``KVCacheBuilder.for_model``'s eviction caches at ``budget = density x first-prompt tokens``), run
-as ``mlx_lm.generate`` runs it: all but the last prompt token in 2048-token chunks, the last token
-alone (a compression at the prompt's end runs there), then greedy decoding. The question is inside
-the compressed prompt. Each later turn of the follow-up task continues the same cache with the new
-user turn as one multi-token input (again all but its last token in chunks, then the last alone),
-as ``serve`` continues a stored conversation.
+Every cell is one prompt of :mod:`.tasks` under one cache, run as ``mlx_lm.generate`` runs it (the
+engine is :mod:`.task_run`): the full ``KVCache``, mlx-lm's ``QuantizedKVCache`` (``full-4bit``) or
+``RotatingKVCache(max_size=budget)`` (``rotating``), or ``KVCacheBuilder.for_model``'s eviction
+caches. The budget is density x first-prompt tokens (``--densities``) or fixed (``--budgets``).
+All but the last prompt token go in 2048-token chunks, the last token alone (a compression at the
+prompt's end runs there), then greedy decoding. The question is inside the compressed prompt
+(``--question in``) or left out of it (``out``: the context is compressed, then the question is
+fed). Each later turn of the follow-up task continues the same cache with the new user turn as one
+multi-token input, as ``serve`` continues a stored conversation.
 
 Under ``prompt_eviction="end"`` nothing is evicted before the prompt ends, so one full prefill per
-prompt is shared by every method (:class:`.retrieval.FanOutCache`); each method then takes the last
-token and decodes on its own caches. Methods whose caches run their own model pass at the prompt's
-end (``kvzip``'s reconstruction: it needs the model and the prompt, which a fan-out of
-``update_and_fetch`` calls does not give) run through the plain path, a prefill of their own.
+prompt is shared by the methods (:class:`.retrieval.FanOutCache`; ``--fanout`` bounds how many per
+pass). Caches whose prompt does not see the full cache's rows run a prefill of their own: kvzip
+(its reconstruction pass needs the model and the prompt), quantized rows and ``rotating``.
 """
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
 
-from ..caches.accounting import kv_report
 from ..registry import get_method
-from .retrieval import FanOutCache, _arrays
+from .outputs import check_lengths, check_out_dir, writes
 from .report_tasks import write_tasks_report
-from .results import (DEFAULT_OUT_DIR, FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches,
+from .results import (FULL, USER_OUT_DIR, ResultStore, cell_id, load_eval_model, machine_info, make_caches,
                       method_specs, now, quiet_cache_warnings, run_experiment)
-from .speed import feed_prompt, greedy_continue, last_prompt_step
-from .task_prompts import continuation, reply_text, score
+from .task_prompts import split_question
+from .task_run import PREFILL_STEP, converse, greedy_until, number_done, run_prompt  # noqa: F401 (re-exported)
 from .tasks import TASKS, build
 
-PREFILL_STEP = 2048  # mlx_lm.generate's default prefill_step_size
 PLAIN_PATH_METHODS = ("kvzip",)  # registry methods that need their own prefill (see module doc)
 PRIORITY = {"tasks": ["followup", "niah_single", "niah_multikey"], "lengths": [2048]}
+QUESTION = ("in", "out")  # the question inside what is compressed, or left out of it (kvpress's default)
 
 
 def needs_own_prefill(spec) -> bool:
     if spec.kv_bits is not None:  # quantized rows: the prompt attends over them, not the shared fp pass's rows
+        return True
+    if spec.mlx_cache is not None:  # RotatingKVCache attends over its window from the second chunk on
         return True
     if spec.method is None:
         return False
@@ -46,105 +47,42 @@ def needs_own_prefill(spec) -> bool:
 
 
 def prompt_key(p: dict) -> tuple:
-    return (p["task"], p["length"], p["index"])
+    return (p["task"], p["length"], p["index"], p.get("question", "in"))
 
 
-def make_cells(tasks, lengths, n_prompts, densities, methods, start: int = 0) -> list:
-    """Prompt-major order (every method and density of prompt i before prompt i + 1; tasks and lengths
-    interleaved), so a run cut short compares every method on the same prompts."""
+def make_cells(tasks, lengths, n_prompts, densities, methods, start: int = 0, budgets=(), questions=("in",),
+               full=None) -> list:
+    """Prompt-major order (every method and budget of prompt i before prompt i + 1; tasks, lengths and
+    question variants interleaved), so a run cut short compares every method on the same prompts.
+    ``budgets``: fixed token budgets beside the densities; ``full``: the labels without a budget
+    (default: the full cache). Ids of question-included, density cells keep their old form."""
+    full = {FULL} if full is None else set(full)
     cells = []
     for index in range(start, start + n_prompts):
         for length in lengths:
             for task in tasks:
-                for m in methods:
-                    for d in ([None] if m == FULL else densities):
-                        p = {"task": task, "length": length, "index": index, "density": d, "method": m}
-                        cells.append((cell_id(exp="tasks", **p), p))
+                for q in questions:
+                    for m in methods:
+                        settings = [(None, None)] if m in full else [(d, None) for d in densities] + \
+                            [(None, int(b)) for b in budgets]
+                        for d, b in settings:
+                            p = {"task": task, "length": length, "index": index, "density": d, "method": m}
+                            if b is not None:
+                                p["budget_tokens"] = b
+                            if q != "in":
+                                p["question"] = q
+                            cells.append((cell_id(exp="tasks", **p), p))
     return cells
 
 
-def _first_token(model, x, caches):
-    feed_prompt(model, x, caches, PREFILL_STEP)
-    return last_prompt_step(model, x, caches)
-
-
-def number_done(text: str) -> bool:
-    """True once ``text`` holds a digit run followed by another character (the answer is complete)."""
-    return re.search(r"\d[^\d]", text) is not None
-
-
-def greedy_until(model, tokenizer, caches, y, max_new_tokens: int, eos_ids=(), stop_after_number=False) -> list:
-    """Greedy decoding from the first new token ``y`` (an mx scalar) by ``speed.greedy_continue``,
-    also stopping once a "number" turn's first number is complete (only that number is scored; the
-    reply ends there, as a short answer does)."""
-    stop = (lambda ids: number_done(tokenizer.decode(ids))) if stop_after_number else None
-    return greedy_continue(model, caches, y, max_new_tokens, eos_ids, stop=stop)
-
-
-def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
-    """Turn 1 from its first new token ``y`` (the prompt already in ``caches``), then every later turn
-    through the same caches. Returns one record per turn."""
-    import mlx.core as mx
-
-    turns, replies, last_token = [], [], None  # last_token: the previous turn's last generated token
-    for k, turn in enumerate(inst.turns):
-        if k > 0:
-            x = mx.array(continuation(tokenizer, inst, replies, last_token, eos_ids))
-            t0 = time.perf_counter()
-            y = _first_token(model, x, caches) if x.shape[0] > 1 else last_prompt_step(model, x, caches)
-            fed = int(x.shape[0])
-        t1 = time.perf_counter()
-        out = greedy_until(model, tokenizer, caches, y, turn.max_new_tokens, eos_ids, turn.kind == "number")
-        last_token = out[-1]
-        gen = out[:-1] if out[-1] in eos_ids else out
-        text = tokenizer.decode(gen)
-        replies.append(reply_text(tokenizer, inst, k, out, eos_ids))
-        rec = {"turn": k, "output": text, "expected": list(turn.expected), **score(turn, text),
-               "decode_s": round(time.perf_counter() - t1, 3)}
-        if k > 0:
-            rec.update(fed_tokens=fed, turn_prefill_s=round(t1 - t0, 3))
-        turns.append(rec)
-    return turns
-
-
-def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_ids=()) -> dict:
-    """{name: {"turns": [...], ...} or {"error"}} for every cache list of ``named`` on one prompt."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    x = mx.array(tokens)
-    out, prefill_s = {}, None
-    fan = {n: c for n, c in named.items() if shared and not c[1]}
-    if fan:
-        primary = make_prompt_cache(model)
-        fans = [FanOutCache(primary[i], {n: c[0][i] for n, c in fan.items()}) for i in range(len(primary))]
-        t0 = time.perf_counter()
-        feed_prompt(model, x, fans, PREFILL_STEP)
-        mx.eval(_arrays([f.state for f in fans]))
-        prefill_s = time.perf_counter() - t0
-        for f in fans:
-            for n, e in f.errors.items():
-                out.setdefault(n, {"error": e})
-        del fans, primary
-    for name, (caches, own) in named.items():
-        if name in out:
-            continue
-        try:
-            t0 = time.perf_counter()
-            if name in fan:
-                y = last_prompt_step(model, x, caches)
-            else:
-                y = _first_token(model, x, caches)
-            first_s = time.perf_counter() - t0
-            kv_end_prompt = kv_report(caches)["allocated_bytes"]
-            turns = converse(model, tokenizer, inst, caches, y, eos_ids)
-            out[name] = {"turns": turns, "shared_prefill": name in fan, "kv_bytes_after_prompt": kv_end_prompt,
-                         "prefill_s": round((prefill_s or 0.0) + first_s if name in fan else first_s, 3)}
-        except Exception as e:  # a method that raises is an error for its cell
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            named[name] = (None, own)  # free this method's caches before the next one decodes
-    return out
+def cell_budget(spec, q: dict, n_tokens: int) -> int:
+    """The cell's token budget: the whole prompt for the full cache, else density x first-prompt tokens
+    (the question included, in both question variants) or the fixed budget."""
+    if spec.is_full:
+        return n_tokens
+    if q.get("budget_tokens") is not None:
+        return int(q["budget_tokens"])
+    return max(int(round(q["density"] * n_tokens)), 1)
 
 
 def _git(*args) -> str:
@@ -171,12 +109,17 @@ def run(args) -> int:
                                                                  "snapkv", "kvzip"])}
     tasks = args.tasks or PRIORITY["tasks"]
     lengths = args.lengths or ([1024] if args.quick else PRIORITY["lengths"])
-    cells = make_cells(tasks, lengths, args.n_prompts, args.densities, list(specs), args.start)
-    store = ResultStore(f"{args.out_dir}/tasks.json", "tasks")
+    check_lengths(model, lengths, "--lengths")
+    questions = args.question or ["in"]
+    budgets = args.budgets or []
+    cells = make_cells(tasks, lengths, args.n_prompts, args.densities, list(specs), args.start, budgets, questions,
+                       full=[n for n, s in specs.items() if s.is_full])
+    store = ResultStore(f"{args.out_dir}/tasks.json", "tasks", write=writes(args))
     store.update_meta(meta={**run_meta(args, desc), "quick": args.quick, "n_facts": args.n_facts,
                             "seed": args.seed},
                       grid={"tasks": tasks, "lengths": lengths, "n_prompts": args.n_prompts, "start": args.start,
-                            "densities": list(args.densities), "methods": list(specs), "n_cells": len(cells)})
+                            "densities": list(args.densities), "budgets": budgets, "questions": questions,
+                            "methods": list(specs), "n_cells": len(cells), "fanout": args.fanout})
     eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
                        | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
     shared = args.shared_prefill and args.prompt_eviction == "end"
@@ -187,20 +130,22 @@ def run(args) -> int:
         done = store.done()  # claim the prompt's cells first, so a second worker moves on at once
         group = [(cid, q) for cid, q in cells if prompt_key(q) == key and cid not in done]
         group = [(cid, q) for cid, q in group if store.claim(cid)]
-        if key not in prompts:
+        if key[:3] not in prompts:
             prompts.clear()
-            prompts[key] = build(tokenizer, p["task"], p["length"], p["index"], args.seed, args.n_facts)
-        inst, toks = prompts[key]
+            prompts[key[:3]] = build(tokenizer, p["task"], p["length"], p["index"], args.seed, args.n_facts)
+        inst, toks = prompts[key[:3]]
+        ctx, qtoks = split_question(tokenizer, inst) if key[3] == "out" else (toks, None)
         named, budgets, recs = {}, {}, {}
         for cid, q in group:
             spec = specs[q["method"]]
-            budgets[cid] = len(toks) if spec.method is None else max(int(round(q["density"] * len(toks))), 1)
+            budgets[cid] = cell_budget(spec, q, len(toks))
             try:
                 named[cid] = (make_caches(model, spec, budgets[cid], seed=0, prompt_eviction=args.prompt_eviction),
                               needs_own_prefill(spec))
             except Exception as e:
                 recs[cid] = {"error": f"{type(e).__name__}: {e}"}
-        res = run_prompt(model, tokenizer, inst, toks, named, shared, eos)
+        res = run_prompt(model, tokenizer, inst, ctx, named, shared, eos, question_tokens=qtoks, fanout=args.fanout,
+                         progress=not args.no_progress)
         for cid, q in group:
             r = recs.get(cid) or res.get(cid, {"error": "not run"})
             if "turns" in r:
@@ -211,7 +156,8 @@ def run(args) -> int:
         return recs
 
     def run_one(p):
-        my = cell_id(exp="tasks", **{f: p[f] for f in ("task", "length", "index", "density", "method")})
+        my = cell_id(exp="tasks", **{f: p[f] for f in ("task", "length", "index", "density", "method",
+                                                        "budget_tokens", "question") if f in p})
         if my not in pending:
             t = time.perf_counter()
             recs = run_group(p)
@@ -231,11 +177,18 @@ def run(args) -> int:
 def add_args(p, common):
     """The ``eval tasks`` arguments (``common``: the eval family's shared options)."""
     common(p)
-    p.set_defaults(out_dir=f"{DEFAULT_OUT_DIR}/tasks")
+    p.set_defaults(out_dir=f"{USER_OUT_DIR}/tasks")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=None,
                    help=f"default: the priority set {' '.join(PRIORITY['tasks'])}")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="target prompt tokens (default 2048)")
     p.add_argument("--densities", type=float, nargs="+", default=[0.2])
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="fixed token budgets beside the densities")
+    p.add_argument("--question", nargs="+", choices=QUESTION, default=None,
+                   help="'in': the question is inside what is compressed (default); 'out': the context is "
+                        "compressed alone, then the question is asked (kvpress's default)")
+    p.add_argument("--fanout", type=int, default=None,
+                   help="at most this many methods share one prefill pass (bounds the uncompressed copies "
+                        "alive at once; default: all)")
     p.add_argument("--n-prompts", type=int, default=100, help="prompts per task and length")
     p.add_argument("--start", type=int, default=0, help="first prompt index")
     p.add_argument("--n-facts", type=int, default=3, help="facts (= turns) of the follow-up task, 2-4")
@@ -248,8 +201,9 @@ def add_args(p, common):
 
 def cli_run(args) -> int:
     """``eval tasks``: run the cells, then regenerate the tasks report next to the JSON."""
+    check_out_dir(args)
     rc = run(args)
-    if not args.no_report:
+    if not args.no_report and writes(args):
         print(f"wrote {write_tasks_report(args.out_dir)}")
     return rc
 
@@ -262,6 +216,6 @@ def cli_report(args) -> int:
 
 def add_report_args(p):
     p.add_argument("--inputs", nargs="+", default=None, help="folders holding tasks.json (default: --out-dir)")
-    p.add_argument("--out-dir", default=f"{DEFAULT_OUT_DIR}/tasks", help="where the figures go")
+    p.add_argument("--out-dir", default=f"{USER_OUT_DIR}/tasks", help="where the figures go")
     p.add_argument("--md", default=None, help="markdown path (default <out-dir>/tasks.md)")
     p.set_defaults(func=cli_report)

@@ -45,6 +45,17 @@ def render_first(tokenizer, inst) -> list:
     return list(tokenizer.encode(render_text(tokenizer, inst, [])))
 
 
+def split_question(tokenizer, inst) -> tuple:
+    """(context ids, question ids) of the first prompt with the question left out of the context
+    (kvpress's default: compress the context, then ask): the rendered first prompt cut where its
+    question starts; the question part carries the rest of the template and the reply prefix."""
+    text = render_text(tokenizer, inst, [])
+    cut = text.rfind("\n\n" + inst.turns[0].question)
+    if cut < 0:
+        raise ValueError("the rendered prompt does not hold the question; cannot leave it out")
+    return (list(tokenizer.encode(text[:cut])), list(tokenizer.encode(text[cut:], add_special_tokens=False)))
+
+
 def continuation(tokenizer, inst, replies: list, last_token: int, eos_ids=()) -> list:
     """Token ids that continue a cache holding turn ``len(replies) - 1``'s prompt and its reply up to
     (not including) the reply's last token ``last_token``: that token, then the end of the reply as

@@ -102,6 +102,13 @@ def prose_sentences(seed: int) -> list:
     return [s for p in paras for s in re.split(r"(?<=[.!?])\s+", p) if s]
 
 
+def long_filler(seed: int, passes: int = 3) -> list:
+    """Sentences for a haystack: the prose shuffled by ``seed``, then reshuffled passes after it (one
+    pass is about 20K tokens; 32K-token prompts need more). A prompt that fits in the first pass is
+    the same as with one pass."""
+    return [s for k in range(passes) for s in prose_sentences(seed + k * 104729)]
+
+
 def _insert(units: list, needles: list, depths: list) -> str:
     """Join ``units`` with each needle placed on a unit boundary at its depth (0..1)."""
     slots = {}
@@ -129,7 +136,7 @@ def _needle_task(task, length, index, seed, n_keys, n_values, n_asked, followup=
     facts = [(keys[i // n_values], vals[i]) for i in range(len(vals))]
     rng.shuffle(facts)
     depths = _depths(rng, len(facts))
-    filler = prose_sentences(seed * 7919 + index)
+    filler = long_filler(seed * 7919 + index)
     needles = [_NEEDLE.format(key=k, value=v) for k, v in facts]
     asked = keys[:n_asked]
     if followup:

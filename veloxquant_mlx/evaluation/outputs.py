@@ -1,0 +1,58 @@
+"""Where an ``eval`` run may write, and which lengths a model can take.
+
+A user's run goes to a user's folder (``veloxquant_eval/`` by default); the published figures under
+the project's ``figures/`` change only with ``--publish``. ``--max-cells 0`` is a dry run: it reads
+the result file, says what would run, and writes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+
+# Tokens beyond the first prompt that a cell may still feed or decode (later turns, answers): a
+# length is refused unless length + this fits the model's context.
+HEADROOM = 256
+
+
+def published_dirs() -> list:
+    """The folders whose files are published figures: ``figures/`` of this checkout and of the cwd."""
+    return [(_REPO / "figures").resolve(), (Path.cwd() / "figures").resolve()]
+
+
+def is_published(path) -> bool:
+    p = Path(path).resolve()
+    return any(p == d or d in p.parents for d in published_dirs())
+
+
+def check_out_dir(args) -> None:
+    """Refuse (ValueError, one line) an output folder inside the published figures without --publish."""
+    if getattr(args, "max_cells", None) == 0:
+        return  # a dry run writes nothing anywhere
+    if is_published(args.out_dir) and not getattr(args, "publish", False):
+        raise ValueError(f"--out-dir {args.out_dir} is inside the published figures/; pass --publish to change "
+                         "them on purpose, or pick another folder")
+
+
+def writes(args) -> bool:
+    """False for ``--max-cells 0`` (nothing is written: no cells, no meta, no report)."""
+    return getattr(args, "max_cells", None) != 0
+
+
+def model_context(model) -> int | None:
+    """The model's trained context (``max_position_embeddings``), None when it does not say."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def check_lengths(model, lengths, what: str = "length", headroom: int = HEADROOM) -> None:
+    """Refuse (ValueError, one line) prompt lengths the model's context cannot hold with ``headroom``."""
+    ctx = model_context(model)
+    if ctx is None:
+        return
+    bad = [n for n in lengths if n + headroom > ctx]
+    if bad:
+        raise ValueError(f"{what} {', '.join(map(str, bad))} + {headroom} tokens of turns and answers exceed the "
+                         f"model's context of {ctx} tokens (at most {ctx - headroom})")
