@@ -486,7 +486,7 @@ def _plus_reference(q, ctx, own, scale, inv_h, o_w, values):
 
 
 def test_kvzip_plus_score_matches_the_formula():
-    """KVzip+ (KVzap Sec. 2): the probability over the query's hidden norm, times ||W_o^g v||, max over
+    """KVzip+ (KVzap, arXiv 2601.07891): the probability over the query's hidden norm, times ||W_o^g v||, max over
     queries and the group; the fused one-pass path gives the same scores."""
     from veloxquant_mlx.ops.kvzip import reconstruction_attend, reconstruction_scores, value_output_norms
 

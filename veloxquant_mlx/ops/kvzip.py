@@ -33,8 +33,8 @@ def _block_logits(q, ctx, own, col_limit):
 
 
 def _weighted_max(p, plus, start, end):
-    # KVzip+ (KVzap, arXiv 2601.07891, Sec. 2): each probability divided by its query's hidden-state
-    # norm and multiplied by its row's ||W_o v|| for that query head, then the max over queries and group.
+    # KVzip+ (KVzap, arXiv 2601.07891): each probability over its query's hidden-state norm, times its
+    # row's ||W_o v|| for that query head, then the max over queries and group.
     inv_h, wov = plus  # (B, S) 1 / ||h_t||, (B, H, G, C) ||W_o^g v_i||
     p = p * inv_h[:, None, None, start:end, None]
     return (p.max(axis=3) * wov).max(axis=2)
