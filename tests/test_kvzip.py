@@ -411,12 +411,15 @@ def test_default_head_budget_follows_the_total():
 def test_evaluation_labels():
     from veloxquant_mlx.evaluation.results import make_caches, method_specs
 
-    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-each", "kvzip-paper"])}
+    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-each", "kvzip-paper", "kvzip-plus"])}
     assert (specs["kvzip"].method, specs["kvzip"].prefill_only) == ("kvzip", True)
     assert specs["kvzip-ada"].allocation == "ada" and specs["kvzip-each"].opts == {"layers": "each"}
     model = make_tiny_model("llama")
-    config = {n: make_caches(model, specs[n], 16)[0].config for n in ("kvzip", "kvzip-each", "kvzip-paper")}
+    config = {n: make_caches(model, specs[n], 16)[0].config for n in ("kvzip", "kvzip-each", "kvzip-paper",
+                                                                       "kvzip-plus")}
     fields = {n: (c.allocation, c.floor_alpha, c.max_head_factor, c.options.layers) for n, c in config.items()}
+    assert config["kvzip"].options.normalize == "none" and config["kvzip-plus"].options.normalize == "plus"
+    assert fields["kvzip-plus"] == fields["kvzip"]  # KVzip+ changes the score only
     # the default is the paper's head budget (one ranking, no floor) with our per-head cap; -paper drops the cap
     assert fields["kvzip"] == ("ada", 0.0, 2.0, "global")
     assert fields["kvzip-paper"] == ("ada", 0.0, None, "global")
@@ -560,3 +563,18 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
         want = _plus_reference(q, ctx, own, scale, inv_h, w, values)
         np.testing.assert_allclose(before[i], want[0], rtol=2e-3, atol=1e-7)
         assert z.zip_passes == 1 and z.size() == 24 + 2
+
+
+def test_kvzip_plus_without_an_attention_output_projection_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from veloxquant_mlx.model_pass import _hidden_hooks
+
+    cache = KVzipCache(kvzip(budget=24, kvzip_normalize="plus"), 0, 1)
+    model = SimpleNamespace(layers=[SimpleNamespace(mixer=nn.Linear(4, 4))])  # no self_attn.o_proj
+    with pytest.raises(ValueError, match="no attention module with o_proj"):
+        with _hidden_hooks(model, [(cache, None)]):
+            pass
+    with pytest.raises(ValueError, match="aligned with the cache list"):
+        with _hidden_hooks(model, [(cache, None), (cache, None)]):
+            pass
