@@ -13,6 +13,8 @@ instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_st
    model with the KVzip caches in scoring mode (the pass's own K/V are never stored) and fresh copies of every
    other cache (e.g. Gemma 3's sliding RotatingKVCache is never mutated); then every KVzip cache
    of the sequence evicts. A batch (``BatchEvictionCache``) runs one pass per sequence.
+   With ``normalize="plus"`` (KVzip+) each KVzip layer's attention module hands its input and output
+   projection to its cache during the pass (a subclass swapped in for the pass only).
 
 Everything stays lazy: no host sync; the scores are evaluated with the next token, chunk after
 chunk (docs/methods/kvzip.md measures the pass's peak memory). Reversible (``remove_model_pass``);
@@ -256,7 +258,6 @@ def _hidden_hooks(model, seq):
         for attn, cls in hooked:
             attn.__class__ = cls
             object.__delattr__(attn, "_veloxquant_zip")
-
 
 
 _warned_global: set = set()
