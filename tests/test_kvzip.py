@@ -244,10 +244,11 @@ def test_save_load_then_two_questions(tmp_path):
     assert answers[0] != answers[1]
 
 
-def test_batch_generate_equals_each_prompt_alone():
+@pytest.mark.parametrize("normalize", ["none", "plus"])
+def test_batch_generate_equals_each_prompt_alone(normalize):
     model = make_tiny_model("llama")
     prompts = [random_prompt(n, seed=s) for n, s in ((70, 1), (45, 2), (96, 3))]
-    config = kvzip(budget=24, kvzip_chunk=32)
+    config = kvzip(budget=24, kvzip_chunk=32, kvzip_normalize=normalize)
     alone = []
     for p in prompts:
         caches = build(model, config)
