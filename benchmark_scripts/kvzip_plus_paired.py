@@ -2,7 +2,7 @@
 
 "Before" are the published ``kvzip`` cells of a grid (the current default; its fingerprint is unchanged),
 "after" the ``kvzip-plus`` cells of a run of the same grid; a prompt is (haystack, context, depth, key,
-density, regime). Other labels of the published grid (``full``, ``nexus``, ...) are paired too.
+regime) at one density. Other labels of the published grid (``full``, ``nexus``, ...) are paired too.
 
     python benchmark_scripts/kvzip_plus_paired.py --before figures/eval/gemma3/passkey.json \\
         --after figures/kvzip/passkey_gemma3_kvzip_plus.json --out figures/kvzip/plus_paired_gemma3.json
@@ -21,14 +21,14 @@ sys.path.insert(0, str(ROOT))
 from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson  # noqa: E402
 
-PROMPT_FIELDS = ("haystack", "context", "depth", "key", "density", "regime")
+PROMPT_FIELDS = ("haystack", "context", "depth", "key", "regime")
 
 
-def by_method(path: Path) -> dict:
-    """{label: {prompt: correct}} of a passkey JSON."""
+def by_method(path: Path, density: float) -> dict:
+    """{label: {prompt: correct}} of a passkey JSON at one density (the full cache's cells have none)."""
     out: dict = {}
     for cell in json.loads(path.read_text())["cells"].values():
-        if "correct" not in cell:
+        if "correct" not in cell or cell.get("density") not in (None, density):
             continue
         out.setdefault(cell["method"], {})[tuple(cell[f] for f in PROMPT_FIELDS)] = bool(cell["correct"])
     return out
@@ -51,9 +51,10 @@ def main(argv=None) -> int:
     ap.add_argument("--after", required=True, type=Path)
     ap.add_argument("--before-label", default="kvzip")
     ap.add_argument("--after-label", default="kvzip-plus")
+    ap.add_argument("--density", type=float, default=0.2)
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
-    before, after = by_method(a.before), by_method(a.after)
+    before, after = by_method(a.before, a.density), by_method(a.after, a.density)
     new = after[a.after_label]
     rows = {}
     for label in sorted(before):
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
         text_prompts = [p for p in common if p[0] == "text"]
         pt = paired({p: new[p] for p in text_prompts}, {p: common[p] for p in text_prompts})
         rows[label] = {"on_these_prompts": summary(common), "paired": pr, "paired_prose": pt}
-    out = {"experiment": "kvzip-plus vs the published cells, paired", "before_file": str(a.before),
+    out = {"experiment": "kvzip-plus vs the published cells, paired", "density": a.density, "before_file": str(a.before),
            "after_file": str(a.after), "after_label": a.after_label, "after": summary(new), "vs": rows,
            "provenance": provenance(command_line(), ["kvzip", "kvzip[normalize='plus']"])}
     a.out.write_text(json.dumps(out, indent=1))
