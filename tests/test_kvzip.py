@@ -244,10 +244,11 @@ def test_save_load_then_two_questions(tmp_path):
     assert answers[0] != answers[1]
 
 
-def test_batch_generate_equals_each_prompt_alone():
+@pytest.mark.parametrize("normalize", ["none", "plus"])
+def test_batch_generate_equals_each_prompt_alone(normalize):
     model = make_tiny_model("llama")
     prompts = [random_prompt(n, seed=s) for n, s in ((70, 1), (45, 2), (96, 3))]
-    config = kvzip(budget=24, kvzip_chunk=32)
+    config = kvzip(budget=24, kvzip_chunk=32, kvzip_normalize=normalize)
     alone = []
     for p in prompts:
         caches = build(model, config)
@@ -411,12 +412,15 @@ def test_default_head_budget_follows_the_total():
 def test_evaluation_labels():
     from veloxquant_mlx.evaluation.results import make_caches, method_specs
 
-    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-each", "kvzip-paper"])}
+    specs = {s.name: s for s in method_specs(["kvzip", "kvzip-ada", "kvzip-each", "kvzip-paper", "kvzip-plus"])}
     assert (specs["kvzip"].method, specs["kvzip"].prefill_only) == ("kvzip", True)
     assert specs["kvzip-ada"].allocation == "ada" and specs["kvzip-each"].opts == {"layers": "each"}
     model = make_tiny_model("llama")
-    config = {n: make_caches(model, specs[n], 16)[0].config for n in ("kvzip", "kvzip-each", "kvzip-paper")}
+    config = {n: make_caches(model, specs[n], 16)[0].config for n in ("kvzip", "kvzip-each", "kvzip-paper",
+                                                                       "kvzip-plus")}
     fields = {n: (c.allocation, c.floor_alpha, c.max_head_factor, c.options.layers) for n, c in config.items()}
+    assert config["kvzip"].options.normalize == "none" and config["kvzip-plus"].options.normalize == "plus"
+    assert fields["kvzip-plus"] == fields["kvzip"]  # KVzip+ changes the score only
     # the default is the paper's head budget (one ranking, no floor) with our per-head cap; -paper drops the cap
     assert fields["kvzip"] == ("ada", 0.0, 2.0, "global")
     assert fields["kvzip-paper"] == ("ada", 0.0, None, "global")
@@ -462,3 +466,116 @@ def test_fused_reconstruction_pass_equals_separate(arch, monkeypatch):
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
     for a, b in zip(sc_f, sc_s):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# -- KVzip+ (normalize="plus") ------------------------------------------------------------------------------
+def _plus_reference(q, ctx, own, scale, inv_h, o_w, values):
+    """numpy: max over query heads g and queries t of softmax(q k / sqrt)[g, t, i] / ||h_t|| * ||W_o^g v_i||."""
+    B, Hq, S, D = q.shape
+    H = ctx.shape[1]
+    G = Hq // H
+    out = np.zeros((B, H, ctx.shape[2]))
+    for h in range(H):
+        for g in range(G):
+            qq = q[0, h * G + g].astype(np.float64) * scale
+            lc, lo = qq @ ctx[0, h].T, qq @ own[0, h].T
+            lo = np.where(np.tril(np.ones((S, S), bool)), lo, -np.inf)
+            m = np.maximum(lc.max(-1, keepdims=True), lo.max(-1, keepdims=True))
+            z = np.exp(lc - m).sum(-1, keepdims=True) + np.exp(lo - m).sum(-1, keepdims=True)
+            p = np.exp(lc - m) / z * inv_h[0][:, None]
+            w = o_w[:, (h * G + g) * D:(h * G + g + 1) * D]
+            wov = np.linalg.norm(values[0, h] @ w.T, axis=-1)
+            out[0, h] = np.maximum(out[0, h], p.max(0) * wov)
+    return out
+
+
+def test_kvzip_plus_score_matches_the_formula():
+    """KVzip+ (KVzap, arXiv 2601.07891): the probability over the query's hidden norm, times ||W_o^g v||, max over
+    queries and the group; the fused one-pass path gives the same scores."""
+    from veloxquant_mlx.ops.kvzip import reconstruction_attend, reconstruction_scores, value_output_norms
+
+    rng = np.random.default_rng(0)
+    B, H, G, S, C, D, hidden = 1, 2, 3, 10, 14, 8, 20
+    q = rng.normal(size=(B, H * G, S, D)).astype(np.float32)
+    ctx, vals = (rng.normal(size=(B, H, C, D)).astype(np.float32) for _ in range(2))
+    own, own_v = (rng.normal(size=(B, H, S, D)).astype(np.float32) for _ in range(2))
+    o_w = rng.normal(size=(hidden, H * G * D)).astype(np.float32)
+    inv_h = (1.0 / rng.uniform(0.5, 3.0, size=(B, S))).astype(np.float32)
+    want = _plus_reference(q, ctx, own, D ** -0.5, inv_h, o_w, vals)
+    wov = value_output_norms(mx.array(vals), mx.array(o_w), H * G)
+    ref_wov = np.stack([np.linalg.norm(vals[0, h] @ o_w[:, (h * G + g) * D:(h * G + g + 1) * D].T, axis=-1)
+                        for h in range(H) for g in range(G)]).reshape(1, H, G, C)
+    np.testing.assert_allclose(np.array(wov), ref_wov, rtol=1e-4)
+    plus = (mx.array(inv_h), wov)
+    got = reconstruction_scores(mx.array(q), mx.array(ctx), mx.array(own), D ** -0.5, q_block=4, plus=plus)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4)
+    _, fused = reconstruction_attend(mx.array(q), mx.array(ctx), mx.array(own), mx.array(vals), mx.array(own_v),
+                                     D ** -0.5, q_block=3, plus=plus)
+    np.testing.assert_allclose(np.array(fused), want, rtol=1e-4)
+    plain = reconstruction_scores(mx.array(q), mx.array(ctx), mx.array(own), D ** -0.5)
+    assert not np.allclose(np.array(plain), want)  # the weighting changes the score
+
+
+@pytest.mark.parametrize("pass_attention", ["fused", "separate"])
+def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(monkeypatch, pass_attention):
+    """On a sliding-window hybrid (tiny Gemma 3), normalize="plus" hooks only the global layers' attention
+    modules for the pass, hands each cache its own layer's input and W_o, and restores the classes."""
+    from mlx_lm.models import gemma3_text
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from veloxquant_mlx.caches import kvzip as kz
+
+    model = make_tiny_model("gemma3", layers=6, heads=2, kv_heads=1, sliding_window=16, sliding_window_pattern=3,
+                            query_pre_attn_scalar=50)
+    seen, hidden = [], []
+    real_scores, real_attend = kz.reconstruction_scores, kz.reconstruction_attend
+    monkeypatch.setattr(KVzipCache, "observe_hidden", lambda self, h, w, _f=KVzipCache.observe_hidden:
+                        (hidden.append((self.layer_idx, np.array(h), np.array(w))), _f(self, h, w))[1])
+
+    def spy_scores(q, ctx, own, scale, n_lead=0, q_block=512, plus=None):
+        seen.append((np.array(q), np.array(ctx), np.array(own), scale, plus))
+        return real_scores(q, ctx, own, scale, n_lead, q_block, plus)
+
+    def spy_attend(q, ctx, own, cv, ov, scale, q_block=512, plus=None):
+        seen.append((np.array(q), np.array(ctx), np.array(own), scale, plus))
+        return real_attend(q, ctx, own, cv, ov, scale, q_block, plus)
+
+    monkeypatch.setattr(kz, "reconstruction_scores", spy_scores)
+    monkeypatch.setattr(kz, "reconstruction_attend", spy_attend)
+    before = {}
+    real_compress = KVzipCache.compress
+    monkeypatch.setattr(KVzipCache, "compress", lambda self, b=None: (
+        before.__setitem__(self.layer_idx, np.array(self.stored("zip_score")[0, :, :60])), real_compress(self, b))[1])
+    prompt = random_prompt(60, seed=21)
+    full = model.make_cache()  # the rows the kvzip caches hold before they evict
+    mx.eval(model(mx.array([prompt]), cache=full))
+    caches = build(model, kvzip(budget=24, kvzip_normalize="plus", kvzip_pass_attention=pass_attention))
+    zips = [c for c in caches if isinstance(c, KVzipCache)]
+    assert [i for i, c in enumerate(caches) if isinstance(c, RotatingKVCache)] == [0, 1, 3, 4]
+    steps(model, prompt, caches, 2)
+    assert [i for i, _, _ in hidden] == [2, 5] and len(seen) == 2
+    assert all(type(layer.self_attn) is gemma3_text.Attention for layer in model.layers)  # hooks removed
+    for (i, h, w), (q, ctx, own, scale, plus), z in zip(hidden, seen, zips):
+        assert scale == 50 ** -0.5  # the model's own softmax scale (query_pre_attn_scalar), not head_dim's
+        np.testing.assert_array_equal(w, np.array(model.layers[i].self_attn.o_proj.weight))
+        inv_h = 1.0 / np.linalg.norm(h.astype(np.float64), axis=-1)
+        np.testing.assert_allclose(np.array(plus[0]), inv_h, rtol=1e-4)
+        values = np.array(full[i].values[:, :, :60])
+        want = _plus_reference(q, ctx, own, scale, inv_h, w, values)
+        np.testing.assert_allclose(before[i], want[0], rtol=2e-3, atol=1e-7)
+        assert z.zip_passes == 1 and z.size() == 24 + 2
+
+
+def test_kvzip_plus_without_an_attention_output_projection_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from veloxquant_mlx.model_pass import _hidden_hooks
+
+    cache = KVzipCache(kvzip(budget=24, kvzip_normalize="plus"), 0, 1)
+    model = SimpleNamespace(layers=[SimpleNamespace(mixer=nn.Linear(4, 4))])  # no self_attn.o_proj
+    with pytest.raises(ValueError, match="no attention module with o_proj"):
+        with _hidden_hooks(model, [(cache, None)]):
+            pass
+    with pytest.raises(ValueError, match="aligned with the cache list"):
+        with _hidden_hooks(model, [(cache, None), (cache, None)]):
+            pass

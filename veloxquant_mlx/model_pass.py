@@ -13,6 +13,8 @@ instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_st
    model with the KVzip caches in scoring mode (the pass's own K/V are never stored) and fresh copies of every
    other cache (e.g. Gemma 3's sliding RotatingKVCache is never mutated); then every KVzip cache
    of the sequence evicts. A batch (``BatchEvictionCache``) runs one pass per sequence.
+   With ``normalize="plus"`` (KVzip+) each KVzip layer's attention module hands its input and output
+   projection to its cache during the pass (a subclass swapped in for the pass only).
 
 Everything stays lazy: no host sync; the scores are evaluated with the next token, chunk after
 chunk (docs/methods/kvzip.md measures the pass's peak memory). Reversible (``remove_model_pass``);
@@ -21,6 +23,7 @@ the instance keeps its class's name, module, parameters and ``isinstance`` check
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -176,6 +179,16 @@ def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
     def tokens(lst):
         return mx.broadcast_to(mx.array(lst, dtype=mx.int32)[None], (B, len(lst)))
 
+    with _hidden_hooks(model, seq) if first.options.normalize == "plus" else _nothing():
+        _chunks(model, base, seq, zips, prompt, ids, tokens, n, m, overlap)
+    for z in zips:
+        z.finish_pass()
+    shares = _global_shares(zips) if first.options.layers == "global" else None
+    for i, z in enumerate(zips):
+        z.compress(None if shares is None else shares[i])
+
+
+def _chunks(model, base, seq, zips, prompt, ids, tokens, n, m, overlap):
     for lo in range(0, n, m):  # Sec. 3 (chunked scoring): each chunk with its own repeat prompt
         hi = min(lo + m, n)
         parts = chunk_parts(prompt, lambda a, b: ids[:, a:b], lo, hi, overlap)
@@ -188,11 +201,63 @@ def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
         finally:
             for z in zips:
                 z.end_chunk()
-    for z in zips:
-        z.finish_pass()
-    shares = _global_shares(zips) if first.options.layers == "global" else None
-    for i, z in enumerate(zips):
-        z.compress(None if shares is None else shares[i])
+
+
+_HOOKED: dict = {}
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def _attention_of(layer):
+    for name in ("self_attn", "attention", "attn"):
+        attn = getattr(layer, name, None)
+        if attn is not None and hasattr(attn, "o_proj"):
+            return attn
+    return None
+
+
+def _o_weight(proj):
+    if hasattr(proj, "scales"):  # a quantized projection: its dense weight
+        return mx.dequantize(proj.weight, proj.scales, getattr(proj, "biases", None), proj.group_size, proj.bits)
+    return proj.weight
+
+
+@contextlib.contextmanager
+def _hidden_hooks(model, seq):
+    """KVzip+ reads each KVzip layer's attention input and output projection: for the pass, every such
+    attention module gets a subclass whose ``__call__`` hands them to its layer's cache first."""
+    layers = getattr(model, "layers", None)
+    if layers is None or len(layers) != len(seq):
+        raise ValueError("kvzip normalize='plus' needs model.layers aligned with the cache list")
+    hooked = []
+    try:
+        for layer, (c, _) in zip(layers, seq):
+            if not isinstance(c, KVzipCache):
+                continue
+            attn = _attention_of(layer)
+            if attn is None:
+                raise ValueError(f"kvzip normalize='plus': {type(layer).__name__} has no attention module with o_proj")
+            cls = type(attn)
+            sub = _HOOKED.get(cls)
+            if sub is None:
+                def __call__(self, x, *args, _base=cls, **kwargs):
+                    z = self.__dict__.get("_veloxquant_zip")
+                    if z is not None:
+                        z.observe_hidden(x, _o_weight(self.o_proj))
+                    return _base.__call__(self, x, *args, **kwargs)
+
+                sub = _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+            object.__setattr__(attn, "_veloxquant_zip", c)
+            attn.__class__ = sub
+            hooked.append((attn, cls))
+        yield
+    finally:
+        for attn, cls in hooked:
+            attn.__class__ = cls
+            object.__delattr__(attn, "_veloxquant_zip")
 
 
 _warned_global: set = set()

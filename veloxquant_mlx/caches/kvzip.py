@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ..options import option
-from ..ops.kvzip import reconstruction_attend, reconstruction_scores, window_max_scores
+from ..ops.kvzip import reconstruction_attend, reconstruction_scores, value_output_norms, window_max_scores
 from ..registry import register
 from .base import EvictionCache
 from .quant import dequantize_rows, quantize_rows, rows_map, rows_zip
@@ -56,6 +56,9 @@ class KVzipOptions:
     # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzip tests "global".
     layers: str = option("global", choices=("each", "global"), small="each",
                          doc="budget across layers: each | global")
+    # "plus": KVzip+ (KVzap, arXiv 2601.07891): the probability over the query's hidden-state norm, times
+    # the row's ||W_o v||. Needs the model pass's hook on the attention modules (model_pass.py).
+    normalize: str = option("none", choices=("none", "plus"), doc="row score: none (KVzip) | plus (KVzip+)")
 
 
 # -- what the model wrapper tells the caches during one forward (one thread = one generation) -------
@@ -106,6 +109,7 @@ class KVzipCache(EvictionCache):
         self._chunk = None  # (first row, end row, sink rows) while a reconstruction chunk runs
         self._own = None  # that chunk's own keys and values (never stored)
         self._parts = []  # per-chunk scores of the pass in progress
+        self._plus = None  # KVzip+: (1 / ||h|| of the chunk's queries, the attention's W_o), set per chunk
         self.input_span = None  # (batch index, start, count) set by BatchEvictionCache per call
 
     def extra_row_fields(self):
@@ -187,7 +191,14 @@ class KVzipCache(EvictionCache):
         self._own = None
 
     def end_chunk(self) -> None:
-        self._chunk = self._own = None
+        self._chunk = self._own = self._plus = None
+
+    def observe_hidden(self, hidden: mx.array, o_weight: mx.array) -> None:
+        """KVzip+: the attention module's input (B, S, hidden) of this chunk and its output projection
+        weight (hidden, query heads * head_dim); the model pass's hook calls it before the attention runs."""
+        if self._chunk is not None:
+            inv = mx.rsqrt(mx.maximum(mx.square(hidden.astype(mx.float32)).sum(axis=-1), 1e-30))
+            self._plus = (inv, o_weight)
 
     def finish_pass(self) -> None:
         """Every chunk scored: store the pending rows' scores (then ``compress``)."""
@@ -249,19 +260,37 @@ class KVzipCache(EvictionCache):
         return (self.one_pass(self.options.pass_attention) and lead == 0 and lo == 0 and hi == self._rows
                 and self.kv_bits is None and not self.is_ragged)
 
+    def _plus_weights(self, lo, hi, lead, n_heads):
+        """KVzip+'s (1 / ||h||, ||W_o v|| of the sink rows then rows lo:hi), or None for plain KVzip."""
+        if self.options.normalize != "plus":
+            return None
+        if self._plus is None:
+            raise RuntimeError("kvzip normalize='plus' needs the attention inputs of the pass: build the caches "
+                               "with KVCacheBuilder.for_model / install on a model whose layers have self_attn.o_proj")
+        inv_h, o_weight = self._plus
+        vals = self._value_rows(lo, hi)
+        if lead:
+            vals = mx.concatenate([self._value_rows(0, lead), vals], axis=2)
+        return inv_h, value_output_norms(vals, o_weight, n_heads)
+
+    def _value_rows(self, lo, hi):
+        return dequantize_rows(rows_map(lambda x: x[:, :, lo:hi], self.values), self.kv_bits, self.kv_group_size)
+
     def _score_chunk(self, queries, scale):
         lo, hi, lead = self._chunk
         own_keys, own_values = self._own
         if self._fuse_attention(lo, hi, lead):  # the chunk's rows are all the rows attention reads
             self._attention_out, s = reconstruction_attend(queries, self.stored("keys")[:, :, lo:hi], own_keys,
                                                            self.stored("values")[:, :, lo:hi], own_values,
-                                                           scale, self.options.q_block)
+                                                           scale, self.options.q_block,
+                                                           self._plus_weights(lo, hi, lead, queries.shape[1]))
             self._parts.append(s)
             return
         ctx = self._key_rows(lo, hi)
         if lead:
             ctx = mx.concatenate([self._key_rows(0, lead), ctx], axis=2)
-        self._parts.append(reconstruction_scores(queries, ctx, own_keys, scale, lead, self.options.q_block))
+        self._parts.append(reconstruction_scores(queries, ctx, own_keys, scale, lead, self.options.q_block,
+                                                 self._plus_weights(lo, hi, lead, queries.shape[1])))
 
     def attention_mask(self, mask, queries):
         if self._chunk is None:

@@ -126,6 +126,7 @@ def method_specs(names=None, ablations: bool = True) -> list:
         # (exactly the paper), "kvzip-each" is the library's per-layer uniform contract (the old default).
         specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", extra=(("max_head_factor", None),)))
         specs.setdefault("kvzip-each", MethodSpec("kvzip-each", "kvzip", (("layers", "each"),), allocation="uniform"))
+        specs.setdefault("kvzip-plus", MethodSpec("kvzip-plus", "kvzip", (("normalize", "plus"),)))  # KVzip+
     specs.setdefault(ROTATING, MethodSpec(ROTATING, None, mlx_cache=ROTATING))
     out = []
     for n in names:

@@ -32,21 +32,48 @@ def _block_logits(q, ctx, own, col_limit):
     return l_ctx, l_own, mx.expand_dims(lse, -1)
 
 
-def _block_max(q, ctx, own, col_limit):
+def _weighted_max(p, plus, start, end):
+    # KVzip+ (KVzap, arXiv 2601.07891): each probability over its query's hidden-state norm, times its
+    # row's ||W_o v|| for that query head, then the max over queries and group.
+    inv_h, wov = plus  # (B, S) 1 / ||h_t||, (B, H, G, C) ||W_o^g v_i||
+    p = p * inv_h[:, None, None, start:end, None]
+    return (p.max(axis=3) * wov).max(axis=2)
+
+
+def _block_max(q, ctx, own, col_limit, plus=None, start=0):
     # -> (B, H, C) float32. max_q softmax = exp(max_q (logit - logsumexp_q)): one exp per context row
     # instead of one per (query, row).
     l_ctx, _, lse = _block_logits(q, ctx, own, col_limit)
+    if plus is not None:
+        return _weighted_max(mx.exp(l_ctx - lse), plus, start, start + q.shape[3])
     return mx.exp((l_ctx - lse).max(axis=(2, 3)))
 
 
-def _block_attend(q, ctx, own, col_limit, ctx_values, own_values):
+def _block_attend(q, ctx, own, col_limit, ctx_values, own_values, plus=None, start=0):
     # The same softmax, also applied to the values: the layer's attention output over (context rows
     # + own keys, causal) and the rows' max probability, from one query-key product.
     l_ctx, l_own, lse = _block_logits(q, ctx, own, col_limit)
     p_ctx, p_own = mx.exp(l_ctx - lse), mx.exp(l_own - lse)
     out = (p_ctx @ mx.expand_dims(ctx_values.astype(mx.float32), 2)
            + p_own @ mx.expand_dims(own_values.astype(mx.float32), 2))  # (B, H, G, s, D)
+    if plus is not None:
+        return out, _weighted_max(p_ctx, plus, start, start + q.shape[3])
     return out, p_ctx.max(axis=(2, 3))
+
+
+def value_output_norms(values: mx.array, o_weight: mx.array, n_heads: int) -> mx.array:
+    """(B, H, G, C) float32 ||W_o^g v|| of every row for each query head g of its KV head (KVzip+).
+
+    values (B, H, C, D); o_weight (hidden, n_heads * D), the attention's output projection. Through the
+    per-head Gram matrix W_g^T W_g (D x D): no (rows x hidden) product is formed."""
+    B, H, C, D = values.shape
+    if n_heads % H or o_weight.shape[-1] != n_heads * D:
+        raise ValueError(f"output projection {o_weight.shape} does not fit {n_heads} heads of values {values.shape}")
+    G = n_heads // H
+    w = o_weight.astype(mx.float32).reshape(-1, H, G, D).transpose(1, 2, 3, 0)  # (H, G, D, hidden)
+    gram = w @ w.swapaxes(-1, -2)  # (H, G, D, D)
+    v = mx.expand_dims(values.astype(mx.float32), 2)  # (B, H, 1, C, D)
+    return mx.sqrt(mx.maximum(((v @ gram) * v).sum(axis=-1), 0.0))
 
 
 def _grouped(queries, ctx_keys, own_keys, scale):
@@ -58,9 +85,10 @@ def _grouped(queries, ctx_keys, own_keys, scale):
 
 
 def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, ctx_values: mx.array,
-                          own_values: mx.array, scale: float, q_block: int = 512):
+                          own_values: mx.array, scale: float, q_block: int = 512, plus=None):
     """:func:`reconstruction_scores` (with no lead rows) plus the attention output, for a chunk whose
     context rows are every row attention reads: one softmax serves both (the tap's one-pass path).
+    ``plus``: KVzip+'s weights, as in :func:`reconstruction_scores`.
 
     Returns (output (B, Hq, S, D) in the queries' dtype, scores float32 (B, H, C))."""
     q, ctx = _grouped(queries, ctx_keys, own_keys, scale)
@@ -70,7 +98,7 @@ def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.ar
     for start in range(0, S, step):  # a few query sub-blocks, not tokens
         end = min(start + step, S)
         o, s = _block_attend(q[:, :, :, start:end], ctx, own_keys[:, :, :end], mx.arange(start, end),
-                             ctx_values, own_values[:, :, :end])
+                             ctx_values, own_values[:, :, :end], plus, start)
         outs.append(o)
         best = s if best is None else mx.maximum(best, s)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
@@ -78,13 +106,14 @@ def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.ar
 
 
 def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, scale: float,
-                          n_lead: int = 0, q_block: int = 512) -> mx.array:
+                          n_lead: int = 0, q_block: int = 512, plus=None) -> mx.array:
     """Max attention each context row receives from one reconstruction chunk.
 
     queries (B, Hq, S, D): post-RoPE queries of the reconstruction input (repeat prompt + chunk);
     ctx_keys (B, H, n_lead + m, D): ``n_lead`` sink rows then the chunk's m stored context rows;
     own_keys (B, H, S, D): the input's own keys (never stored). Softmax over sinks + chunk + own keys
     (causal among own keys); returns float32 (B, H, m): max over the group and the S queries.
+    ``plus`` = (1 / ||h|| (B, S), ||W_o v|| (B, H, G, n_lead + m)): KVzip+'s normalised score instead.
     """
     q, ctx = _grouped(queries, ctx_keys, own_keys, scale)
     S = queries.shape[2]
@@ -92,7 +121,7 @@ def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.ar
     step = max(int(q_block), 1)
     for start in range(0, S, step):  # a few query sub-blocks, not tokens
         end = min(start + step, S)
-        s = _block_max(q[:, :, :, start:end], ctx, own_keys[:, :, :end], mx.arange(start, end))
+        s = _block_max(q[:, :, :, start:end], ctx, own_keys[:, :, :end], mx.arange(start, end), plus, start)
         out = s if out is None else mx.maximum(out, s)
     return out[..., n_lead:]
 
