@@ -45,6 +45,14 @@ def default_kv_group_size(kv_bits: int | None) -> int:
 HEAD_BUDGET_DEFAULTS = {"allocation": "uniform", "floor_alpha": 0.2, "max_head_factor": 1.1}
 
 
+def budget_for(density: float, n_tokens: int, minimum: int = 1) -> int:
+    """Rows kept per KV head for a ``density`` fraction of ``n_tokens``: rounded to the nearest row,
+    at least ``minimum``. The one density -> budget rule (CLI, serve, evaluation, benchmarks)."""
+    if not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"density={density!r} must lie in (0, 1]")
+    return max(int(round(float(density) * int(n_tokens))), int(minimum))
+
+
 class _MethodDefault:
     def __repr__(self):
         return "METHOD_DEFAULT"

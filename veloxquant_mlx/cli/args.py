@@ -9,7 +9,7 @@ import dataclasses
 import json
 import sys
 
-from ..config import KV_GROUP_SIZES, KVCacheConfig, default_kv_group_size
+from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, default_kv_group_size
 from ..registry import FULL, get_method, methods
 
 
@@ -174,7 +174,7 @@ def config_from_args(args, prompt_len: int):
     if args.density is not None:
         if not 0.0 < args.density <= 1.0:
             raise CLIError(f"--density must be in (0, 1], got {args.density}")
-        budget = max(int(round(args.density * prompt_len)), 1)
+        budget = budget_for(args.density, prompt_len)
     options = {k.split("__")[2]: v for k, v in extra.items()}
     alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
                                ("prompt_eviction", getattr(args, "prompt_eviction", None)),

@@ -7,6 +7,7 @@ import time
 
 from .._blas import blas_hint, describe
 from ..builder import KVCacheBuilder
+from ..config import budget_for
 from ..evaluation.passkey import extract_digits, make_passkey_prompt
 from ..registry import FULL
 from .args import CLIError, fmt_bytes, load_model_for_cli, parse_method_spec
@@ -59,7 +60,7 @@ def cmd_demo(args):
     model, tokenizer = load_model_for_cli(args.model)
     key = "68043"
     tokens, pos = make_passkey_prompt(tokenizer, args.context, args.depth, key)
-    budget = max(int(args.density * len(tokens)), 1)
+    budget = budget_for(args.density, len(tokens))
     methods = [FULL] + args.methods
     print(f"Passkey demo: {len(tokens)}-token grass-filler prompt, key {key} at token {pos} "
           f"(depth {args.depth}); eviction methods keep {budget} tokens/head ({args.density:.0%} density). "

@@ -13,6 +13,7 @@ import functools
 import math
 import time
 
+from ..config import budget_for
 from .passkey import prose_text
 from .outputs import writes
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
@@ -78,7 +79,7 @@ def run(args) -> int:
 
     def run_one(p):
         spec = specs[p["method"]] if p["method"] in specs else method_specs([p["method"]])[0]
-        budget = n_tokens if spec.method is None else max(int(round(p["density"] * n_tokens)), 1)
+        budget = n_tokens if spec.method is None else budget_for(p["density"], n_tokens)
         # Streaming perplexity scores every chunk as it arrives: eviction runs through the text.
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction="stream")
         t = time.perf_counter()

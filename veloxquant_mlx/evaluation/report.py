@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from ..config import budget_for
 from .report_format import _REGIME_NAME, _ci_avg, _ctx_label, _err_cells, _load_json, _ok_cells, _order, _pct
 from .report_passkey import (passkey_coverage_table, _passkey_tables, _prefill_only_methods, _prompt_scale,
                              _seed_n_table)
@@ -167,7 +168,7 @@ def _reading(pk, ppl, sp, pk_data, lines, sp_density=0.2):
             kept_pf = nx.get("kv_kept_bytes_after_prefill", nx["kv_bytes_after_prefill"])
             rows = [kept_pf / per_row] + [sg.get("kv_kept_bytes", sg["kv_bytes"]) / per_row
                                           for sg in nx.get("segments", [])]
-            budget = round(sp_density * top)
+            budget = budget_for(sp_density, top)
             flat = max(rows) <= budget + 64
             grow_kv = (base["kv_bytes_end"] - base["kv_bytes_after_prefill"]) / 2**20
             facts.append(f"**Speed at {_ctx_label(top)}:** nexus decodes at {r:.2f}× KVCache "

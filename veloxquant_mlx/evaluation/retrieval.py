@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
+from ..config import budget_for
 from .passkey import extract_digits, make_passkey_prompt, prose_text
 from .needle import key_token_spans, needle_cut_stats  # noqa: F401 (re-exported)
 from .outputs import check_lengths, writes
@@ -309,7 +310,7 @@ def run(args) -> int:
             spec = specs[q["method"]]
             if spec.method is None:
                 continue
-            budgets[cid] = max(int(round(q["density"] * len(toks))), 1)
+            budgets[cid] = budget_for(q["density"], len(toks))
             try:
                 named[cid] = make_caches(model, spec, budgets[cid], seed=q["seed"])
             except Exception as e:
@@ -359,7 +360,7 @@ def run(args) -> int:
                         store.put(cid, r)  # siblings are stored right away (resumable)
                 pending[my] = recs[my]
             return dict(pending.pop(my))
-        budget = len(toks) if spec.is_full else max(int(round(p["density"] * len(toks))), 1)
+        budget = len(toks) if spec.is_full else budget_for(p["density"], len(toks))
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
         step = 2048 if p["regime"] == "prefill" else args.chunk
         r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)

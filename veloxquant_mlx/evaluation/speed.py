@@ -12,6 +12,7 @@ import statistics
 import time
 
 from ..caches.accounting import kv_report
+from ..config import budget_for
 from .passkey import prose_text
 from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
@@ -233,7 +234,7 @@ def run(args) -> int:
         n = p["context"]
         if n not in prompts:
             prompts[n] = _prompt(tokenizer, n)
-        budget = max(int(round(density * n)), 1)
+        budget = budget_for(density, n)
         res = measure_group(model, prompts[n], p["caches"], specs, budget, decode_tokens, repeats, prefill_step,
                             rotate=p["rotate"])
         return {"budget": budget, "per_cache": res}

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from ..config import budget_for
 from ..registry import get_method
 from .outputs import check_lengths, check_out_dir, writes
 from .report_tasks import write_tasks_report
@@ -82,7 +83,7 @@ def cell_budget(spec, q: dict, n_tokens: int) -> int:
         return n_tokens
     if q.get("budget_tokens") is not None:
         return int(q["budget_tokens"])
-    return max(int(round(q["density"] * n_tokens)), 1)
+    return budget_for(q["density"], n_tokens)
 
 
 def _git(*args) -> str:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..._blas import openblas_preloaded
-from ...config import KVCacheConfig
+from ...config import KVCacheConfig, budget_for
 from ...registry import get_method, methods as registered_methods
 from .scenarios import (D, H_KV, H_Q, NESTED_KINDS, SCALE, Scenario, attention_probs, make_bridge,
                         make_erosion, make_heavy, make_nested)
@@ -177,7 +177,7 @@ def _scenario_specs(cfg: SuiteConfig) -> list:
                           lambda s, k=kind, n=n: make_nested(k, n, s)))
     for kind in NESTED_KINDS:
         for n in cfg.nested_paper:
-            budgets = sorted({int(round(cfg.nested_paper_density * n))} | set(cfg.nested_paper_fixed))
+            budgets = sorted({budget_for(cfg.nested_paper_density, n)} | set(cfg.nested_paper_fixed))
             specs.append(("nested_paper", f"nested_{kind}_N{n}", budgets,
                           lambda s, k=kind, n=n: make_nested(k, n, s, n_decode=8)))
     specs.append(("bridge", "bridge_N1024", list(cfg.bridge_budgets), lambda s: make_bridge(s)))
