@@ -24,8 +24,8 @@ from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
-from veloxquant_mlx.caches.h2o import H2OKVCache  # noqa: E402
-from veloxquant_mlx.caches.nestedkv import NestedKVKVCache  # noqa: E402
+from veloxquant_mlx.methods.h2o.cache import H2OKVCache  # noqa: E402
+from veloxquant_mlx.methods.nestedkv.cache import NestedKVKVCache  # noqa: E402
 from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 
 B, H, HQ, D, BUDGET, CHUNK = 1, 8, 8, 128, 512, 2048

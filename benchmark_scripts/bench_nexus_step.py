@@ -29,7 +29,7 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
-from veloxquant_mlx.caches.nexus import NexusKVCache  # noqa: E402
+from veloxquant_mlx.methods.nexus.cache import NexusKVCache  # noqa: E402
 from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 from veloxquant_mlx.ops import gather_rows  # noqa: E402
 

@@ -83,8 +83,8 @@ def _make_factory(pkg: str, method: str):
         return KVCache
     if pkg == "ours":
         from veloxquant_mlx import KVCacheConfig
-        from veloxquant_mlx.caches.h2o import H2OKVCache
-        from veloxquant_mlx.caches.nestedkv import NestedKVKVCache
+        from veloxquant_mlx.methods.h2o.cache import H2OKVCache
+        from veloxquant_mlx.methods.nestedkv.cache import NestedKVKVCache
 
         cls = {"h2o": H2OKVCache, "nestedkv": NestedKVKVCache}[method]
 

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
     from veloxquant_mlx.evaluation.retrieval import make_prompt
-    from veloxquant_mlx.caches.kvzip import KVzipCache
+    from veloxquant_mlx.methods.kvzip.cache import KVzipCache
     from veloxquant_mlx.evaluation.speed import greedy_generate
     from veloxquant_mlx.model_pass import PassPrompt
 

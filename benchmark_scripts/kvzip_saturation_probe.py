@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-    from veloxquant_mlx.caches import kvzip as kz
+    from veloxquant_mlx.methods.kvzip import cache as kz
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
     from veloxquant_mlx.evaluation.retrieval import make_prompt

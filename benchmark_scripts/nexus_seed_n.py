@@ -39,7 +39,7 @@ def main(argv=None):
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import key_token_spans, make_keys, make_prompt
     from veloxquant_mlx.evaluation.speed import prefill
-    from veloxquant_mlx.ops.nexus import forced_blocks, select_blocks
+    from veloxquant_mlx.methods.nexus.ops import forced_blocks, select_blocks
 
     quiet_cache_warnings()
     model, tok, desc = load_eval_model("bundled", False)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.base import PAD_POSITION
-from veloxquant_mlx.caches.pyramidkv import pyramid_budgets
+from veloxquant_mlx.methods.pyramidkv import pyramid_budgets
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.ops.allocation import ada_keep
 from veloxquant_mlx.ops.window_scores import max_pool_1d

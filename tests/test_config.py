@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.caches.streaming import StreamingKVCache
+from veloxquant_mlx.methods.streaming import StreamingKVCache
 
 from conftest import make_tiny_model
 

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.caches.shard import HeadShard, shared_block_weights
+from veloxquant_mlx.caches.shard import HeadShard
+from veloxquant_mlx.methods.nexus.ops import shared_block_weights
 from veloxquant_mlx.distributed import layer_span, resolve_group, shard_for_world
-from veloxquant_mlx.ops.nexus import nexus_weights
+from veloxquant_mlx.methods.nexus.ops import nexus_weights
 from veloxquant_mlx.registry import get_method
 
 from conftest import make_tiny_model

@@ -13,7 +13,7 @@ from mlx_lm.models import llama as llama_module
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, install_query_tap, remove_query_tap
-from veloxquant_mlx.caches.streaming import StreamingKVCache
+from veloxquant_mlx.methods.streaming import StreamingKVCache
 from veloxquant_mlx.tap import query_tap_installed
 
 from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer

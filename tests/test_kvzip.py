@@ -19,7 +19,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
-from veloxquant_mlx.caches.kvzip import KVzipCache
+from veloxquant_mlx.methods.kvzip.cache import KVzipCache
 from veloxquant_mlx.model_pass import model_pass_installed, remove_model_pass
 
 from conftest import VOCAB, greedy, make_tiny_model, random_prompt, tiny_tokenizer
@@ -492,7 +492,7 @@ def _plus_reference(q, ctx, own, scale, inv_h, o_w, values):
 def test_kvzip_plus_score_matches_the_formula():
     """KVzip+ (KVzap, arXiv 2601.07891): the probability over the query's hidden norm, times ||W_o^g v||, max over
     queries and the group; the fused one-pass path gives the same scores."""
-    from veloxquant_mlx.ops.kvzip import reconstruction_attend, reconstruction_scores, value_output_norms
+    from veloxquant_mlx.methods.kvzip.ops import reconstruction_attend, reconstruction_scores, value_output_norms
 
     rng = np.random.default_rng(0)
     B, H, G, S, C, D, hidden = 1, 2, 3, 10, 14, 8, 20
@@ -523,7 +523,7 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
     from mlx_lm.models import gemma3_text
     from mlx_lm.models.cache import RotatingKVCache
 
-    from veloxquant_mlx.caches import kvzip as kz
+    from veloxquant_mlx.methods.kvzip import cache as kz
 
     model = make_tiny_model("gemma3", layers=6, heads=2, kv_heads=1, sliding_window=16, sliding_window_pattern=3,
                             query_pre_attn_scalar=50)

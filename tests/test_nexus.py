@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.caches.nexus import NexusKVCache, min_budget
-from veloxquant_mlx.ops.nexus import (block_distribution, log_reservoir_priority, nexus_weights,
+from veloxquant_mlx.methods.nexus.cache import NexusKVCache, min_budget
+from veloxquant_mlx.methods.nexus.ops import (block_distribution, log_reservoir_priority, nexus_weights,
                                       reservoir_uniforms, select_blocks, walk)
 
 from conftest import greedy, make_cache, make_tiny_model, random_prompt
@@ -389,7 +389,7 @@ def test_ada_nexus_config_and_fallback_without_tap():
 
 
 def test_ada_select_blocks_matches_reference_floor_and_total():
-    from veloxquant_mlx.ops.nexus import ada_block_width, ada_select_blocks
+    from veloxquant_mlx.methods.nexus.ops import ada_block_width, ada_select_blocks
 
     rng = np.random.default_rng(0)
     for B, H, nk, n_lead, n_trail, K, alpha in [(2, 3, 20, 1, 2, 6, 0.2), (1, 4, 17, 0, 1, 5, 0.5),
@@ -443,7 +443,7 @@ def test_ada_nexus_per_head_block_counts_follow_the_winners():
         assert blocks.tolist() == sorted({0, 14} | set(np.flatnonzero(ref_keep[0, h]).tolist()))
         assert len(blocks) - 2 == k_h[0, h] >= np.floor(0.2 * 8)
     assert _np(cache.kept_per_head()).sum() == H * (8 + 8 * b)  # H (forced rows + K b)
-    from veloxquant_mlx.ops.nexus import ada_block_width
+    from veloxquant_mlx.methods.nexus.ops import ada_block_width
 
     assert cache.size() == ada_block_width(15, H, 2, 8, 0.2) * b  # static width: forced + K_max blocks
     assert cache.size() >= 8 + k_h.max() * b
@@ -477,7 +477,7 @@ def test_ada_nexus_budget_invariants_under_chunked_updates(n_sink, recent, B, n,
             assert ((padded[:-1] >= 0).all(1) | (padded[:-1] < 0).all(1)).all()  # padding = whole blocks
         if c.evictions > state["ev"]:  # just evicted: exactly H (forced rows + K b) real rows per batch row
             state["ev"] = c.evictions
-            from veloxquant_mlx.ops.nexus import forced_blocks
+            from veloxquant_mlx.methods.nexus.ops import forced_blocks
 
             _, _, forced_rows = forced_blocks(c.rows_before_evict, b, n_sink, recent)
             K = (budget - forced_rows) // b
@@ -536,7 +536,7 @@ def test_ada_nexus_ragged_attention_equals_per_head_hand_computed():
 
 
 def test_neighbour_smoothing_option():
-    from veloxquant_mlx.caches.nexus import neighbour_max
+    from veloxquant_mlx.methods.nexus.cache import neighbour_max
 
     w = mx.array([[[0.5, 0.1, 0.3, 0.02, 0.08]]])
     forced = mx.array([True, False, False, False, True])  # sink and recent blocks lend nothing
@@ -553,7 +553,7 @@ def test_neighbour_smoothing_option():
 
 
 def test_block_max_takes_the_largest_row_of_each_block_partial_last():
-    from veloxquant_mlx.ops.nexus import block_max
+    from veloxquant_mlx.methods.nexus.ops import block_max
 
     rows = mx.array([[0.1, 0.7, 0.2, 0.0, 0.4, 0.3, 0.9]])
     np.testing.assert_allclose(_np(block_max(rows, 3))[0], [0.7, 0.4, 0.9], rtol=1e-6)

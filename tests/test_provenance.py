@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from veloxquant_mlx.caches.h2o import H2OKVCache
+from veloxquant_mlx.methods.h2o.cache import H2OKVCache
 from veloxquant_mlx.evaluation import provenance as P
 from veloxquant_mlx.evaluation.results import ResultStore
 

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
 from veloxquant_mlx.caches.batch import BatchEvictionCache
-from veloxquant_mlx.caches.streaming import StreamingKVCache
+from veloxquant_mlx.methods.streaming import StreamingKVCache
 
 from conftest import forbid_host_sync, greedy, random_prompt, small_config
 from test_batching import alone, batched, same_cache

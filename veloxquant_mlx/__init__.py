@@ -3,6 +3,7 @@
 from .builder import KVCacheBuilder
 from .caches import EvictionCache
 from .config import KVCacheConfig
+from . import methods as _methods  # noqa: F401 (registers every method)
 from .prompt_cache import load_prompt_cache, save_prompt_cache
 from .registry import methods, register
 from .tap import install_query_tap, remove_query_tap

@@ -4,7 +4,7 @@ A cache cannot call the model; the builder can. ``install_model_pass(model)`` gi
 instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_step`` /
 ``BatchGenerator`` call) does, per forward:
 
-1. hands the forward's token ids to the caches (``caches.kvzip.feeding``): each KVzip cache stores
+1. hands the forward's token ids to the caches (``methods.kvzip.cache.feeding``): each KVzip cache stores
    them per row, so the text to reconstruct is always at hand, also after save/load;
 2. runs the original forward (lazily, as always); a KVzip cache whose compression falls due in it
    (the prompt's end) defers it;
@@ -30,9 +30,9 @@ import warnings
 import mlx.core as mx
 
 from .caches.batch import BatchEvictionCache
-from .caches.kvzip import KVzipCache, feeding
+from .methods.kvzip.cache import KVzipCache, feeding
 from .caches.storage import PAD_POSITION
-from .ops.kvzip import layer_winner_counts
+from .methods.kvzip.ops import layer_winner_counts
 
 _DRIVER = "_veloxquant_model_pass"
 _SUBCLASSES: dict = {}

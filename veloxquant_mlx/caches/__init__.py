@@ -1,12 +1,6 @@
-"""Eviction caches. Importing this package registers every method file in it (one file per method)."""
-
-import importlib
-import pkgutil
+"""The machinery every eviction method shares: the base cache, storage (ragged, quantized, batched),
+head shards, the cold tier, byte accounting. The methods themselves live in ``veloxquant_mlx.methods``."""
 
 from .base import PAD_POSITION, EvictionCache
-
-for _info in pkgutil.iter_modules(__path__):
-    if _info.name != "base" and not _info.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_info.name}")
 
 __all__ = ["EvictionCache", "PAD_POSITION"]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..ops.nexus import nexus_weights_from_parts
 
 
 RADIX_BITS = 4  # bits of the float key per radix-select round: 8 rounds of a 16-bin histogram
@@ -161,24 +160,6 @@ class HeadShard:
         full = list(shape)
         full[axis] = self.total_heads(n_local)
         return self.local(mx.random.uniform(shape=tuple(full), key=key), n_local, axis)
-
-
-def shared_block_weights(d: HeadShard, s_sum: mx.array, n_local: int, walk_depth: int, lam: float,
-                         eps_tie: float) -> mx.array:
-    """Nexus's layer-shared block weights w (B, 1, N_k) when the heads are split across ranks.
-
-    ``s_sum`` (B, W, N_k) is this rank's S_hat summed over its ``n_local`` (KV head x GQA) heads. The
-    weights read only two things of the head-averaged S_hat: its mean over the W window rows (the
-    direct score) and its last ``walk_depth`` rows (the walk), so one all_sum of (B, 1 + h, N_k)
-    float32 gives every rank the same w (h = 0 when ``lam = 0``)."""
-    W = s_sum.shape[-2]
-    h = min(int(walk_depth), W) if lam != 0.0 else 0
-    part = s_sum.sum(axis=-2, keepdims=True)
-    if h:
-        part = mx.concatenate([part, s_sum[..., W - h:, :]], axis=-2)
-    tot = d.all_sum(part) / float(n_local * d.size)  # (B, 1 + h, N_k): sums over every head -> means
-    a = tot[:, None, 0] / float(W)
-    return nexus_weights_from_parts(a, tot[:, None, 1:] if h else a, lam, eps_tie)
 
 
 def head_means(d: HeadShard, k_sum: mx.array, q: mx.array, n_kv_local: int):

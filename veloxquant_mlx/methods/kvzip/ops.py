@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import group_queries, window_attention_probs
+from ...ops.attention import group_queries, window_attention_probs
 
 
 def _block_logits(q, ctx, own, col_limit):

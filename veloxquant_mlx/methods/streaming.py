@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ..options import option
 from ..registry import register
-from .base import EvictionCache
+from ..caches.base import EvictionCache
 
 
 @dataclasses.dataclass

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..options import option
-from ..ops.h2o import attention_mass
-from ..registry import register
-from .base import EvictionCache
+from ...options import option
+from .ops import attention_mass
+from ...registry import register
+from ...caches.base import EvictionCache
 
 
 @dataclasses.dataclass

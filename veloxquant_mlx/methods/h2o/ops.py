@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import group_queries
+from ...ops.attention import group_queries
 
 
 def _block_probs(q, k, q_pos, k_pos, scale):

@@ -17,7 +17,7 @@ import math
 
 import mlx.core as mx
 
-from .allocation import ada_head_budgets, ada_width
+from ...ops.allocation import ada_head_budgets, ada_width
 
 _MASKED = -1e30  # finite "minus infinity": a fully masked row becomes uniform, never NaN
 
@@ -278,3 +278,21 @@ def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: in
     n_kept = keep.sum(axis=-1, keepdims=True)
     real = (t < n_lead + n_kept) | (t >= n_lead + k_max)
     return blocks, real
+
+
+def shared_block_weights(d, s_sum: mx.array, n_local: int, walk_depth: int, lam: float,
+                         eps_tie: float) -> mx.array:
+    """Nexus's layer-shared block weights w (B, 1, N_k) when the heads are split across ranks.
+
+    ``s_sum`` (B, W, N_k) is this rank's S_hat summed over its ``n_local`` (KV head x GQA) heads. The
+    weights read only two things of the head-averaged S_hat: its mean over the W window rows (the
+    direct score) and its last ``walk_depth`` rows (the walk), so one all_sum of (B, 1 + h, N_k)
+    float32 gives every rank the same w (h = 0 when ``lam = 0``)."""
+    W = s_sum.shape[-2]
+    h = min(int(walk_depth), W) if lam != 0.0 else 0
+    part = s_sum.sum(axis=-2, keepdims=True)
+    if h:
+        part = mx.concatenate([part, s_sum[..., W - h:, :]], axis=-2)
+    tot = d.all_sum(part) / float(n_local * d.size)  # (B, 1 + h, N_k): sums over every head -> means
+    a = tot[:, None, 0] / float(W)
+    return nexus_weights_from_parts(a, tot[:, None, 1:] if h else a, lam, eps_tie)

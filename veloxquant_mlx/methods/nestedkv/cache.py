@@ -26,14 +26,14 @@ import math
 
 import mlx.core as mx
 
-from ..options import option
-from ..ops import gather_rows, keep_top_rows
-from ..ops.attention import causal_attention
-from ..ops.nestedkv import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
+from ...options import option
+from ...ops import gather_rows, keep_top_rows
+from ...ops.attention import causal_attention
+from .ops import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
                             rows_from_mask)
-from ..registry import register
-from .base import PAD_POSITION, EvictionCache
-from .shard import shard_of
+from ...registry import register
+from ...caches.base import PAD_POSITION, EvictionCache
+from ...caches.shard import shard_of
 
 
 @dataclasses.dataclass

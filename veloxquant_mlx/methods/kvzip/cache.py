@@ -31,12 +31,12 @@ import threading
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from ..options import option
-from ..ops.kvzip import reconstruction_attend, reconstruction_scores, value_output_norms, window_max_scores
-from ..registry import register
-from .base import EvictionCache
-from .quant import dequantize_rows, quantize_rows, rows_map, rows_zip
-from .storage import with_headroom
+from ...options import option
+from .ops import reconstruction_attend, reconstruction_scores, value_output_norms, window_max_scores
+from ...registry import register
+from ...caches.base import EvictionCache
+from ...caches.quant import dequantize_rows, quantize_rows, rows_map, rows_zip
+from ...caches.storage import with_headroom
 
 
 @dataclasses.dataclass

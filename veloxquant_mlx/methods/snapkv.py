@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..options import option
 from ..ops.window_scores import snapkv_scores
 from ..registry import register
-from .base import EvictionCache
+from ..caches.base import EvictionCache
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ import mlx.core as mx
 
 from ..options import option
 from ..registry import register
-from .base import EvictionCache
-from .shard import shard_of
+from ..caches.base import EvictionCache
+from ..caches.shard import shard_of
 
 
 @dataclasses.dataclass

@@ -29,16 +29,15 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..options import option
-from ..ops.nestedkv import episodic_block_size, nestedkv_scores
-from ..ops.nexus import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows,
-                         forced_blocks, log_reservoir_priority, n_blocks, nexus_weights, select_blocks,
-                         top_blocks)
-from ..registry import register
-from .base import PAD_POSITION, EvictionCache
-from .nestedkv import NestedKVOptions
-from .quant import dequantize_rows
-from .shard import head_means, shard_of, shared_block_weights
+from ...caches.base import PAD_POSITION, EvictionCache
+from ...caches.quant import dequantize_rows
+from ...caches.shard import head_means, shard_of
+from ...options import option
+from ...registry import register
+from ..nestedkv.cache import NestedKVOptions
+from ..nestedkv.ops import episodic_block_size, nestedkv_scores
+from .ops import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows, forced_blocks,
+                  log_reservoir_priority, n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
 
 _ANOMALY = NestedKVOptions()  # the key prior scores rows with NestedKV's defaults
 

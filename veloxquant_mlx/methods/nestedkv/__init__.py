@@ -1,0 +1,5 @@
+"""NestedKVKVCache: NestedKV adapted to a KV cache (its cache and its scoring ops)."""
+
+from .cache import NestedKVKVCache, NestedKVOptions
+
+__all__ = ["NestedKVKVCache", "NestedKVOptions"]
