@@ -20,7 +20,7 @@ Rounds run every configuration once, order reversed every other round; ratios ar
 round (paired) and summarized as median [min, max] over rounds. Times are this process's CPU
 time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
 
-  python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py
   python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
 """
 
@@ -313,7 +313,7 @@ def provenance(argv, labels):
     """The project's provenance (commit, command, date, behaviour fingerprint of ``labels``)."""
     from veloxquant_mlx.evaluation.provenance import provenance as project_provenance
 
-    return project_provenance("python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py "
+    return project_provenance("python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py "
                               + " ".join(argv), labels)
 
 
@@ -367,7 +367,7 @@ def main(argv=None):
     variants = [v for v in a.variants.split(",") if v]
     if "full" not in variants:
         variants.insert(0, "full")
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.evaluation.results import machine_info
 
     result = {"provenance": provenance(argv, ["full"] + methods), "machine": machine_info(), "blas": blas_info(),

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "gemma_probe.json"))
     a = ap.parse_args(argv)
 
-    from veloxquant_mlx._blas import reexec_with_openblas
+    from veloxquant_mlx.platform.blas import reexec_with_openblas
 
     reexec_with_openblas(num_threads=1)
     import mlx.core as mx

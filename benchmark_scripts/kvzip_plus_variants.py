@@ -2,7 +2,7 @@
 (plus), the BOS left out of the reconstructed text (nobos), per-layer uniform budgets (each), no recent
 window (r0), 512-token reconstruction chunks (c512), 6 greedy tokens each.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/kvzip_plus_variants.py gemma3-270m kvzip,plus,nobos 0.1,0.5
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/kvzip_plus_variants.py gemma3-270m kvzip,plus,nobos 0.1,0.5
 """
 import sys
 import time
