@@ -121,7 +121,7 @@ def main(argv=None):
         reconstruction input (repeat prompt + context, one chunk) over that cache. What any pass costs
         at least with this attention (exact shapes when the context fits one chunk)."""
         from veloxquant_mlx.methods.kvzip.cache import KVzipOptions
-        from veloxquant_mlx.model_pass import PassPrompt, chunk_parts
+        from veloxquant_mlx.methods.kvzip.model_pass import PassPrompt, chunk_parts
 
         caches = make_prompt_cache(model)
         r = feed(model, tokens, caches, step)

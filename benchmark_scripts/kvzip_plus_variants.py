@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx import model_pass as mp
+from veloxquant_mlx.methods.kvzip import model_pass as mp
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
 from veloxquant_mlx.evaluation.retrieval import make_prompt
 from veloxquant_mlx.evaluation.speed import greedy_generate

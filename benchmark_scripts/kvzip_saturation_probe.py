@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.evaluation.speed import greedy_generate
-    from veloxquant_mlx.model_pass import PassPrompt
+    from veloxquant_mlx.methods.kvzip.model_pass import PassPrompt
 
     quiet_cache_warnings()
     model, tok, desc = load_eval_model(a.model)

@@ -569,13 +569,13 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
 def test_kvzip_plus_without_an_attention_output_projection_is_a_clear_error():
     from types import SimpleNamespace
 
-    from veloxquant_mlx.model_pass import _hidden_hooks
+    from veloxquant_mlx.methods.kvzip.model_pass import _hidden_hooks
 
     cache = KVzipCache(kvzip(budget=24, kvzip_normalize="plus"), 0, 1)
     model = SimpleNamespace(layers=[SimpleNamespace(mixer=nn.Linear(4, 4))])  # no self_attn.o_proj
     with pytest.raises(ValueError, match="no attention module with o_proj"):
-        with _hidden_hooks(model, [(cache, None)]):
+        with _hidden_hooks(model, [(cache, None)], {id(cache)}):
             pass
     with pytest.raises(ValueError, match="aligned with the cache list"):
-        with _hidden_hooks(model, [(cache, None), (cache, None)]):
+        with _hidden_hooks(model, [(cache, None), (cache, None)], {id(cache)}):
             pass

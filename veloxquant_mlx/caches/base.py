@@ -101,6 +101,15 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
     # Hooks a method may override -------------------------------------------------------------
+    needs_model_pass = False  # True: the builder wraps the model so run_model_pass can run (model_pass.py)
+
+    @classmethod
+    def run_model_pass(cls, driver, seq) -> None:
+        """Work this method deferred (``caches.forward.defer``) to after the model's forward, with the
+        model at hand: ``seq`` is one sequence's per-layer (cache, batch index or None) pairs, ``driver``
+        the glue's ``model_pass.ModelPassDriver`` (``forward(inputs, cache)``, ``scratch``, ``tokenizer``)."""
+        raise NotImplementedError(f"{cls.__name__} deferred work to a model pass but has no run_model_pass")
+
     # KVCacheConfig fields this method defaults differently from HEAD_BUDGET_DEFAULTS (allocation,
     # floor_alpha, max_head_factor), used where the config leaves them unset.
     config_defaults: dict = {}
