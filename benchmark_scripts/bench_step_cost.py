@@ -103,7 +103,7 @@ def fill(cache, T, kv_heads, q_heads, hd, seed):
         st["window_q"] = mx.random.normal((1, q_heads, cache.query_window, hd), key=mx.random.key(seed + 2))
     cache.state = st
     cache.offset, cache.scale, cache._ragged, cache._evict_floor = T, hd ** -0.5, ragged, R
-    cache._prompt_open, cache._saw_decode, cache.queries_observed = False, True, 1
+    cache.prompt.open, cache.prompt.saw_decode, cache.queries_observed = False, True, 1
     mx.eval(cache.state)
 
 
@@ -232,7 +232,7 @@ def components(model, T, budget, methods, repeats=25):
             c.update_and_fetch(k1, k1)
             mx.eval(c.state)
             c0 = time.process_time()
-            c._ending = False
+            c.prompt.ending = False
             c.evict_threshold = lambda: 1 << 40
             c.observe_queries(q, hd ** -0.5)
             mx.eval(c.step_state())

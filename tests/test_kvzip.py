@@ -391,6 +391,9 @@ def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monke
     thr = np.sort(flat)[::-1][4 * 2 * (32 - 8) - 1]
     want = [8 + int(round((c >= thr).sum() / 2)) for c in cand]
     assert [b for _, _, b in seen] == want == sizes
+    # the shares are compression targets: every layer's budget stays the configured one, and the
+    # compression state is closed again
+    assert all(c.budget == 32 and c.keep_rows() == 32 and not c.compressing_prompt for c in glob)
 
 
 def test_default_head_budget_follows_the_total():

@@ -149,3 +149,16 @@ def test_density_to_budget_rule_exists_once():
     assert not bad, f"density -> budget arithmetic outside config.budget_for: {bad}"
     assert density_arithmetic((ROOT / PACKAGE / "config.py").read_text()), "budget_for itself not seen"
     assert density_arithmetic("b = int(round(args.density * n))\nc = n * float(density)\n") == [1, 2]
+
+
+def test_a_compression_target_is_closed_even_when_the_eviction_fails():
+    from veloxquant_mlx.caches.policy import PromptState
+
+    p = PromptState()
+    try:
+        with p.compressing_to(7):
+            assert p.compressing and p.target == 7
+            raise RuntimeError("selection failed")
+    except RuntimeError:
+        pass
+    assert not p.compressing and p.target is None

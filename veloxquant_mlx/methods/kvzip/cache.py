@@ -179,18 +179,13 @@ class KVzipCache(EvictionCache):
         if not (self._zip_due and self.pending == 0):
             return
         self._zip_due = False
-        keep, self.budget = self.budget, (self.budget if budget is None else budget)
-        self.compressing_prompt = True
-        try:
+        with self.prompt.compressing_to(budget):  # the budget itself stays; keep_rows() reads the target
             super()._evict()
-        finally:
-            self.compressing_prompt = False
-            self.budget = keep
 
     def _end_prompt(self):
         # "global": a layer below its own budget may still have to give rows to another layer.
         if self.options.layers == "global" and self.pending and self.offset > self.budget >= self._rows:
-            self._ending = False
+            self.prompt.ending = False
             self._evict()
             return
         super()._end_prompt()
@@ -247,7 +242,7 @@ class KVzipCache(EvictionCache):
         lo, hi, lead = self._chunk
         own_keys, own_values = self._own
         if self._fuse_attention(lo, hi, lead):  # the chunk's rows are all the rows attention reads
-            self._attention_out, s = reconstruction_attend(queries, self.stored("keys")[:, :, lo:hi], own_keys,
+            self.attend.out, s = reconstruction_attend(queries, self.stored("keys")[:, :, lo:hi], own_keys,
                                                            self.stored("values")[:, :, lo:hi], own_values,
                                                            scale, self.options.q_block,
                                                            self._plus_weights(lo, hi, lead, queries.shape[1]))

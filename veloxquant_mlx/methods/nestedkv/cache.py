@@ -91,7 +91,7 @@ class NestedKVKVCache(EvictionCache):
         # now are the rows update_and_fetch returned (a chunk appends; compression runs at the end step).
         S = queries.shape[2]
         if S > 1 and self.one_pass(self.options.prefill_attention, on="blocked"):
-            self._attention_out = causal_attention(queries, self.stored("keys"), self.stored("values"),
+            self.attend.out = causal_attention(queries, self.stored("keys"), self.stored("values"),
                                                    self.stored("positions"), self.offset - S, self.scale,
                                                    self.options.query_block)
 
