@@ -227,9 +227,10 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
             fetched = tuple(mx.depends(list(fetched), self.step_state()))
         return fetched
 
-    def note_fetched(self) -> None:
-        """Record the rows this step attends to (the tap's mask describes them)."""
-        self._fetched_positions = self.positions[:, :, :self._rows]
+    def note_fetched(self, positions: mx.array | None = None) -> None:
+        """Record the rows this step attends to (the tap's mask describes them): the stored rows, or
+        ``positions`` when the step attends to more (rows it will not store)."""
+        self._fetched_positions = self.positions[:, :, :self._rows] if positions is None else positions
         self._fetched_ragged = self.is_ragged
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:

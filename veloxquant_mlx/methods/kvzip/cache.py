@@ -198,8 +198,7 @@ class KVzipCache(EvictionCache):
         k, v = self._fetch()
         B, H, S = keys.shape[:3]
         new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
-        self._fetched_positions = mx.concatenate([self.positions[:, :, :self._rows], new_pos], axis=2)
-        self._fetched_ragged = self.is_ragged
+        self.note_fetched(mx.concatenate([self.positions[:, :, :self._rows], new_pos], axis=2))
         if self.queries_from_keys:  # no tap: keys stand in for the queries, as everywhere else
             self._score_chunk(keys, keys.shape[-1] ** -0.5)
         # Quantized rows: the pass's own rows join in the stored layout, so attention takes one path.
@@ -260,7 +259,7 @@ class KVzipCache(EvictionCache):
         S = queries.shape[2]
         if not self.is_ragged:
             return create_causal_mask(S, offset=self._rows) if isinstance(mask, mx.array) else mask
-        return self.ragged_mask(self._fetched_positions, mx.arange(self.offset, self.offset + S), queries)
+        return self.ragged_mask(self.fetched_positions, mx.arange(self.offset, self.offset + S), queries)
 
     def step_state(self):
         # A scoring step stores nothing; its scores are tied to the layer's output so each layer's
