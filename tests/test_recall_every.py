@@ -104,3 +104,18 @@ def test_every_method_recalls_during_decode_without_sync_and_loses_nothing(metho
     assert cache.size() <= cache.evict_threshold()
     assert_nothing_lost(cache)
     mx.eval(cache.state)
+
+
+def test_cli_flag_sets_recall_every_and_refuses_it_without_the_memory_tier():
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.args import CLIError, config_from_args
+
+    def cfg(*flags):
+        return config_from_args(build_parser().parse_args(["generate", "--method", "snapkv", "--budget", "64",
+                                                           *flags]), 100)
+    assert cfg("--recall", "memory", "--recall-every", "8").recall_every == 8
+    assert cfg("--recall", "memory").recall_every is None
+    with pytest.raises(ValueError, match="needs recall='memory'"):
+        cfg("--recall", "disk", "--recall-every", "8")
+    with pytest.raises(CLIError, match="only apply with --recall"):
+        cfg("--recall-every", "8")
