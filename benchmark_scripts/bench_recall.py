@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.caches.accounting import kv_report  # noqa: E402
+from veloxquant_mlx.caches.accounting import cold_split, kv_report  # noqa: E402
 from veloxquant_mlx.caches.quant import model_caches  # noqa: E402
 from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings  # noqa: E402
@@ -37,16 +37,6 @@ from veloxquant_mlx.evaluation.tasks import build  # noqa: E402
 
 def label(method: str, tier: str) -> str:
     return method if tier == "none" else f"{method}-recall-{tier}"
-
-
-def cold_split(caches) -> dict:
-    keys = ("hot_bytes", "cold_resident_bytes", "cold_disk_bytes", "summary_bytes")
-    out = dict.fromkeys(keys, 0)
-    for c in caches:
-        r = c.byte_report() if hasattr(c, "byte_report") else {}
-        for k in keys:
-            out[k] += r.get(k, 0)
-    return out
 
 
 def summarize(data: dict) -> dict:
