@@ -113,3 +113,27 @@ KEEP = caches  # alive at exit: only the exit handler can remove the files
     assert len(paths) == 2 and all(os.path.dirname(p) == str(tmp_path) for p in paths)
     assert not any(os.path.exists(p) for p in paths)
     assert not list(tmp_path.iterdir())
+
+
+def test_serve_with_recall_serves_sequentially_and_says_why(model, caplog):
+    """A cold tier per conversation is not wired into a batch's shared buffers: serve's provider turns
+    continuous batching off and logs the reason, instead of failing at the first merge."""
+    from veloxquant_mlx.cli.serve import _model_provider_class, server_args
+
+    from conftest import tiny_tokenizer
+
+    config = small_config("snapkv", recall="memory", recall_page=8)
+    provider = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), config)
+    try:
+        with caplog.at_level("INFO", logger="veloxquant_mlx.serve"):
+            provider.load("default_model")
+        assert not provider.is_batchable
+        assert "off (sequential requests: SnapKVCache cannot batch: recall='memory' keeps a cold tier" in caplog.text
+    finally:
+        KVCacheBuilder.uninstall(model)
+    plain = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), small_config("snapkv"))
+    try:
+        plain.load("default_model")
+        assert plain.is_batchable
+    finally:
+        KVCacheBuilder.uninstall(model)
