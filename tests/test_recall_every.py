@@ -119,3 +119,24 @@ def test_cli_flag_sets_recall_every_and_refuses_it_without_the_memory_tier():
         cfg("--recall", "disk", "--recall-every", "8")
     with pytest.raises(CLIError, match="only apply with --recall"):
         cfg("--recall-every", "8")
+
+
+def test_save_load_keeps_the_decode_step_count(tmp_path):
+    """A loaded cache recalls on the same decode step as the one it was saved from."""
+    from veloxquant_mlx import load_prompt_cache, save_prompt_cache
+
+    cache, _ = _decode_needle(every=4, steps=2)  # two decode steps into the cycle
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert loaded.cold.steps == 2 and loaded.config.recall_every == 4
+    rng = np.random.default_rng(3)
+    for i in range(2):
+        k = mx.array(rng.normal(size=(1, 2, 1, D)).astype(np.float32)) * 0.1
+        q = mx.array(rng.normal(size=(1, 4, 1, D)).astype(np.float32))
+        for c in (cache, loaded):
+            c.update_and_fetch(k, k * 2 + 1)
+            c.observe_queries(q)
+        assert cache.cold.recalls == loaded.cold.recalls == i  # step 3: none; step 4: both recall
+    np.testing.assert_array_equal(np.array(cache.kept_positions()), np.array(loaded.kept_positions()))
+    assert_nothing_lost(loaded)
