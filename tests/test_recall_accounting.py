@@ -137,3 +137,19 @@ def test_serve_with_recall_serves_sequentially_and_says_why(model, caplog):
         assert plain.is_batchable
     finally:
         KVCacheBuilder.uninstall(model)
+
+
+def test_batch_generate_refuses_caches_with_a_cold_tier(model):
+    """mlx-lm's batch_generate merges per-sequence caches; ours with a cold tier have no merge, so it
+    refuses before generating anything (mlx-lm's own message) rather than batching them wrongly."""
+    from mlx_lm.generate import batch_generate
+
+    from conftest import tiny_tokenizer
+
+    KVCacheBuilder.install(model, small_config("snapkv", recall="memory", recall_page=8))
+    try:
+        with pytest.raises(ValueError, match="does not yet support batching"):
+            batch_generate(model, tiny_tokenizer(), [random_prompt(60, seed=1), random_prompt(40, seed=2)],
+                           max_tokens=4)
+    finally:
+        KVCacheBuilder.uninstall(model)
