@@ -122,7 +122,7 @@ def parse_spec(spec: str, given: dict | None = None) -> tuple:
         elif key in core_keys:
             field, meta, target = key, CORE_FIELDS[key], core
         else:
-            raise ValueError(f"unknown key {key!r} in method spec {spec!r}; valid keys for {name}: "
+            raise ValueError(f"bad method spec {spec!r}: unknown key {key!r}; valid keys for {name}: "
                              f"{', '.join(valid_keys(name))}")
         if not typed:
             try:
@@ -139,7 +139,7 @@ def parse_spec(spec: str, given: dict | None = None) -> tuple:
     for item in _split_items(rest):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"bad item {item!r} in method spec {spec!r}: expected key=value "
+            raise ValueError(f"bad method spec {spec!r}: {item!r} is not key=value "
                              f"(valid keys for {name}: {', '.join(valid_keys(name))})")
         put(key.strip(), value.strip(), False, f"{spec!r}:")
     for key, value in (given or {}).items():
