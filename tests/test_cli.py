@@ -245,7 +245,8 @@ def test_kv_bits_4_defaults_to_groups_of_32(capsys):
     assert config_from_args(args, 100).kv_group_size == 64
     args = build_parser().parse_args(["generate", "--method", "full", "--kv-bits", "4"])
     assert full_quant(args) == (4, 32)  # mlx-lm's QuantizedKVCache takes the same default here
-    assert full_quant(build_parser().parse_args(["generate", "--method", "full:kv_bits=8,kv_group_size=128"])) == (8, 128)
+    args = build_parser().parse_args(["generate", "--method", "full:kv_bits=8,kv_group_size=128"])
+    assert full_quant(args) == (8, 128)
 
 
 def test_method_spec_and_flags_are_one_setting(capsys):
@@ -268,7 +269,8 @@ def test_method_spec_and_flags_are_one_setting(capsys):
     for argv, msg in ((("--method", "nexus:window=8", "--nexus-window", "4"), "window is given twice"),
                       (("--method", "nexus:budget=64", "--budget", "128"), "budget is given twice"),
                       (("--method", "nexus:budget=64", "--density", "0.2"), "budget in --method or --density"),
-                      (("--method", "nexus:windw=8"), r"unknown key 'windw'; valid keys for nexus: block_size, window, .*, budget, n_sink"),
+                      (("--method", "nexus:windw=8"),
+                       r"unknown key 'windw'; valid keys for nexus: block_size, window, .*, budget, n_sink"),
                       (("--method", "nexus:window=eight"), r"window=eight: expected an int"),
                       (("--method", "full:budget=64"), r"valid keys for full: kv_bits, kv_group_size")):
         with pytest.raises(CLIError, match=msg):

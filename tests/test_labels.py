@@ -95,3 +95,16 @@ def test_suffixes_apply_to_any_method_label():
         L.method_specs(["full-ada"])
     with pytest.raises(ValueError, match="rotating takes no suffix"):
         L.method_specs(["rotating-8bit"])
+
+
+def test_a_spec_is_a_label_with_the_fingerprint_key_of_its_setting():
+    from veloxquant_mlx.evaluation.provenance import key_of
+
+    spec = L.method_specs(["nexus:n_samples=none"])[0]
+    assert spec.config(512) == L.method_specs(["nexus-topk"])[0].config(512)
+    pinned = L.pinned_options("nexus:n_samples=none")
+    assert key_of("nexus:n_samples=none", options=pinned) == key_of("nexus-topk", options=L.pinned_options("nexus-topk"))
+    assert key_of("snapkv:allocation=ada") == key_of("snapkv-ada") == "snapkv:ada"
+    assert key_of("h2o:kv_bits=4", "stream") == "h2o:stream" and key_of("full:kv_bits=4") == "full"
+    with pytest.raises(ValueError, match="unknown key 'windw'"):
+        L.method_specs(["nexus:windw=8"])

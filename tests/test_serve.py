@@ -319,7 +319,8 @@ def test_serve_takes_a_method_spec(monkeypatch):
     from veloxquant_mlx.cli.args import CLIError
 
     seen = []
-    monkeypatch.setattr(serve_mod, "serve", lambda model, tok, config, model_name, **o: seen.append(dict(config=config, **o)))
+    monkeypatch.setattr(serve_mod, "serve",
+                        lambda model, tok, config, model_name, **o: seen.append(dict(config=config, **o)))
     monkeypatch.setattr(serve_mod, "load_model_for_cli", lambda spec: (None, None))
     monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
     args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", "0"])

@@ -352,13 +352,12 @@ def check_flags_against_file(args, meta: dict, path: str) -> None:
             name, core, opts = parse_spec(args.method)
         except ValueError as e:
             raise CLIError(str(e)) from None
-        if name != cfg.get("method"):
+        held = {**(cfg.get("options") or {}), **cfg} if name == cfg.get("method") else {}
+        if not held:
             bad.append(f"--method {args.method} (file: {cfg.get('method')})")
-        else:
-            bad += [f"{k}={_cli_value(v)} in --method (file: {_cli_value(cfg.get(k))})" for k, v in core.items()
-                    if v != cfg.get(k)]
-            bad += [f"{k}={_cli_value(v)} in --method (file: {_cli_value((cfg.get('options') or {}).get(k))})"
-                    for k, v in opts.items() if (list(v) if isinstance(v, tuple) else v) != (cfg.get("options") or {}).get(k)]
+        for k, v in {**opts, **core}.items() if held else ():
+            if (list(v) if isinstance(v, tuple) else v) != held.get(k):
+                bad.append(f"{k}={_cli_value(v)} in --method (file: {_cli_value(held.get(k))})")
     for dest, key in _FLAG_KEYS:
         if dest in given and getattr(args, dest) != cfg.get(key):
             bad.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (file: {_cli_value(cfg.get(key))})")

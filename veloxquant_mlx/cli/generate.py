@@ -12,9 +12,9 @@ from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
-from .args import (CLIError, add_cache_args, cache_spec, check_context, check_flags_against_file, config_from_args,
-                   describe_file_config, fit_kv_group, fmt_bytes, full_quant, load_compressed_document,
-                   load_model_for_cli, prompt_bar, question_tokens)
+from .args import (CLIError, add_cache_args, cache_spec, check_context, check_flags_against_file,
+                   config_from_args, describe_file_config, fit_kv_group, fmt_bytes, full_quant,
+                   load_compressed_document, load_model_for_cli, prompt_bar, question_tokens)
 
 
 def encode_prompt(tokenizer, prompt: str, use_chat: bool):

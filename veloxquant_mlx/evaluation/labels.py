@@ -9,6 +9,7 @@ Published figures are keyed by label, so a label keeps meaning exactly what its 
 * every registered method is a label of its own name, with its defaults.
 * ``<label><suffix>...``: each suffix in :data:`SUFFIXES` adds its fields, a later one overriding an
   earlier one (``nexus-4bit-g32``: 4-bit rows in groups of 32).
+* a spec string (``nexus:window=8,kv_bits=4``) is a label of its own.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def spec_of(label: str, ablations: bool = True) -> str:
     """The spec string a label runs (``"snapkv-ada"`` -> ``"snapkv:allocation=ada"``); ValueError for
     a label that names nothing, or whose fields the method refuses."""
     table = _table(ablations)
+    if label not in table and ":" in label:  # a spec string is a label of its own
+        _parsed(label)
+        return label
     base, suffixes = label, []
     while base not in table and base.endswith(tuple(SUFFIXES)):
         suffix = next(s for s in SUFFIXES if base.endswith(s))
