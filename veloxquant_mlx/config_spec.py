@@ -109,9 +109,7 @@ def parse_spec(spec: str, given: dict | None = None) -> tuple:
         raise TypeError(f"a method spec must be a string, got {type(spec).__name__}")
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
-    if name != FULL:
-        get_method(name)  # unknown method -> ValueError listing the known ones
-    opt_keys = {} if name == FULL else _option_keys(name)
+    opt_keys = {} if name == FULL else _option_keys(name)  # unknown method -> ValueError listing the known ones
     core_keys = FULL_FIELDS if name == FULL else tuple(CORE_FIELDS)
     core, options, seen = {}, {}, {}
 

@@ -142,12 +142,11 @@ def add_cache_args(parser, default_method="nexus"):
 
 
 # (flag dest, its key in a method spec) of the cache flags
-_FLAG_KEYS = (("budget", "budget"), ("n_sink", "n_sink"), ("recent", "recent"), ("cache_seed", "seed"),
-              ("allocation", "allocation"), ("floor_alpha", "floor_alpha"), ("prompt_eviction", "prompt_eviction"),
-              ("kv_bits", "kv_bits"), ("kv_group_size", "kv_group_size"), ("recall", "recall"),
-              ("recall_bits", "recall_bits"), ("recall_dir", "recall_dir"), ("recall_page", "recall_page"),
-              ("recall_pages", "recall_pages"))
 _RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages")
+# (flag dest, its key in a method spec) of the cache flags: the same name but for --cache-seed
+_FLAG_KEYS = tuple((dest, "seed" if dest == "cache_seed" else dest) for dest in (
+    "budget", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha", "prompt_eviction", "kv_bits",
+    "kv_group_size", *_RECALL_FLAGS))
 # Flags that only an eviction cache reads.
 _EVICTION_FLAGS = ("budget", "density", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha",
                    "prompt_eviction", *_RECALL_FLAGS)

@@ -85,7 +85,7 @@ def _parsed(spec: str) -> tuple:
 
 def spec_of(label: str, ablations: bool = True) -> str:
     """The spec string a label runs (``"snapkv-ada"`` -> ``"snapkv:allocation=ada"``); ValueError for
-    a label that names nothing, or whose fields the method refuses."""
+    a label that names nothing, or a key its method does not have (values: :func:`method_specs`)."""
     table = _table(ablations)
     if label not in table and ":" in label:  # a spec string is a label of its own
         _parsed(label)
