@@ -144,3 +144,10 @@ def test_full_takes_only_its_quantization():
     with pytest.raises(ValueError, match="mlx-lm's own cache"):
         KVCacheConfig.parse("full")
     assert parse_spec("full:kv_bits=none") == ("full", {"kv_bits": None}, {})
+
+
+def test_recall_dir_and_head_dim_round_trip(tmp_path):
+    c = KVCacheConfig(method="snapkv", budget=128, recall="disk", recall_dir=str(tmp_path), head_dim=64,
+                      recall_window=16)
+    assert str(c) == f"snapkv:budget=128,head_dim=64,recall=disk,recall_dir={tmp_path},recall_window=16"
+    assert KVCacheConfig.parse(str(c)) == c
