@@ -8,16 +8,19 @@ keyword style (``nexus_window=16``, ``nestedkv_budget=512``) onto the same field
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from typing import Any
 
-from .config_spec import (ALLOCATIONS, CORE_FIELDS, FULL_FIELDS, KV_BITS, KV_GROUP_SIZES,  # noqa: F401 (re-exported)
-                          PROMPT_EVICTIONS, format_spec, parse_spec)
+from .config_spec import (ALLOCATIONS, CORE_FIELDS, KV_BITS, KV_GROUP_SIZES, PROMPT_EVICTIONS,  # noqa: F401
+                          format_spec, parse_spec)
 from .options import check_recall, check_value, validate_options
 from .registry import FULL, get_method
 
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
-_CORE_FIELDS = ("budget", "n_sink", "recent", "seed")
+_FLAT_CORE = ("budget", "n_sink", "recent", "seed")
+# Their defaults where the method does not set them (recent: ``default_recent``).
+_DEFAULTS = {"budget": 512, "n_sink": 4, "seed": 0}
 
 
 def default_kv_group_size(kv_bits: int | None) -> int:
@@ -45,6 +48,7 @@ def parse_full(spec: str = FULL, **given) -> tuple:
     if name != FULL:
         raise ValueError(f"{spec!r} is not the full cache")
     return check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
+
 
 # Head-budget fields a method may default differently (``EvictionCache.config_defaults``; KVzip takes
 # the paper's non-uniform budget). A config left at ``METHOD_DEFAULT`` takes the method's value.
@@ -147,7 +151,7 @@ class KVCacheConfig:
                 raise TypeError(f"unknown KVCacheConfig argument {key!r} (method is {method!r}; "
                                 f"flat options must start with {prefix!r})")
             name = key[len(prefix):]
-            if name in _CORE_FIELDS:
+            if name in _FLAT_CORE:
                 if core[name] is not None and core[name] != value:
                     raise ValueError(f"{key}={value!r} conflicts with {name}={core[name]!r}")
                 core[name] = value
@@ -156,7 +160,7 @@ class KVCacheConfig:
                     raise ValueError(f"{key}={value!r} conflicts with options.{name}={opt_values[name]!r}")
                 opt_values[name] = value
             else:
-                known = sorted(set(_CORE_FIELDS) | opt_fields)
+                known = sorted(set(_FLAT_CORE) | opt_fields)
                 raise TypeError(f"unknown option {key!r} for method {method!r}; known: "
                                 f"{', '.join(prefix + k for k in known)}")
         unknown = set(opt_values) - opt_fields
@@ -169,9 +173,8 @@ class KVCacheConfig:
         def check(name, value):
             return check_value("KVCacheConfig", name, value, CORE_FIELDS[name])
 
-        self.budget = check("budget", 512 if core["budget"] is None else core["budget"])
-        self.n_sink = check("n_sink", 4 if core["n_sink"] is None else core["n_sink"])
-        self.seed = check("seed", 0 if core["seed"] is None else core["seed"])
+        self.budget, self.n_sink, self.seed = (check(k, _DEFAULTS[k] if core[k] is None else core[k])
+                                               for k in ("budget", "n_sink", "seed"))
         recent = core["recent"]
         self.recent = check("recent", cls.default_recent(self.budget, self.options) if recent is None else recent)
         self.head_dim = check("head_dim", head_dim)
@@ -272,11 +275,10 @@ class KVCacheConfig:
     def spec_fields(self) -> tuple:
         """(core fields, options) that differ from what the method alone gives: what ``str()`` writes."""
         cls = get_method(self.method)
-        implied = {"budget": 512, "n_sink": 4, "seed": 0, "head_dim": None, "prompt_eviction": "end",
-                   "recent": cls.default_recent(self.budget, self.options), "kv_bits": None,
-                   "kv_group_size": default_kv_group_size(self.kv_bits),
-                   **HEAD_BUDGET_DEFAULTS, **cls.config_defaults, "recall": None, "recall_page": 32,
-                   "recall_bits": 4, "recall_dir": None, "recall_pages": 8, "recall_window": 32}
+        signature = {k: p.default for k, p in inspect.signature(KVCacheConfig.__init__).parameters.items()}
+        implied = {**signature, **_DEFAULTS, "recent": cls.default_recent(self.budget, self.options),
+                   "kv_group_size": default_kv_group_size(self.kv_bits), **HEAD_BUDGET_DEFAULTS,
+                   **cls.config_defaults}
         core = {k: getattr(self, k) for k in CORE_FIELDS if getattr(self, k) != implied[k]}
         defaults = cls.Options()
         options = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)

@@ -141,7 +141,6 @@ def add_cache_args(parser, default_method="nexus"):
     add_method_options(parser)
 
 
-# (flag dest, its key in a method spec) of the cache flags
 _RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages")
 # (flag dest, its key in a method spec) of the cache flags: the same name but for --cache-seed
 _FLAG_KEYS = tuple((dest, "seed" if dest == "cache_seed" else dest) for dest in (
