@@ -140,3 +140,31 @@ def test_save_load_keeps_the_decode_step_count(tmp_path):
         assert cache.cold.recalls == loaded.cold.recalls == i  # step 3: none; step 4: both recall
     np.testing.assert_array_equal(np.array(cache.kept_positions()), np.array(loaded.kept_positions()))
     assert_nothing_lost(loaded)
+
+
+def test_a_cache_saved_between_a_recall_and_its_compression_loses_nothing(tmp_path):
+    """A follow-up's first chunk recalls (the one-pass path) and the compression waits for the input's
+    end: a save in between carries the pages the recall read, so the loaded cache refills them."""
+    from veloxquant_mlx import load_prompt_cache, save_prompt_cache
+
+    cache = make_cache("snapkv", small=True, budget=32, recall="memory", recall_page=8, recall_pages=2)
+    k = mx.random.normal((1, 2, 130, D), key=mx.random.key(1))
+    q = mx.random.normal((1, 4, 130, D), key=mx.random.key(2))
+    at = 0
+    for s in (50, 49, 1, 1, 1):  # a prompt (its last token alone) and two decode steps
+        cache.update_and_fetch(k[:, :, at:at + s], k[:, :, at:at + s])
+        cache.observe_queries(q[:, :, at:at + s])
+        at += s
+    cache.continue_on_purpose()
+    cache.update_and_fetch(k[:, :, at:at + 10], k[:, :, at:at + 10])
+    cache.observe_and_attend(q[:, :, at:at + 10])  # the follow-up's first chunk: recalled at once
+    at += 10
+    assert cache.cold.recalls == 1 and cache.cold.holes is not None
+    save_prompt_cache(tmp_path / "c.safetensors", [cache])
+    (loaded,) = load_prompt_cache(tmp_path / "c.safetensors")
+    for c in (cache, loaded):
+        c.update_and_fetch(k[:, :, at:at + 1], k[:, :, at:at + 1])
+        c.observe_queries(q[:, :, at:at + 1])  # the input's last token: the compression refills the holes
+        assert c.size() == c.budget and c.cold.holes is None
+        assert_nothing_lost(c)
+    np.testing.assert_array_equal(np.array(cache.kept_positions()), np.array(loaded.kept_positions()))

@@ -218,6 +218,8 @@ class ColdTier:
                                                     self.carry, strict=True))
         if self.q is not None:
             st["recall.q"] = self.q
+        if self.holes is not None:  # saved mid-input: the next eviction still refills these pages
+            st["recall.holes"] = self.holes
         if self.kmin is None:
             return st
         n = self.n_pages
@@ -226,6 +228,7 @@ class ColdTier:
     def set_state(self, st: dict) -> None:
         self.carry = ([st[f"recall.carry.{k}"] for k in ("k", "v", "pos")] if "recall.carry.pos" in st else None)
         self.q = st.get("recall.q")
+        self.holes = st.get("recall.holes")
         if "recall.kmin" not in st:
             return
         self.kmin, self.kmax = st["recall.kmin"], st["recall.kmax"]
