@@ -102,11 +102,3 @@ def write_long_report(task_dirs, speed_dirs, md_path, figs_dir) -> Path:
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(lines))
     return md_path
-
-
-def add_args(p):
-    p.add_argument("--tasks", nargs="+", default=[], help="folders holding an eval tasks tasks.json")
-    p.add_argument("--speed", nargs="+", default=[], help="folders holding an eval speed speed.json")
-    p.add_argument("--md", required=True, help="markdown path to write (e.g. docs/results_long.md)")
-    p.add_argument("--figs", required=True, help="folder for the figures")
-    p.set_defaults(func=lambda a: print(f"wrote {write_long_report(a.tasks, a.speed, a.md, a.figs)}") or 0)

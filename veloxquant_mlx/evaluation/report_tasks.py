@@ -1,8 +1,8 @@
 """Markdown tables and a figure from ``<out_dir>/tasks.json`` (written by ``eval tasks``).
 
-A column is a task at one length (the follow-up task: one column per turn plus "all turns"); a row
-is a method. Accuracy is % [Wilson 95 %] (correct/prompts) over the prompts that method finished;
-each method is paired with the full cache (and chosen pairs with each other) on the prompts both
+A column is a task at one length (the follow-up task: one column per turn plus "all turns"; each
+task's columns come from its registered report section, :mod:`.tasks`); a row is a method.
+Accuracy is % [Wilson 95 %] (correct/prompts) over the prompts that method finished; each method is paired with the full cache (and chosen pairs with each other) on the prompts both
 finished, by the exact McNemar test (only A right / only B right, p).
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .results import FULL, ROTATING
 from .stats import fmt_ci, fmt_p, paired, wilson
+from .tasks import get_task, task_names, turn_columns
 
 # Paired comparisons printed besides "vs full" (both labels must be present).
 PAIRS = (("nexus", "nexus-prompt-topk"), ("nestedkv", "nexus"), ("nestedkv", "nexus-prompt-topk"),
@@ -45,14 +46,8 @@ def outcomes(data: dict) -> dict:
             base = f"{c['task']} {c['length'] // 1024}K" if c["length"] % 1024 == 0 else f"{c['task']} {c['length']}"
             if c.get("question", "in") != "in":
                 base += f" q-{c['question']}"
-            cols = {}
-            if len(c["turns"]) > 1:
-                for t in c["turns"]:
-                    cols[f"{base} turn {t['turn'] + 1}"] = t["correct"]
-                cols[f"{base} all turns"] = c["correct"]
-            else:
-                cols[base] = c["correct"]
-            for col, ok in cols.items():
+            columns = get_task(c["task"]).columns if c["task"] in task_names() else turn_columns
+            for col, ok in columns(base, c).items():
                 out.setdefault(d, {}).setdefault(col, {}).setdefault(c["method"], {})[c["index"]] = bool(ok)
     return out
 
@@ -64,10 +59,9 @@ def _methods(data, per_col) -> list:
 
 
 def _col_order(col: str):
-    from .tasks import TASKS
-
+    names = task_names()
     task, rest = col.split(" ", 1)
-    return (TASKS.index(task) if task in TASKS else 99, rest.replace("all turns", "turn 9"))
+    return (names.index(task) if task in names else 99, rest.replace("all turns", "turn 9"))
 
 
 def table(data: dict, density) -> list:

@@ -17,15 +17,15 @@ import time
 
 from ..caches.accounting import kv_report
 from .retrieval import FanOutCache, _arrays
-from .speed import feed_prompt, greedy_continue, last_prompt_step
-from .task_prompts import continuation, reply_text, score
+from ..decode import feed_prompt, greedy, last_prompt_step, prefill
+from .task_prompts import continuation, reply_text
+from .tasks import get_task
 
 PREFILL_STEP = 2048  # mlx_lm.generate's default prefill_step_size
 
 
 def _first_token(model, x, caches):
-    feed_prompt(model, x, caches, PREFILL_STEP)
-    return last_prompt_step(model, x, caches)
+    return prefill(model, x, caches, PREFILL_STEP)
 
 
 def number_done(text: str) -> bool:
@@ -34,11 +34,11 @@ def number_done(text: str) -> bool:
 
 
 def greedy_until(model, tokenizer, caches, y, max_new_tokens: int, eos_ids=(), stop_after_number=False) -> list:
-    """Greedy decoding from the first new token ``y`` (an mx scalar) by ``speed.greedy_continue``,
+    """Greedy decoding from the first new token ``y`` (an mx scalar) by :func:`veloxquant_mlx.decode.greedy`,
     also stopping once a "number" turn's first number is complete (only that number is scored; the
     reply ends there, as a short answer does)."""
     stop = (lambda ids: number_done(tokenizer.decode(ids))) if stop_after_number else None
-    return greedy_continue(model, caches, y, max_new_tokens, eos_ids, stop=stop)
+    return greedy(model, caches, y, max_new_tokens, eos_ids, stop=stop)
 
 
 def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
@@ -46,6 +46,7 @@ def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
     through the same caches. Returns one record per turn."""
     import mlx.core as mx
 
+    score = get_task(inst.task).score
     turns, replies, last_token = [], [], None  # last_token: the previous turn's last generated token
     for k, turn in enumerate(inst.turns):
         if k > 0:
