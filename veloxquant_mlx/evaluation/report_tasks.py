@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from .report_format import md_row, md_table, pyplot
 from .results import FULL, ROTATING
 from .stats import fmt_ci, fmt_p, paired, wilson
 from .tasks import get_task, task_names, turn_columns
@@ -69,7 +70,7 @@ def table(data: dict, density) -> list:
     per = outcomes(data).get(density, {})
     cols = sorted(per, key=_col_order)
     methods = _methods(data, per)
-    lines = ["| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    lines = md_table(["method"] + cols)
     for m in methods:
         row = []
         for col in cols:
@@ -79,7 +80,7 @@ def table(data: dict, density) -> list:
                 continue
             k, n = sum(r.values()), len(r)
             row.append(fmt_ci(k, n).replace(", ", "–") + f" ({k}/{n})")
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append(md_row([m] + row))
     pair_lines = []
     vs_rotating = [(m, ROTATING) for m in methods if m not in (FULL, ROTATING)] if ROTATING in methods else []
     for a, b in [(FULL, m) for m in methods if m != FULL] + vs_rotating + list(PAIRS):
@@ -92,10 +93,10 @@ def table(data: dict, density) -> list:
                 cells.append(f"{pr['only_a']} / {pr['only_b']} (n={pr['n']}), p={fmt_p(pr['p'])}")
             else:
                 cells.append("–")
-        pair_lines.append(f"| {a} vs {b} | " + " | ".join(cells) + " |")
+        pair_lines.append(md_row([f"{a} vs {b}"] + cells))
     if pair_lines:
-        lines += ["", "Paired (only first right / only second right, exact McNemar):", "",
-                  "| pair | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)] + pair_lines
+        lines += ["", "Paired (only first right / only second right, exact McNemar):", ""] + \
+            md_table(["pair"] + cols) + pair_lines
     return lines
 
 
@@ -104,11 +105,7 @@ def plot(data: dict, density, path) -> Path | None:
     per = outcomes(data).get(density, {})
     if not per:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cols = sorted(per, key=_col_order)
     methods = _methods(data, per)
     w = 0.8 / max(len(methods), 1)
