@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import time
 
 import mlx.core as mx
@@ -27,7 +26,8 @@ from .outputs import check_lengths, writes
 from .speed import greedy_generate
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
                       now, quiet_cache_warnings, run_experiment)
-from ..decode import feed_prompt, greedy, last_prompt_step
+from ..decode import greedy, last_prompt_step
+from .fanout import FanOutCache, shared_pass  # noqa: F401 (FanOutCache re-exported)
 
 MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
 MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
@@ -47,75 +47,6 @@ def make_prompt(tokenizer, haystack: str, n_tokens: int, depth: float, key: str,
         return make_passkey_prompt(tokenizer, n_tokens, depth, key, filler=filler + " ",
                                    needle=MAGIC_NEEDLE.format(key=key), question=MAGIC_QUESTION)
     raise ValueError(f"unknown haystack {haystack!r} (grass, text)")
-
-
-class FanOutCache:
-    """One layer's cache that feeds every prefill step to several caches at once.
-
-    Attention uses the primary (full ``KVCache``) rows; every sub-cache receives the same keys,
-    values and (through the query tap) queries and evicts on its own. For a prompt fed as ONE chunk
-    into empty caches this is exactly the computation each sub-cache would see alone (its fetch is
-    just the new rows), so the prefill-only regime needs one forward pass per prompt instead of one
-    per method. A sub-cache that raises is dropped and its error recorded."""
-
-    def __init__(self, primary, subs: dict, dequantize: bool = False):
-        self.primary = primary
-        self.subs = dict(subs)
-        self.errors: dict = {}
-        self.dequantize = dequantize
-
-    def __getattr__(self, name):
-        # A quantized primary's bits / group_size make mlx-lm's attention take its quantized path
-        # (exactly what each cache would get alone), unless its rows are read dequantized.
-        if name in ("bits", "group_size") and not self.__dict__.get("dequantize", True):
-            return getattr(self.__dict__["primary"], name)
-        raise AttributeError(name)
-
-    @property
-    def offset(self):
-        return self.primary.offset
-
-    def make_mask(self, *a, **k):
-        return self.primary.make_mask(*a, **k)
-
-    def _each(self, fn_name, *args):
-        for name, c in list(self.subs.items()):
-            fn = getattr(c, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception as e:
-                self.errors[name] = f"{type(e).__name__}: {e}"
-                del self.subs[name]
-
-    def update_and_fetch(self, keys, values):
-        self._each("update_and_fetch", keys, values)
-        k, v = self.primary.update_and_fetch(keys, values)
-        if isinstance(k, tuple) and self.dequantize:
-            # Opt-in shortcut: the stored 4/8-bit values through the float attention path. mlx-lm's
-            # quantized attention reads the same values, but its CPU kernel has no BLAS (~6x slower
-            # at 1K); the summation order differs, and on a real model that changes some answers.
-            gs, bits = self.primary.group_size, self.primary.bits
-            k, v = (mx.dequantize(*k, group_size=gs, bits=bits), mx.dequantize(*v, group_size=gs, bits=bits))
-        return k, v
-
-    def observe_queries(self, queries, scale=None):
-        self._each("observe_queries", queries, scale)
-
-    def attention_mask(self, mask, queries):
-        return mask
-
-    @property
-    def state(self):
-        return [self.primary.state] + [c.state for c in self.subs.values()]
-
-
-def _arrays(tree):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
 
 
 def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=(),
@@ -139,17 +70,8 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
     attention, as each list would alone. ``dequantized_prefill`` reads the primary's stored rows
     dequantized through float attention instead (faster on the CPU; not what a lone run computes)."""
     full = model_caches(model, kv_bits, kv_group_size)
-    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}, dequantized_prefill)
-            for i in range(len(full))]
     x = mx.array(tokens)
-    t0 = time.perf_counter()
-    feed_prompt(model, x, fans, prefill_step)
-    mx.eval(_arrays([f.state for f in fans]))
-    prefill_s = time.perf_counter() - t0
-    errors = {}
-    for f in fans:
-        for n, e in f.errors.items():
-            errors.setdefault(n, e)
+    prefill_s, errors = shared_pass(model, x, full, named_caches, prefill_step, dequantized_prefill)
     out = {"__prefill_s__": prefill_s}
     rows = [("__full__", full)] + list(named_caches.items())
     firsts = {}

@@ -11,7 +11,7 @@ fed). Each later turn of the follow-up task continues the same cache with the ne
 multi-token input, as ``serve`` continues a stored conversation.
 
 Under ``prompt_eviction="end"`` nothing is evicted before the prompt ends, so one full prefill per
-prompt is shared by the methods (:class:`.retrieval.FanOutCache`; ``--fanout`` bounds how many per
+prompt is shared by the methods (:class:`.fanout.FanOutCache`; ``--fanout`` bounds how many per
 pass). Caches whose prompt does not see the full cache's rows run a prefill of their own: kvzip
 (its reconstruction pass needs the model and the prompt), quantized rows and ``rotating``.
 """
