@@ -25,7 +25,7 @@ from .needle import key_token_spans, needle_cut_stats  # noqa: F401 (re-exported
 from .outputs import check_lengths, writes
 from .speed import greedy_generate
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
-                      now, quiet_cache_warnings, run_experiment)
+                      quiet_cache_warnings, run_experiment, run_shared_cells)
 from ..decode import greedy, last_prompt_step
 from .fanout import FanOutCache, shared_pass  # noqa: F401 (FanOutCache re-exported)
 
@@ -284,8 +284,6 @@ def run(model, tokenizer, settings: PasskeySettings, control, desc: str = "") ->
                 recs[cid]["quant_prefill"] = "dequantized" if a.dequantized_prefill else "exact"
         return recs
 
-    pending = {}
-
     def run_one(p):
         k = (p["haystack"], p["context"], p["depth"], p["key"])
         if k not in prompts:
@@ -297,17 +295,7 @@ def run(model, tokenizer, settings: PasskeySettings, control, desc: str = "") ->
         # One shared pass per prompt and row storage: quantized caches attend over their quantized
         # rows from the first chunk on (what mlx_lm.generate does), so they share a quantized pass.
         if p["regime"] == "prefill" and a.shared_prefill and spec.mlx_cache is None:  # rotating: its own pass
-            if my not in pending:
-                t = time.perf_counter()
-                recs = run_group(p, toks, pos, spec.quant)
-                share = (time.perf_counter() - t) / max(len(recs), 1)
-                for cid, r in recs.items():
-                    r["cell_s"] = round(share, 3)
-                    r["finished"] = now()
-                    if cid != my:
-                        store.put(cid, r)  # siblings are stored right away (resumable)
-                pending[my] = recs[my]
-            return dict(pending.pop(my))
+            return run_shared_cells(store, my, lambda: run_group(p, toks, pos, spec.quant))
         budget = len(toks) if spec.is_full else budget_for(p["density"], len(toks))
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
         step = 2048 if p["regime"] == "prefill" else a.chunk

@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import time
 
 from ..config import budget_for
 from ..registry import get_method
 from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs, now,
-                      quiet_cache_warnings, run_experiment)
+                      quiet_cache_warnings, run_experiment, run_shared_cells)
 from .task_prompts import split_question
 from .task_run import PREFILL_STEP, converse, greedy_until, number_done, run_prompt  # noqa: F401 (re-exported)
 from .tasks import build, get_task
@@ -146,7 +145,7 @@ def run(model, tokenizer, settings: TaskSettings, control, desc: str = "") -> in
     eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
                        | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
     shared = a.shared_prefill and a.prompt_eviction == "end"
-    prompts, pending = {}, {}
+    prompts = {}
 
     def run_group(p):
         key = prompt_key(p)
@@ -181,17 +180,6 @@ def run(model, tokenizer, settings: TaskSettings, control, desc: str = "") -> in
     def run_one(p):
         my = cell_id(exp="tasks", **{f: p[f] for f in ("task", "length", "index", "density", "method",
                                                         "budget_tokens", "question") if f in p})
-        if my not in pending:
-            t = time.perf_counter()
-            recs = run_group(p)
-            share = (time.perf_counter() - t) / max(len(recs), 1)
-            for cid, r in recs.items():
-                r["cell_s"] = round(share, 3)
-                r["finished"] = now()
-                if cid != my:
-                    store.put(cid, r)
-                else:
-                    pending[my] = r
-        return dict(pending.pop(my, {"error": "claimed by another worker"}))
+        return run_shared_cells(store, my, lambda: run_group(p), missing={"error": "claimed by another worker"})
 
     return run_experiment(store, cells, run_one, control)
