@@ -1,6 +1,6 @@
 """One prompt pass feeding several cache lists at once (the shared prefill of ``eval passkey`` and
 ``eval tasks``): under ``prompt_eviction="end"`` nothing is evicted before the prompt ends, so every
-list sees exactly what it would see alone."""
+list sees exactly what it would see alone. The cells of one such pass are stored together."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import mlx.core as mx
 
 from ..decode import feed_prompt
+from .results import now
 
 
 class FanOutCache:
@@ -93,3 +94,18 @@ def shared_pass(model, x, primary, named: dict, prefill_step: int, dequantize: b
         for n, e in f.errors.items():
             errors.setdefault(n, e)
     return time.perf_counter() - t0, errors
+
+
+def run_shared_cells(store, my: str, run_group, missing: dict | None = None) -> dict:
+    """The cells that share one pass with cell ``my``: ``run_group()`` returns {cell id: record}; every
+    record but ``my``'s is stored at once (resumable), each timed as an equal share of the pass.
+    Returns ``my``'s record (``missing`` when the group lacks it: another worker holds the cell)."""
+    t = time.perf_counter()
+    recs = run_group()
+    share = (time.perf_counter() - t) / max(len(recs), 1)
+    for cid, r in recs.items():
+        r["cell_s"] = round(share, 3)
+        r["finished"] = now()
+        if cid != my:
+            store.put(cid, r)
+    return dict(recs[my] if my in recs or missing is None else missing)

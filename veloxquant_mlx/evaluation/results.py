@@ -362,21 +362,6 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
             "stopped_by_time_budget": stopped, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def run_shared_cells(store: ResultStore, my: str, run_group, missing: dict | None = None) -> dict:
-    """The cells that share one pass with cell ``my``: ``run_group()`` returns {cell id: record}; every
-    record but ``my``'s is stored at once (resumable), each timed as an equal share of the pass.
-    Returns ``my``'s record (``missing`` when the group lacks it: another worker holds the cell)."""
-    t = time.perf_counter()
-    recs = run_group()
-    share = (time.perf_counter() - t) / max(len(recs), 1)
-    for cid, r in recs.items():
-        r["cell_s"] = round(share, 3)
-        r["finished"] = now()
-        if cid != my:
-            store.put(cid, r)
-    return dict(recs[my] if my in recs or missing is None else missing)
-
-
 def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
     """The end of every ``eval`` harness: run the unfinished cells with ``control``'s shard / time
     budget / max-cells / progress (:class:`.outputs.RunControl`), record the run in the JSON's meta,

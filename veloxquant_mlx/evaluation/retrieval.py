@@ -25,9 +25,9 @@ from .needle import key_token_spans, needle_cut_stats  # noqa: F401 (re-exported
 from .outputs import check_lengths, writes
 from .speed import greedy_generate
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
-                      quiet_cache_warnings, run_experiment, run_shared_cells)
+                      quiet_cache_warnings, run_experiment)
 from ..decode import greedy, last_prompt_step
-from .fanout import FanOutCache, shared_pass  # noqa: F401 (FanOutCache re-exported)
+from .fanout import FanOutCache, run_shared_cells, shared_pass  # noqa: F401 (FanOutCache re-exported)
 
 MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
 MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"

@@ -24,9 +24,10 @@ import sys
 
 from ..config import budget_for
 from ..registry import get_method
+from .fanout import run_shared_cells
 from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs, now,
-                      quiet_cache_warnings, run_experiment, run_shared_cells)
+                      quiet_cache_warnings, run_experiment)
 from .task_prompts import split_question
 from .task_run import PREFILL_STEP, converse, greedy_until, number_done, run_prompt  # noqa: F401 (re-exported)
 from .tasks import build, get_task
