@@ -3,7 +3,8 @@ rule, a figure's provenance, the BLAS preload, timing helpers and the peer packa
 
 Scripts run as ``python benchmark_scripts/<name>.py`` and import this file as a sibling module (the
 script's folder is on ``sys.path`` by Python's own rule); the package itself is installed with
-``pip install -e .``.
+``pip install -e .``. Only the standard library is imported at the top: the peer workers of
+bench_vs_kvpress / bench_vs_origin import this file inside venvs that lack this package.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-from veloxquant_mlx.config import budget_for
-from veloxquant_mlx.evaluation import provenance as _prov
-
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
 MIB = 1024 * 1024
@@ -29,13 +27,30 @@ __all__ = ["ROOT", "FIGURES", "MIB", "BENCH_CACHE", "budget", "tiny_llama", "tin
            "provenance", "command_line", "resumed", "commit", "write_json", "machine", "preload_blas",
            "blas_info", "median", "cpu_timed", "peer_venv"]
 
-commit = _prov.commit
-command_line = _prov.command_line
-resumed = _prov.resumed
+
+
+def commit() -> str:
+    from veloxquant_mlx.evaluation.provenance import commit as head
+
+    return head()
+
+
+def command_line() -> str:
+    from veloxquant_mlx.evaluation.provenance import command_line as line
+
+    return line()
+
+
+def resumed(old, new) -> dict:
+    from veloxquant_mlx.evaluation.provenance import resumed as merge
+
+    return merge(old, new)
 
 
 def budget(density: float, n_tokens: int, minimum: int = 1) -> int:
     """Rows kept per KV head: the package's one density -> budget rule (``config.budget_for``)."""
+    from veloxquant_mlx.config import budget_for
+
     return budget_for(density, n_tokens, minimum)
 
 
@@ -69,7 +84,9 @@ def tiny_tokenizer():
 def provenance(labels=None, regime: str = "end", command: str | None = None) -> dict:
     """A figure's ``"provenance"``: commit, command (this run's by default), date, behaviour fingerprint
     of every label it holds."""
-    return _prov.provenance(command or command_line(), labels, regime)
+    from veloxquant_mlx.evaluation.provenance import provenance as record
+
+    return record(command or command_line(), labels, regime)
 
 
 def stamp(result: dict, labels=None, regime: str = "end", note: str | None = None) -> dict:
@@ -124,18 +141,19 @@ def cpu_timed(fn):
     return out, time.process_time() - c, time.perf_counter() - w
 
 
-def peer_venv(name: str, requirements, marker_text: str = "") -> Path:
-    """The python of ``BENCH_CACHE/<name>`` (a venv made once with ``pip install`` of ``requirements``),
-    for packages that must not enter this interpreter (another ``veloxquant_mlx``, torch)."""
-    venv = BENCH_CACHE / name
+def peer_venv(venv: Path, requirements, marker: str | None = None) -> Path:
+    """The python of ``venv`` (made once with ``pip install`` of ``requirements``), for packages that must
+    not enter this interpreter (another ``veloxquant_mlx``, torch). ``marker`` (default: the requirements)
+    is what the venv was made for; another one re-installs."""
+    venv = Path(venv).expanduser()
     py = venv / "bin" / "python"
-    marker = venv / ".bench-ready"
-    want = " ".join(requirements) + marker_text
-    if py.exists() and marker.exists() and marker.read_text() == want:
+    ready = venv / ".bench-ready"
+    want = " ".join(map(str, requirements)) if marker is None else marker
+    if py.exists() and ready.exists() and ready.read_text() == want:
         return py
     print(f"setting up {venv} ({want}) ...", file=sys.stderr, flush=True)
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *requirements], check=True)
-    marker.write_text(want)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *map(str, requirements)], check=True)
+    ready.write_text(want)
     return py

@@ -22,17 +22,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _common
+from _common import ROOT
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.caches.accounting import kv_report  # noqa: E402
-from veloxquant_mlx.caches.quant import model_caches  # noqa: E402
-from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
-from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings  # noqa: E402
-from veloxquant_mlx.evaluation.task_eval import run_prompt  # noqa: E402
-from veloxquant_mlx.evaluation.tasks import build  # noqa: E402
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.accounting import kv_report
+from veloxquant_mlx.caches.quant import model_caches
+from veloxquant_mlx.evaluation.provenance import command_line, provenance
+from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
+from veloxquant_mlx.evaluation.task_eval import run_prompt
+from veloxquant_mlx.evaluation.tasks import build
 
 
 def label(method: str, tier: str) -> str:
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
         from mlx_lm.models.cache import make_prompt_cache
 
         inst, tokens = build(tokenizer, "followup", args.length, index, 0, 2)
-        budget = max(int(round(args.density * len(tokens))), 1)
+        budget = _common.budget(args.density, len(tokens))
         named = {"full": (make_prompt_cache(model), False)}
         if args.quantized_baseline:  # its prompt attends over its own 4-bit rows: its own prefill
             named["full-4bit"] = (model_caches(model, 4, 32), True)
