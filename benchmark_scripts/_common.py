@@ -2,7 +2,7 @@
 rule, a figure's provenance, the BLAS preload, timing helpers and the peer packages' venvs.
 
 Scripts run as ``python benchmark_scripts/<name>.py`` and import this file as a sibling module (the
-script's folder is on ``sys.path`` by Python's own rule); the package itself is installed with
+script's folder is on the import path by Python's own rule); the package itself is installed with
 ``pip install -e .``. Only the standard library is imported at the top: the peer workers of
 bench_vs_kvpress / bench_vs_origin import this file inside venvs that lack this package.
 """

@@ -397,7 +397,7 @@ def driver_main(args) -> int:
                 out = tmp / f"round{r}-{T}-{pkg}.json"
                 cmd = [pythons[pkg], str(Path(__file__).resolve()), "--worker", pkg, "--out", str(out),
                        "--steps", str(args.steps), "--lengths", str(T), "--methods", *args.methods]
-                # cwd outside the repo: the origin worker must not see our package on sys.path; ours'
+                # cwd outside the repo: the origin worker must not import our package from the working directory; ours'
                 # worker imports this checkout (PYTHONPATH), not whatever editable install pip points at
                 wenv = {k: v for k, v in env.items() if k != "PYTHONPATH"}
                 if pkg == "ours":
