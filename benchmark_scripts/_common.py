@@ -119,13 +119,13 @@ def preload_blas(num_threads: int | None = 1, skip: bool = False) -> None:
     returns at once when it is already preloaded, when none is installed, or when ``skip``."""
     if skip:
         return
-    from veloxquant_mlx._blas import reexec_with_openblas
+    from veloxquant_mlx.platform.blas import reexec_with_openblas
 
     reexec_with_openblas(num_threads=num_threads)
 
 
 def blas_info(measure: bool = False) -> dict:
-    from veloxquant_mlx._blas import blas_info as info
+    from veloxquant_mlx.platform.blas import blas_info as info
 
     return info(measure=measure)
 

@@ -10,7 +10,7 @@
   table / figure views of those files.
 
     python benchmark_scripts/bench_memory.py eviction [--part tiny] [--quick]
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_memory.py quant --part memory
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_memory.py quant --part memory
 
 ``python benchmark_scripts/bench_memory.py SUBCOMMAND --help`` describes each one.
 """
@@ -64,7 +64,7 @@ policies with their peaks.
     python benchmark_scripts/bench_memory.py eviction --part tiny  # the tiny-model sweep only (~1-2 min)
     python benchmark_scripts/bench_memory.py eviction --quick      # harness check (tiny model everywhere)
 
-OpenBLAS is preloaded (``veloxquant_mlx._blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
+OpenBLAS is preloaded (``veloxquant_mlx.platform.blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
 which BLAS ran. Memory numbers do not depend on it; it only makes the run shorter.
 """
 
@@ -623,8 +623,8 @@ the same budget (``stream_generate``'s generation_tps), prompt 1K tokens, 20 %, 
 rounds alternating the order (fp first, then 4-bit first, ...). Only ratios measured side by side
 are meant to be quoted (a shared CPU).
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_memory.py quant --part memory   # OpenBLAS preloaded
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_memory.py quant --part speed
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_memory.py quant --part memory   # OpenBLAS preloaded
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_memory.py quant --part speed
 
 Results: figures/memory/quant.json, figures/eval/quant_speed.json (resumable: finished runs are kept),
 each with the project's provenance (commit, command, date, behaviour fingerprint of every label in

@@ -6,7 +6,7 @@
 * ``kvzip``: KVzip's prefill with its reconstruction pass against a plain prefill, time and peak
   memory, and the pass's peak per reconstruction chunk (figures/kvzip/prefill_cost.json).
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_prefill.py fused --contexts 2048,4096
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_prefill.py fused --contexts 2048,4096
     python benchmark_scripts/bench_prefill.py kvzip [--quick]
 
 ``python benchmark_scripts/bench_prefill.py SUBCOMMAND --help`` describes each one.
@@ -41,7 +41,7 @@ last token alone: H2O's one-shot compression runs there). Decode: ``--decode`` g
 Rounds run every cache once, order reversed every other round; ratios are paired within a round and
 use this process's CPU time (a shared machine disturbs wall time far more; wall is recorded too).
 
-  python -m veloxquant_mlx._blas benchmark_scripts/bench_fused_scoring.py --contexts 2048,4096
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_fused_scoring.py --contexts 2048,4096
 """
 
 

@@ -8,10 +8,10 @@
   ``BatchRotatingKVCache`` (printed);
 * ``nexus``: one Nexus eviction step against one decode step's attention (figures/bench_nexus_step.json).
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_step.py cost [--components] [...]
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py cost [--components] [...]
     python benchmark_scripts/bench_step.py cost --table figures/speed/step_cost.json   # markdown
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_step.py batch --batch 8 --layers 30
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_step.py nexus [--markdown JSON]
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py batch --batch 8 --layers 30
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py nexus [--markdown JSON]
 
 ``python benchmark_scripts/bench_step.py SUBCOMMAND --help`` describes each one.
 """
@@ -65,7 +65,7 @@ Rounds run every configuration once, order reversed every other round; ratios ar
 round (paired) and summarized as median [min, max] over rounds. Times are this process's CPU
 time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
 
-  python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py
   python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
 """
 
@@ -125,7 +125,7 @@ def fill(cache, T, kv_heads, q_heads, hd, seed):
         st["window_q"] = mx.random.normal((1, q_heads, cache.query_window, hd), key=mx.random.key(seed + 2))
     cache.state = st
     cache.offset, cache.scale, cache._ragged, cache._evict_floor = T, hd ** -0.5, ragged, R
-    cache._prompt_open, cache._saw_decode, cache.queries_observed = False, True, 1
+    cache.prompt.open, cache.prompt.saw_decode, cache.queries_observed = False, True, 1
     mx.eval(cache.state)
 
 
@@ -254,7 +254,7 @@ def components(model, T, budget, methods, repeats=25):
             c.update_and_fetch(k1, k1)
             mx.eval(c.state)
             c0 = time.process_time()
-            c._ending = False
+            c.prompt.ending = False
             c.evict_threshold = lambda: 1 << 40
             c.observe_queries(q, hd ** -0.5)
             mx.eval(c.step_state())
@@ -429,7 +429,7 @@ tap's work (``observe_queries``, the layer mask, the step-state dependency) and 
 No model weights, so the cache's own cost shows. CPU time per step (process time, robust to other
 jobs on a shared machine), the two caches stepped alternately; min and median over ``--steps``.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_batch_step.py --batch 8 --layers 30
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_batch_step.py --batch 8 --layers 30
     ... --no-state-dependency   # ablation: skip the rows' step-state dependency (not a valid mode)
 """
 
