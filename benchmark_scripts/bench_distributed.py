@@ -217,13 +217,14 @@ def main():
     ap.add_argument("--prefill-step-size", type=int, default=256)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--projection-prompt", type=int, default=8192)
+    ap.add_argument("--out-dir", default=str(OUT))
     args = ap.parse_args()
     group = mx.distributed.init()
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)
     if group.size() == 1:  # one process: the closed-shape projection for a Llama-3-8B-like model
         doc = projection(prompt_len=args.projection_prompt)
         doc["provenance"] = provenance(["full", *CASES])
-        with open(os.path.join(OUT, "projection_llama3_8b_like.json"), "w") as f:
+        with open(os.path.join(args.out_dir, "projection_llama3_8b_like.json"), "w") as f:
             json.dump(doc, f, indent=1)
         for name, m in doc["methods"].items():
             print(f"{name:15s} decode {m['decode_bytes_per_token']:8.0f} B/token = {100 * m['decode_ratio']:.3f} % of "
@@ -254,7 +255,7 @@ def main():
                          "budget": args.budget, "prefill_step_size": args.prefill_step_size,
                          "prompt_eviction": "end (default)"},
                "measured": results, "provenance": provenance(["full", *args.cases])}
-        with open(os.path.join(OUT, "bench_distributed.json"), "w") as f:
+        with open(os.path.join(args.out_dir, "bench_distributed.json"), "w") as f:
             json.dump(doc, f, indent=1)
 
 
