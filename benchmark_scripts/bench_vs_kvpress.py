@@ -37,7 +37,7 @@ from _common import BENCH_CACHE, ROOT, peer_venv, provenance
 VENV = BENCH_CACHE / "kvpress-venv"
 HF_DIR = BENCH_CACHE / "smollm2-135m-hf"
 PINS = ["kvpress==0.5.5", "transformers==4.57.6", "torch==2.14.1", "gguf==0.19.0"]
-DEPTHS = [0.02, 0.1, 0.22, 0.3, 0.42, 0.54, 0.62, 0.74, 0.82, 0.94]  # issue 21's 20 prompts (x2 haystacks)
+DEPTHS = [0.02, 0.1, 0.22, 0.3, 0.42, 0.54, 0.62, 0.74, 0.82, 0.94]  # the comparison's 20 prompts (x2 haystacks)
 KEY = "67767"
 # (our eval label, kvpress press class, its keyword arguments beyond compression_ratio)
 PAIRS = [("full", "none", {}), ("snapkv", "SnapKVPress", {}), ("h2o", "ObservedAttentionPress", {}),
