@@ -41,7 +41,7 @@ last token alone: H2O's one-shot compression runs there). Decode: ``--decode`` g
 Rounds run every cache once, order reversed every other round; ratios are paired within a round and
 use this process's CPU time (a shared machine disturbs wall time far more; wall is recorded too).
 
-  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_fused_scoring.py --contexts 2048,4096
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_prefill.py fused --contexts 2048,4096
 """
 
 
@@ -130,8 +130,8 @@ the whole prefill and for the prompt's last step alone (where the pass runs), pl
 context, the pass's peak for several reconstruction chunk sizes (is the extra memory bounded by the
 chunk?). OpenBLAS is preloaded (1 thread) unless ``--no-fast-blas``.
 
-    python benchmark_scripts/bench_kvzip_prefill.py               # -> figures/kvzip/prefill_cost.json
-    python benchmark_scripts/bench_kvzip_prefill.py --quick       # tiny random model, harness check
+    python benchmark_scripts/bench_prefill.py kvzip               # -> figures/kvzip/prefill_cost.json
+    python benchmark_scripts/bench_prefill.py kvzip --quick       # tiny random model, harness check
 """
 
 MIB = 1024 * 1024

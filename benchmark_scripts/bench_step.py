@@ -65,11 +65,16 @@ Rounds run every configuration once, order reversed every other round; ratios ar
 round (paired) and summarized as median [min, max] over rounds. Times are this process's CPU
 time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
 
-  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py
-  python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py cost
+  python benchmark_scripts/bench_step.py cost --table figures/speed/step_cost.json   # markdown
 """
 
 VARIANTS = ("full", "no_depends", "no_evict", "no_mask", "no_tap")
+
+
+def budget_for_step(density: float, context: int) -> int:
+    """The budget at ``density`` of ``context``, at least 64 rows (tiny contexts still evict)."""
+    return budget(density, context, minimum=64)
 
 
 def wide_model():
@@ -429,7 +434,7 @@ tap's work (``observe_queries``, the layer mask, the step-state dependency) and 
 No model weights, so the cache's own cost shows. CPU time per step (process time, robust to other
 jobs on a shared machine), the two caches stepped alternately; min and median over ``--steps``.
 
-    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_batch_step.py --batch 8 --layers 30
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py batch --batch 8 --layers 30
     ... --no-state-dependency   # ablation: skip the rows' step-state dependency (not a valid mode)
 """
 
@@ -524,7 +529,7 @@ reported as a percentage of one decode step's attention (``mx.fast.scaled_dot_pr
 Run with an optimized BLAS (MLX's Linux CPU wheel ships a slow reference BLAS):
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \
-        python benchmark_scripts/bench_nexus_step.py
+        python benchmark_scripts/bench_step.py nexus
 
 Writes figures/bench_nexus_step.json (records whether OpenBLAS was preloaded).
 """
@@ -642,11 +647,6 @@ def nexus_main(argv=None):
         json.dump(out, f, indent=2)
     print("wrote", os.path.abspath(args.out), "| openblas preloaded:", blas.get("openblas_preloaded"))
     return 0
-
-
-def budget_for_step(density: float, context: int) -> int:
-    """The budget at ``density`` of ``context``, at least 64 rows (tiny contexts still evict)."""
-    return budget(density, context, minimum=64)
 
 
 SUBCOMMANDS = {"cost": cost_main, "batch": batch_main, "nexus": nexus_main}
