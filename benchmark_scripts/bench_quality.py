@@ -36,7 +36,7 @@ from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
 from veloxquant_mlx.evaluation.report_passkey import _passkey_index
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
 from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson
-from veloxquant_mlx.evaluation.task_eval import run_prompt
+from veloxquant_mlx.evaluation.task_run import run_prompt
 from veloxquant_mlx.evaluation.tasks import build
 
 
@@ -77,8 +77,7 @@ def plan(methods, curve, curve_densities, depths, bits=BITS):
 
 def quant_main(argv=None) -> int:
     from veloxquant_mlx.cli import build_parser
-    from veloxquant_mlx.cli.eval import _md_path
-    from veloxquant_mlx.evaluation import retrieval
+    from veloxquant_mlx.cli.eval import _md_path, run_harness
     from veloxquant_mlx.evaluation.report import write_report
 
     preload_blas(num_threads=None)
@@ -97,9 +96,9 @@ def quant_main(argv=None) -> int:
     labels = list(dict.fromkeys(m for st in stages for m in st["methods"]))
     args = build_parser().parse_args(["eval", "passkey", "--spread", "--max-new-tokens", "8", *rest,
                                       "--methods", *labels])
-    args.plan = stages
+    args.plan = tuple(stages)  # the passkey harness's settings take the stages as they are
     args.dequantized_prefill = a.dequantized_prefill
-    rc = retrieval.run(args)
+    rc = run_harness("passkey", args)
     if not args.no_report:
         write_report(args.out_dir, _md_path(args))
     return rc
