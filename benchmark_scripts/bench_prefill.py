@@ -27,7 +27,8 @@ import mlx.core as mx
 
 from _common import FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.evaluation.speed import _prompt, greedy_continue, prefill
+from veloxquant_mlx.decode import greedy, prefill
+from veloxquant_mlx.evaluation.speed import _prompt
 
 
 # ================================================================================================
@@ -87,7 +88,7 @@ def fused_main(argv=None):
             for c in (CACHES if r % 2 == 0 else CACHES[::-1]):
                 caches = make(model, c, rows)
                 y, pc, pw = cpu_timed(lambda: prefill(model, x, caches, 2048))
-                _, dc, dw = cpu_timed(lambda: greedy_continue(model, caches, y, a.decode + 1))
+                _, dc, dw = cpu_timed(lambda: greedy(model, caches, y, a.decode + 1))
                 for k, v in (("prefill_cpu_s", pc), ("prefill_wall_s", pw), ("decode_cpu_s", dc),
                              ("decode_wall_s", dw)):
                     rec[c][k].append(round(v, 4))
