@@ -449,6 +449,8 @@ def recall_main(argv=None) -> int:
     p.add_argument("--recall-bits", type=int, default=4)
     p.add_argument("--recall-pages", type=int, default=8)
     p.add_argument("--recall-page", type=int, default=32)
+    p.add_argument("--recall-every", type=int, default=None,
+                   help="also run each method with recall='memory' and recall_every=N ('<method>-recall-every<N>')")
     p.add_argument("--quantized-baseline", action="store_true",
                    help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
     p.add_argument("--out", default=str(FIGURES / "recall" / "followup_smollm2.json"))
@@ -463,6 +465,7 @@ def recall_main(argv=None) -> int:
     setting = {"model": desc, "task": "followup", "n_facts": 2, "length": args.length, "density": args.density,
                "prompt_eviction": "end", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
                "recall_pages": args.recall_pages, "methods": args.methods, "tiers": args.tiers,
+               "recall_every": args.recall_every,
                "quantized_baseline": "QuantizedKVCache(bits=4, group_size=32)" if args.quantized_baseline else None,
                "blas": "OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)"}
     for index in range(args.start, args.start + args.prompts):
@@ -481,6 +484,11 @@ def recall_main(argv=None) -> int:
                                                    "recall_page": args.recall_page, "recall_pages": args.recall_pages}
                 named[label(m, tier)] = (KVCacheBuilder.for_model(model, KVCacheConfig(m, budget=budget, **extra)),
                                          False)
+            if args.recall_every:
+                every = {"recall": "memory", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
+                         "recall_pages": args.recall_pages, "recall_every": args.recall_every}
+                named[label(m, f"every{args.recall_every}")] = (
+                    KVCacheBuilder.for_model(model, KVCacheConfig(m, budget=budget, **every)), False)
         held = {n: c for n, (c, _) in named.items()}  # run_prompt frees its references as it goes
         t0 = time.perf_counter()
         res = run_prompt(model, tokenizer, inst, tokens, named, shared=True, eos_ids=eos)

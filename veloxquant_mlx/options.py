@@ -159,3 +159,16 @@ def check_recall(recall, page, bits, folder, pages, window) -> tuple:
         except OSError as e:
             raise ValueError(f"recall_dir={folder!r} is not writable: {e.strerror or e}") from None
     return recall, page, bits, folder, pages, window
+
+
+def check_recall_every(recall, every):
+    """``recall_every``: None, or recall every N decode steps. Only the ``"memory"`` tier recalls
+    without a host sync, so only it may recall inside a decode step."""
+    if every is None:
+        return None
+    every = check_value("KVCacheConfig", "recall_every", every,
+                        dict(kind=int, low=1, high=None, low_open=False, choices=None, allow_none=False))
+    if recall != "memory":
+        raise ValueError(f"recall_every={every} needs recall='memory' (recall={recall!r}): a decode step "
+                         "must not read the disk tier's file")
+    return every

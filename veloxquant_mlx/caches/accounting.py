@@ -119,4 +119,22 @@ def kv_report(caches) -> dict:
             full += B * H * (row_dim(k, bits) * buf_dtype(k).size + row_dim(v, bits) * buf_dtype(v).size) * c.offset
             other += held
     return {"allocated_bytes": alloc, "kept_bytes": kept, "full_bytes": full,
-            "fraction": alloc / full if full else 0.0, "other_allocated_bytes": other}
+            "fraction": alloc / full if full else 0.0, "other_allocated_bytes": other, **cold_split(caches)}
+
+
+COLD_KEYS = ("hot_bytes", "cold_resident_bytes", "cold_disk_bytes", "summary_bytes")
+
+
+def cold_split(caches) -> dict:
+    """The byte split of the caches with a cold tier (config.recall), summed over layers; {} when none
+    has one. ``hot_bytes`` + ``cold_resident_bytes`` + ``summary_bytes`` is those caches' part of
+    ``allocated_bytes``; ``cold_disk_bytes`` is in their files, not in memory."""
+    out = dict.fromkeys(COLD_KEYS, 0)
+    cold = [c for c in caches if getattr(c, "cold", None) is not None]
+    for c in cold:
+        t = c.cold
+        out["hot_bytes"] += c.nbytes - t.resident_bytes - t.summary_bytes
+        out["cold_resident_bytes"] += t.resident_bytes
+        out["cold_disk_bytes"] += t.disk_bytes
+        out["summary_bytes"] += t.summary_bytes
+    return out if cold else {}

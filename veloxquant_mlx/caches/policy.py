@@ -62,6 +62,8 @@ class PromptPolicy:
         p = self.prompt
         if self.cold is not None and S > 1 and not p.open and self.offset > 0:
             self.cold.arm()  # a new turn on a cache that has evicted: recall with its queries
+        elif self.cold is not None and S == 1 and not p.open and self.offset > 0:
+            self.cold.decode_step()  # recall_every: every Nth decode step recalls with its query
         if S > 1 and p.saw_decode:
             warnings.warn(
                 f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "

@@ -73,6 +73,7 @@ class ColdTier:
         self.holes = None  # (B, H, m) pages read back by the last recall, refilled by the next eviction
         self.carry = None  # [keys, values, positions] of evicted rows short of a whole page
         self.recalls = 0
+        self.every, self.steps = config.recall_every, 0  # recall every N decode steps (None: never)
 
     # -- hooks of EvictionCache ---------------------------------------------------------------
     def check_head_dim(self, head_dim: int) -> None:
@@ -80,6 +81,17 @@ class ColdTier:
 
     def arm(self) -> None:
         self.armed, self.q = self.n_pages > 0, None
+
+    def decode_step(self) -> None:
+        """A decode step (one token after the prompt ended): with ``recall_every=N`` the Nth arms a
+        recall with this step's query. It runs on the input's-last-token path (the compression after
+        it picks), so it is lazy MLX work like every other "memory" recall. Not while the pages a
+        recall read are still unfilled (their rows would come back twice)."""
+        if self.every is None:
+            return
+        self.steps += 1
+        if self.steps % self.every == 0 and self.holes is None:
+            self.arm()
 
     def evicted(self, cache, kept: mx.array, real) -> None:
         """Called by ``EvictionCache._evict`` before it replaces the hot buffers: ``kept`` (B, H, K) are
@@ -206,6 +218,8 @@ class ColdTier:
                                                     self.carry, strict=True))
         if self.q is not None:
             st["recall.q"] = self.q
+        if self.holes is not None:  # saved mid-input: the next eviction still refills these pages
+            st["recall.holes"] = self.holes
         if self.kmin is None:
             return st
         n = self.n_pages
@@ -214,6 +228,7 @@ class ColdTier:
     def set_state(self, st: dict) -> None:
         self.carry = ([st[f"recall.carry.{k}"] for k in ("k", "v", "pos")] if "recall.carry.pos" in st else None)
         self.q = st.get("recall.q")
+        self.holes = st.get("recall.holes")
         if "recall.kmin" not in st:
             return
         self.kmin, self.kmax = st["recall.kmin"], st["recall.kmax"]
@@ -221,10 +236,11 @@ class ColdTier:
         self.set_rows_state(st)
 
     def meta(self) -> dict:
-        return {"armed": self.armed, "recalls": self.recalls}
+        return {"armed": self.armed, "recalls": self.recalls, **({"steps": self.steps} if self.every else {})}
 
     def set_meta(self, meta: dict) -> None:
         self.armed, self.recalls = meta.get("armed", False), meta.get("recalls", 0)
+        self.steps = meta.get("steps", 0)
 
 
 class MemoryTier(ColdTier):

@@ -138,10 +138,13 @@ def add_cache_args(parser, default_method="nexus"):
                         help="rows per cold page and KV head (default: 32)")
     parser.add_argument("--recall-pages", type=int, default=None, **given,
                         help="cold pages per KV head read back at each recall (default: 8)")
+    parser.add_argument("--recall-every", type=int, default=None, **given,
+                        help="also recall every N decode steps with that step's query (--recall memory only; "
+                             "default: unset, recall at a new input only)")
     add_method_options(parser)
 
 
-_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages")
+_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages", "recall_every")
 # (flag dest, its key in a method spec) of the cache flags: the same name but for --cache-seed
 _FLAG_KEYS = tuple((dest, "seed" if dest == "cache_seed" else dest) for dest in (
     "budget", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha", "prompt_eviction", "kv_bits",

@@ -160,12 +160,24 @@ def _model_provider_class():
                 tokenizer.chat_template = self.cli_args.chat_template
             self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
             self.model_key = (str(self.cli_args.model), None, None)
-            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+            why = _why_sequential(make_prompt_cache(model))
+            self.is_batchable = why is None
             label = "mlx-lm's KVCache" if self.config is None else repr(self.config)
             log.info(f"serving {self.cli_args.model} with {label}; continuous batching "
-                     f"{'on' if self.is_batchable else 'off (sequential requests)'}")
+                     f"{'on' if self.is_batchable else f'off (sequential requests: {why})'}")
 
     return EvictionModelProvider
+
+
+def _why_sequential(caches):
+    """None when mlx_lm.server can batch these caches (it probes ``merge``), else why not: our caches'
+    ``merge`` says why it is absent (e.g. a cold tier, ``--recall``)."""
+    for c in caches:
+        try:
+            c.merge
+        except AttributeError as e:
+            return str(e) if "cannot batch" in str(e) else f"{type(c).__name__} has no merge"
+    return None
 
 
 def check_port(host, port):

@@ -39,6 +39,9 @@ def request_log_line(n_tokens, caches) -> str:
     if ref:
         line += (f" ({kv['allocated_bytes'] / ref:.2f}x of the {mib(ref)} mlx-lm's KVCache allocates for "
                  f"them; kept rows {mib(kv['kept_bytes'])})")
+    if "cold_disk_bytes" in kv:  # a cold tier (--recall): what stays resident, and what is on disk
+        line += (f"; recall: hot {mib(kv['hot_bytes'])}, cold resident {mib(kv['cold_resident_bytes'])}, "
+                 f"summaries {mib(kv['summary_bytes'])}, on disk {mib(kv['cold_disk_bytes'])}")
     return line
 
 

@@ -63,6 +63,8 @@ SUFFIXES = {
     "-nocap": "max_head_factor=none",
     "-g32": "kv_group_size=32",
     "-g128": "kv_group_size=128",
+    "-recall-memory": "recall=memory",  # a cold tier that follow-ups recall from (docs/recall.md)
+    "-recall-disk": "recall=disk",
 }
 
 
