@@ -246,6 +246,14 @@ class BatchEvictionCache(_BaseCache):
         self._step = (spans, list(self._kv.n), ragged)
         return self._kv.fetch()
 
+    def observe_attention_input(self, x: mx.array, module=None) -> None:
+        """The hidden-state tap (before update_and_fetch): every row that reads hidden states gets the
+        whole input; update_and_fetch then tells it its span (``input_span``)."""
+        for row in self.rows:
+            observe = getattr(row, "observe_attention_input", None)
+            if observe is not None:
+                observe(x, module)
+
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
         if self._step is None:
