@@ -42,23 +42,13 @@ SMALL_BUDGET = 32  # the budget the methods' small= options are sized for
 # registry-driven test builds kvzap exactly as a user with a fitted scorer does.
 KVZAP_DIR = Path(tempfile.mkdtemp(prefix="vq-kvzap-scorers-"))
 os.environ["VELOXQUANT_KVZAP_PATH"] = str(KVZAP_DIR)
-_FITTED: set = set()
 
 
 def fit_tiny_scorer(model) -> Path:
     """Fit (once per model identity) and store a kvzap scorer for a tiny test model."""
-    from veloxquant_mlx.cli.fit_kvzap import fit_scorer
-    from veloxquant_mlx.methods.kvzap import model_identity
+    from veloxquant_mlx.evaluation.kvzap_collect import tiny_scorer
 
-    ident = model_identity(model)
-    path = KVZAP_DIR / f"{ident['architecture']}-{ident['weights_sha256']}.safetensors"
-    if path not in _FITTED and not path.exists():
-        wins = [random_prompt(48, seed=1000 + s) for s in range(5)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fit_scorer(model, tiny_tokenizer(), wins, path, "random token windows (tests)")
-    _FITTED.add(path)
-    return path
+    return tiny_scorer(model, KVZAP_DIR, tiny_tokenizer())
 
 
 def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2,
