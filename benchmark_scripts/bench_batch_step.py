@@ -6,7 +6,7 @@ tap's work (``observe_queries``, the layer mask, the step-state dependency) and 
 No model weights, so the cache's own cost shows. CPU time per step (process time, robust to other
 jobs on a shared machine), the two caches stepped alternately; min and median over ``--steps``.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_batch_step.py --batch 8 --layers 30
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_batch_step.py --batch 8 --layers 30
     ... --no-state-dependency   # ablation: skip the rows' step-state dependency (not a valid mode)
 """
 

@@ -6,7 +6,7 @@ last token alone: H2O's one-shot compression runs there). Decode: ``--decode`` g
 Rounds run every cache once, order reversed every other round; ratios are paired within a round and
 use this process's CPU time (a shared machine disturbs wall time far more; wall is recorded too).
 
-  python -m veloxquant_mlx._blas benchmark_scripts/bench_fused_scoring.py --contexts 2048,4096
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_fused_scoring.py --contexts 2048,4096
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from bench_step_cost import provenance  # same folder
 
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.evaluation.results import machine_info
     from veloxquant_mlx.models import load_model
 
     model, tok = load_model(None)
-    result = {"provenance": provenance(argv, ["full", "h2o"]) | {"command": "python -m veloxquant_mlx._blas "
+    result = {"provenance": provenance(argv, ["full", "h2o"]) | {"command": "python -m veloxquant_mlx.platform.blas "
                                                 "benchmark_scripts/bench_fused_scoring.py " + " ".join(argv)},
               "machine": machine_info(), "blas": blas_info(), "model": "bundled SmolLM2-135M (fp32)",
               "settings": {"density": a.density, "decode_tokens": a.decode, "rounds": a.rounds,

@@ -87,14 +87,14 @@ def feed(model, tokens, caches, step):
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
-        from veloxquant_mlx._blas import reexec_with_openblas
+        from veloxquant_mlx.platform.blas import reexec_with_openblas
 
         reexec_with_openblas(num_threads=1)  # returns when already preloaded or when none is installed
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import prose_text
     from veloxquant_mlx.evaluation.results import load_eval_model
@@ -121,7 +121,7 @@ def main(argv=None):
         reconstruction input (repeat prompt + context, one chunk) over that cache. What any pass costs
         at least with this attention (exact shapes when the context fits one chunk)."""
         from veloxquant_mlx.methods.kvzip.cache import KVzipOptions
-        from veloxquant_mlx.model_pass import PassPrompt, chunk_parts
+        from veloxquant_mlx.methods.kvzip.model_pass import PassPrompt, chunk_parts
 
         caches = make_prompt_cache(model)
         r = feed(model, tokens, caches, step)

@@ -29,7 +29,7 @@ policies with their peaks.
     python benchmark_scripts/bench_memory.py --part tiny     # the tiny-model sweep only (~1-2 min)
     python benchmark_scripts/bench_memory.py --quick         # harness check (tiny model everywhere)
 
-OpenBLAS is preloaded (``veloxquant_mlx._blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
+OpenBLAS is preloaded (``veloxquant_mlx.platform.blas``, 1 thread) unless ``--no-fast-blas``; the JSON says
 which BLAS ran. Memory numbers do not depend on it; it only makes the run shorter.
 """
 
@@ -529,14 +529,14 @@ def markdown(bundled, tiny) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
-        from veloxquant_mlx._blas import reexec_with_openblas
+        from veloxquant_mlx.platform.blas import reexec_with_openblas
 
         reexec_with_openblas()  # returns when already preloaded or when none is installed
     import mlx.core as mx
     import mlx_lm
 
     import veloxquant_mlx
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.evaluation.provenance import command_line, provenance, resumed
     from veloxquant_mlx.evaluation.results import quiet_cache_warnings
 

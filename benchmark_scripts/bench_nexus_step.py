@@ -121,7 +121,7 @@ def main():
         print(markdown(args.markdown))
         return
     try:
-        from veloxquant_mlx._blas import blas_info
+        from veloxquant_mlx.platform.blas import blas_info
         blas = blas_info()
     except ImportError:
         blas = {"ld_preload": os.environ.get("LD_PRELOAD", "")}

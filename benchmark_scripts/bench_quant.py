@@ -14,8 +14,8 @@ the same budget (``stream_generate``'s generation_tps), prompt 1K tokens, 20 %, 
 rounds alternating the order (fp first, then 4-bit first, ...). Only ratios measured side by side
 are meant to be quoted (a shared CPU).
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_quant.py --part memory   # OpenBLAS preloaded
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_quant.py --part speed
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quant.py --part memory   # OpenBLAS preloaded
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quant.py --part speed
 
 Results: figures/memory/quant.json, figures/eval/quant_speed.json (resumable: finished runs are kept),
 each with the project's provenance (commit, command, date, behaviour fingerprint of every label in
@@ -40,7 +40,7 @@ MIB = 2**20
 
 
 def run_info() -> dict:
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "veloxquant_mlx"], cwd=ROOT,

@@ -1,6 +1,6 @@
 """Recallable eviction on the follow-up task, paired against the same method without recall.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/bench_recall.py --prompts 6 --length 1536 \\
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_recall.py --prompts 6 --length 1536 \\
         --density 0.2 --methods nexus snapkv --tiers none memory disk
 
 Each prompt is the ``followup`` task of ``veloxquant_mlx.evaluation.tasks`` with two facts: turn 1
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                "prompt_eviction": "end", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
                "recall_pages": args.recall_pages, "methods": args.methods, "tiers": args.tiers,
                "quantized_baseline": "QuantizedKVCache(bits=4, group_size=32)" if args.quantized_baseline else None,
-               "blas": "OpenBLAS preloaded (python -m veloxquant_mlx._blas)"}
+               "blas": "OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)"}
     for index in range(args.start, args.start + args.prompts):
         if index in done:
             continue

@@ -194,14 +194,14 @@ def prompt_kv(caches_per_conv):
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
-        from veloxquant_mlx._blas import reexec_with_openblas
+        from veloxquant_mlx.platform.blas import reexec_with_openblas
 
         reexec_with_openblas()  # returns when already preloaded or when none is installed
     import mlx.core as mx
     import mlx_lm
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, __version__ as vq_version
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
 
     model, tokenizer, model_name = load(args)
     n_max = min(max(args.concurrency), args.distinct)

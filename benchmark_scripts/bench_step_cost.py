@@ -20,7 +20,7 @@ Rounds run every configuration once, order reversed every other round; ratios ar
 round (paired) and summarized as median [min, max] over rounds. Times are this process's CPU
 time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
 
-  python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py
   python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
 """
 
@@ -103,7 +103,7 @@ def fill(cache, T, kv_heads, q_heads, hd, seed):
         st["window_q"] = mx.random.normal((1, q_heads, cache.query_window, hd), key=mx.random.key(seed + 2))
     cache.state = st
     cache.offset, cache.scale, cache._ragged, cache._evict_floor = T, hd ** -0.5, ragged, R
-    cache._prompt_open, cache._saw_decode, cache.queries_observed = False, True, 1
+    cache.prompt.open, cache.prompt.saw_decode, cache.queries_observed = False, True, 1
     mx.eval(cache.state)
 
 
@@ -232,7 +232,7 @@ def components(model, T, budget, methods, repeats=25):
             c.update_and_fetch(k1, k1)
             mx.eval(c.state)
             c0 = time.process_time()
-            c._ending = False
+            c.prompt.ending = False
             c.evict_threshold = lambda: 1 << 40
             c.observe_queries(q, hd ** -0.5)
             mx.eval(c.step_state())
@@ -313,7 +313,7 @@ def provenance(argv, labels):
     """The project's provenance (commit, command, date, behaviour fingerprint of ``labels``)."""
     from veloxquant_mlx.evaluation.provenance import provenance as project_provenance
 
-    return project_provenance("python -m veloxquant_mlx._blas benchmark_scripts/bench_step_cost.py "
+    return project_provenance("python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py "
                               + " ".join(argv), labels)
 
 
@@ -367,7 +367,7 @@ def main(argv=None):
     variants = [v for v in a.variants.split(",") if v]
     if "full" not in variants:
         variants.insert(0, "full")
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.evaluation.results import machine_info
 
     result = {"provenance": provenance(argv, ["full"] + methods), "machine": machine_info(), "blas": blas_info(),

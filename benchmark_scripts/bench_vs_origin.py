@@ -5,7 +5,7 @@ The origin package has the same import name (``veloxquant_mlx``), so it lives in
 of its wheel, with the *same* mlx / mlx-lm versions as this interpreter). This script is both the
 driver and the worker: the driver starts one worker process per package and round (ours with this
 interpreter, the origin's with the venv's), both with the same OpenBLAS preload, built by
-`:func:`veloxquant_mlx._blas.find_blas` / `:func:`veloxquant_mlx._blas.preload_env` (each worker checks
+`:func:`veloxquant_mlx.platform.blas.find_blas` / `:func:`veloxquant_mlx.platform.blas.preload_env` (each worker checks
 that the library is mapped and measures a 1024x1024 fp32 matmul).
 
 Workload (issue 13): one llama-shaped attention layer, 8 query and 8 KV heads of head_dim 128, fp32
@@ -311,7 +311,7 @@ def ensure_origin_venv(venv: Path, wheel_arg) -> Path:
 
 
 def _blas_env():
-    from veloxquant_mlx import _blas as blas
+    from veloxquant_mlx.platform import blas
 
     lib = blas.find_blas()
     if lib is None:
@@ -326,7 +326,7 @@ def _blas_env():
                  "LD_PRELOAD": env["LD_PRELOAD"], "LD_LIBRARY_PATH": env.get("LD_LIBRARY_PATH", ""),
                  "OPENBLAS_NUM_THREADS": env["OPENBLAS_NUM_THREADS"],
                  "OPENBLAS_CORETYPE": env.get("OPENBLAS_CORETYPE"),
-                 "built_by": "veloxquant_mlx._blas.find_blas + preload_env (same env for both workers)"}
+                 "built_by": "veloxquant_mlx.platform.blas.find_blas + preload_env (same env for both workers)"}
 
 
 def _median(xs):

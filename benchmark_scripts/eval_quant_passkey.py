@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from veloxquant_mlx._blas import reexec_with_openblas
+from veloxquant_mlx.platform.blas import reexec_with_openblas
 
 BITS = ("", "-8bit", "-4bit")
 DEPTHS_25 = [round(0.02 + 0.04 * i, 2) for i in range(25)]

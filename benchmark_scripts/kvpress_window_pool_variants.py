@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from veloxquant_mlx._blas import reexec_with_openblas
+from veloxquant_mlx.platform.blas import reexec_with_openblas
 
 reexec_with_openblas(num_threads=1)
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig

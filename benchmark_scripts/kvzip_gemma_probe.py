@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "gemma_probe.json"))
     a = ap.parse_args(argv)
 
-    from veloxquant_mlx._blas import reexec_with_openblas
+    from veloxquant_mlx.platform.blas import reexec_with_openblas
 
     reexec_with_openblas(num_threads=1)
     import mlx.core as mx
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.methods.kvzip.cache import KVzipCache
     from veloxquant_mlx.evaluation.speed import greedy_generate
-    from veloxquant_mlx.model_pass import PassPrompt
+    from veloxquant_mlx.methods.kvzip.model_pass import PassPrompt
 
     quiet_cache_warnings()
     model, tok, desc = load_eval_model(a.model)

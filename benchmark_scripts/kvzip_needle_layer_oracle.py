@@ -1,7 +1,7 @@
 """Which Gemma 3 global layer does the passkey answer need? kvzip (default) with the needle rows' scores
 forced to the top in one layer at a time (an oracle, not a method), on prose passkey prompts.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/kvzip_needle_layer_oracle.py 0.3,0.5
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/kvzip_needle_layer_oracle.py 0.3,0.5
 """
 import sys
 from pathlib import Path

@@ -28,7 +28,7 @@ def main(argv=None):
     p.add_argument("--methods", nargs="+", default=["kvzip"])
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "passkey_sanity.json"))
     args = p.parse_args(argv)
-    from veloxquant_mlx._blas import reexec_with_openblas
+    from veloxquant_mlx.platform.blas import reexec_with_openblas
 
     reexec_with_openblas(num_threads=1)
     from veloxquant_mlx.evaluation.passkey import extract_digits

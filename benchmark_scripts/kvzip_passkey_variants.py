@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from veloxquant_mlx._blas import reexec_with_openblas  # noqa: E402
+from veloxquant_mlx.platform.blas import reexec_with_openblas  # noqa: E402
 reexec_with_openblas(num_threads=1)
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.evaluation.passkey import extract_digits

@@ -2,7 +2,7 @@
 (plus), the BOS left out of the reconstructed text (nobos), per-layer uniform budgets (each), no recent
 window (r0), 512-token reconstruction chunks (c512), 6 greedy tokens each.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/kvzip_plus_variants.py gemma3-270m kvzip,plus,nobos 0.1,0.5
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/kvzip_plus_variants.py gemma3-270m kvzip,plus,nobos 0.1,0.5
 """
 import sys
 import time
@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx import model_pass as mp
+from veloxquant_mlx.methods.kvzip import model_pass as mp
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
 from veloxquant_mlx.evaluation.retrieval import make_prompt
 from veloxquant_mlx.evaluation.speed import greedy_generate

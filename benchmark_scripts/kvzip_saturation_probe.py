@@ -16,7 +16,7 @@ chunk's stored keys, the pass's own keys, the softmax scale) are captured and re
   normalisation, read from the cache as it compresses;
 * the answers of ``kvzip`` and ``kvzip-plus`` (6 greedy tokens).
 
-    python -m veloxquant_mlx._blas benchmark_scripts/kvzip_saturation_probe.py   # -> figures/kvzip/saturation_probe.json
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/kvzip_saturation_probe.py   # -> figures/kvzip/saturation_probe.json
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "saturation_probe.json"))
     a = ap.parse_args(argv)
 
-    from veloxquant_mlx._blas import reexec_with_openblas
+    from veloxquant_mlx.platform.blas import reexec_with_openblas
 
     reexec_with_openblas(num_threads=1)
     import mlx.core as mx
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.evaluation.speed import greedy_generate
-    from veloxquant_mlx.model_pass import PassPrompt
+    from veloxquant_mlx.methods.kvzip.model_pass import PassPrompt
 
     quiet_cache_warnings()
     model, tok, desc = load_eval_model(a.model)

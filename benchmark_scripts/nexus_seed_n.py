@@ -29,7 +29,7 @@ def main(argv=None):
     ap.add_argument("--out", default="figures/eval_v2/nexus_seed_n.json")
     args = ap.parse_args(argv)
 
-    from veloxquant_mlx._blas import describe, reexec_with_openblas
+    from veloxquant_mlx.platform.blas import describe, reexec_with_openblas
 
     reexec_with_openblas()  # OpenBLAS (1 thread) preloaded; returns when already preloaded / none installed
     import mlx.core as mx

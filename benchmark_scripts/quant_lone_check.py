@@ -1,7 +1,7 @@
 """Lone runs of quantized passkey cells (exactly what mlx_lm.generate computes: each cache alone, mlx-lm's
 quantized attention from the first chunk on), compared with the same cells of a shared-pass file.
 
-    python -m veloxquant_mlx._blas benchmark_scripts/quant_lone_check.py \
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/quant_lone_check.py \
         --against figures/eval/quant/passkey_paired.json --out figures/eval/quant/lone_check.json
 """
 

@@ -192,7 +192,7 @@ def pytest_configure(config):
 
     if os.environ.get("VELOXQUANT_NO_FAST_BLAS"):
         return
-    from veloxquant_mlx import _blas as blas
+    from veloxquant_mlx.platform import blas
 
     if blas.openblas_preloaded() or blas.find_blas() is None:
         return

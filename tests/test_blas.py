@@ -1,4 +1,4 @@
-"""veloxquant_mlx._blas: finding a pip-installed (or system) OpenBLAS and preloading it under MLX."""
+"""veloxquant_mlx.platform.blas: finding a pip-installed (or system) OpenBLAS and preloading it under MLX."""
 
 import importlib.metadata
 import json
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from veloxquant_mlx import _blas as blas
-from veloxquant_mlx import _blas_locate as blas_locate
+from veloxquant_mlx.platform import blas
+from veloxquant_mlx.platform import blas_locate
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD / ELF: Linux only")
 
@@ -35,7 +35,7 @@ def _clean_env(**extra):
     return env
 
 
-_REPORT = ("import json, os; from veloxquant_mlx import _blas as blas; "
+_REPORT = ("import json, os; from veloxquant_mlx.platform import blas; "
            "print(json.dumps({'preloaded': blas.openblas_preloaded(), 'describe': blas.describe(), "
            "'threads': os.environ.get('OPENBLAS_NUM_THREADS'), "
            "'gflops': blas.measure_matmul_gflops(384, repeats=3)}))")
@@ -102,7 +102,7 @@ def test_probe_rejects_a_preload_whose_dependencies_do_not_resolve():
 @pytest.mark.integration
 def test_launcher_preloads_openblas_and_beats_the_reference_blas():
     ref, _ = _report(["-c", _REPORT], _clean_env(**{blas.REEXEC_GUARD_ENV: "1"}))
-    fast, err = _report(["-m", "veloxquant_mlx._blas", "-c", _REPORT], _clean_env())
+    fast, err = _report(["-m", "veloxquant_mlx.platform.blas", "-c", _REPORT], _clean_env())
     assert not ref["preloaded"] and "reference" in ref["describe"]
     assert fast["preloaded"], err
     assert fast["threads"] == str(blas.DEFAULT_NUM_THREADS)

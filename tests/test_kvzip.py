@@ -391,6 +391,9 @@ def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monke
     thr = np.sort(flat)[::-1][4 * 2 * (32 - 8) - 1]
     want = [8 + int(round((c >= thr).sum() / 2)) for c in cand]
     assert [b for _, _, b in seen] == want == sizes
+    # the shares are compression targets: every layer's budget stays the configured one, and the
+    # compression state is closed again
+    assert all(c.budget == 32 and c.keep_rows() == 32 and not c.compressing_prompt for c in glob)
 
 
 def test_default_head_budget_follows_the_total():
@@ -569,13 +572,13 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
 def test_kvzip_plus_without_an_attention_output_projection_is_a_clear_error():
     from types import SimpleNamespace
 
-    from veloxquant_mlx.model_pass import _hidden_hooks
+    from veloxquant_mlx.methods.kvzip.model_pass import _hidden_hooks
 
     cache = KVzipCache(kvzip(budget=24, kvzip_normalize="plus"), 0, 1)
     model = SimpleNamespace(layers=[SimpleNamespace(mixer=nn.Linear(4, 4))])  # no self_attn.o_proj
     with pytest.raises(ValueError, match="no attention module with o_proj"):
-        with _hidden_hooks(model, [(cache, None)]):
+        with _hidden_hooks(model, [(cache, None)], {id(cache)}):
             pass
     with pytest.raises(ValueError, match="aligned with the cache list"):
-        with _hidden_hooks(model, [(cache, None), (cache, None)]):
+        with _hidden_hooks(model, [(cache, None), (cache, None)], {id(cache)}):
             pass

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from conftest import greedy, make_cache, make_tiny_model, random_prompt
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.methods.nestedkv.cache import NestedKVKVCache
-from veloxquant_mlx.methods.nestedkv.ops import (current_anomaly, episodic_anomaly, episodic_block_size,
-                                         max_head_rows, stable_anomaly)
+from veloxquant_mlx.methods.nestedkv.ops import max_head_rows
+from veloxquant_mlx.ops.anomaly import current_anomaly, episodic_anomaly, episodic_block_size, stable_anomaly
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*earlier generation")
 
@@ -303,7 +303,7 @@ def _reference_anomalies(k, n_valid, window, block):
 
 @pytest.mark.parametrize("N,window,offset", [(300, 64, 0.0), (517, 64, 3.0), (130, 200, 1.0), (640, 32, 0.0)])
 def test_fused_anomalies_match_reference(N, window, offset):
-    from veloxquant_mlx.methods.nestedkv.ops import fused_anomalies
+    from veloxquant_mlx.ops.anomaly import fused_anomalies
     rng = np.random.default_rng(N)
     B, H, D = 2, 3, 16
     k = (rng.normal(0, 1, (B, H, N, D)) + offset * rng.normal(0, 1, (1, H, 1, D))).astype(np.float32)

@@ -511,7 +511,7 @@ def test_ada_nexus_ragged_attention_equals_per_head_hand_computed():
         keys, values = cache.update_and_fetch(mx.array(k), mx.array(v))
         mask = cache.attention_mask(None, mx.array(q))
         out = _np(mx.fast.scaled_dot_product_attention(mx.array(q), keys, values, scale=D ** -0.5, mask=mask))
-        pos = _np(cache._fetched_positions)[0]
+        pos = _np(cache.fetched_positions)[0]
         cache.observe_queries(mx.array(q))
         if not ragged_before:
             continue

@@ -245,7 +245,7 @@ def test_prompt_cache_reuses_prefixes_and_recomputes_exact_hits():
     store.insert_cache("m", tokens + [7], caches)
     got, rest = store.fetch_nearest_cache("m", tokens + [7, 9, 9])
     assert rest == [9, 9] and got is not caches and got[0].offset == 30
-    assert not got[0]._saw_decode  # continuing a stored conversation is on purpose
+    assert not got[0].prompt.saw_decode  # continuing a stored conversation is on purpose
     # an exact hit would leave nothing to feed and eviction caches cannot rewind: computed afresh
     assert store.fetch_nearest_cache("m", tokens + [7]) == (None, tokens + [7])
     # a longer stored conversation is never rewound (not trimmable)

@@ -1,75 +1,63 @@
-"""Model passes at the prompt's end (KVzip's reconstruction), driven from the model's own forward.
+"""The model-pass hook: work a cache defers to after the model's own forward, with the model at hand.
 
 A cache cannot call the model; the builder can. ``install_model_pass(model)`` gives the model
 instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_step`` /
 ``BatchGenerator`` call) does, per forward:
 
-1. hands the forward's token ids to the caches (``methods.kvzip.cache.feeding``): each KVzip cache stores
-   them per row, so the text to reconstruct is always at hand, also after save/load;
-2. runs the original forward (lazily, as always); a KVzip cache whose compression falls due in it
-   (the prompt's end) defers it;
-3. after the forward, when some cache deferred: the reconstruction pass of that sequence, in chunks
-   (paper Sec. 3, chunked scoring: ``repeat prompt + chunk``, about 2K tokens), through the same
-   model with the KVzip caches in scoring mode (the pass's own K/V are never stored) and fresh copies of every
-   other cache (e.g. Gemma 3's sliding RotatingKVCache is never mutated); then every KVzip cache
-   of the sequence evicts. A batch (``BatchEvictionCache``) runs one pass per sequence.
-   With ``normalize="plus"`` (KVzip+) each KVzip layer's attention module hands its input and output
-   projection to its cache during the pass (a subclass swapped in for the pass only).
+1. opens a frame (``caches.forward.feeding``) holding the forward's token ids, which a cache may read
+   (``caches.forward.input_ids``; a batch cache narrows it to each row's slice);
+2. runs the original forward (lazily, as always); a cache whose work needs the model (a
+   reconstruction pass at the prompt's end, say) defers it (``caches.forward.defer``);
+3. after the forward, per sequence holding such a cache (a batch row's own caches, or the plain list),
+   calls ``type(cache).run_model_pass(driver, seq)``: ``seq`` lists that sequence's per-layer
+   (cache, batch index or None) pairs, ``driver`` gives the model's own forward, scratch copies of
+   the other caches, the tokenizer and a per-model memo (:class:`ModelPassDriver`).
 
-Everything stays lazy: no host sync; the scores are evaluated with the next token, chunk after
-chunk (docs/methods/kvzip.md measures the pass's peak memory). Reversible (``remove_model_pass``);
-the instance keeps its class's name, module, parameters and ``isinstance`` checks.
+The glue names no method: what a pass does lives with the method that asks for it
+(``EvictionCache.run_model_pass``). Reversible (``remove_model_pass``); the instance keeps its
+class's name, module, parameters and ``isinstance`` checks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import warnings
 
 import mlx.core as mx
 
 from .caches.batch import BatchEvictionCache
-from .methods.kvzip.cache import KVzipCache, feeding
-from .caches.storage import PAD_POSITION
-from .methods.kvzip.ops import layer_winner_counts
+from .caches.forward import feeding
 
 _DRIVER = "_veloxquant_model_pass"
 _SUBCLASSES: dict = {}
 
-# The repeat prompts of the reconstruction input (paper Sec. 3, Fig. 2: "Repeat the previous
-# context"); later chunks quote the previous chunk's last tokens so the model knows where to resume.
-FIRST_PROMPT = "\n\nRepeat the previous context exactly."
-NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 
-
-class PassPrompt:
-    """Token ids of the repeat instruction (and the chat template's assistant prefix)."""
+class ModelPassDriver:
+    """What a cache's ``run_model_pass`` hook may use: the model, its original forward, scratch copies
+    of layer caches, the tokenizer (None when not given) and a memo the hooks keep per model."""
 
     def __init__(self, tokenizer=None):
-        self.tokenizer_known = tokenizer is not None
-        self.first, self.next, self.suffix = [], [], []
-        if tokenizer is None:
-            return
-        enc = (lambda t: list(tokenizer.encode(t, add_special_tokens=False)))
-        try:
-            enc("x")
-        except TypeError:  # tokenizers whose encode takes no add_special_tokens
-            enc = (lambda t: list(tokenizer.encode(t)))
-        self.first, self.next = enc(FIRST_PROMPT), enc(NEXT_PROMPT)
-        template = getattr(tokenizer, "chat_template", None)
-        if template:
-            mark = "@@VQ_CONTEXT_END@@"
-            try:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
-                                                     add_generation_prompt=True)
-                self.suffix = enc(text.split(mark, 1)[1]) if mark in text else []
-            except Exception:  # a template that cannot render a plain user turn: no suffix
-                self.suffix = []
+        self.tokenizer = tokenizer
+        self.memo: dict = {}
+        self.model = self._base = None
+
+    def bind(self, model, base) -> "ModelPassDriver":
+        self.model, self._base = model, base
+        return self
+
+    def forward(self, inputs, cache):
+        """The model's own forward (the wrapper's hooks do not run again inside it)."""
+        return self._base.__call__(self.model, inputs, cache=cache)
+
+    @staticmethod
+    def scratch(c, i):
+        """A copy of a layer cache the pass may advance (never the caller's own)."""
+        if i is not None and hasattr(c, "extract"):
+            return c.extract(i)
+        return copy.deepcopy(c)
 
 
 def install_model_pass(model, tokenizer=None) -> None:
-    """Make ``model(...)`` record token ids and run pending reconstruction passes. Idempotent; a
+    """Make ``model(...)`` open a forward frame and run the model passes caches defer. Idempotent; a
     tokenizer given later replaces the prompt (None keeps the one set before)."""
     cls = type(model)
     if not getattr(cls, "__veloxquant_pass__", False):
@@ -84,13 +72,13 @@ def install_model_pass(model, tokenizer=None) -> None:
             _SUBCLASSES[cls] = sub
         model.__class__ = sub
     if tokenizer is not None or _DRIVER not in model.__dict__:
-        object.__setattr__(model, _DRIVER, PassPrompt(tokenizer))
+        object.__setattr__(model, _DRIVER, ModelPassDriver(tokenizer))
 
 
 def set_pass_tokenizer(model, tokenizer) -> None:
-    """Remember the tokenizer of the repeat prompt for a later ``for_model`` that is given none (an
+    """Remember the tokenizer the model passes use, for a later ``for_model`` that is given none (an
     evaluation harness loads the model and tokenizer once, then builds caches many times)."""
-    object.__setattr__(model, _DRIVER, PassPrompt(tokenizer))
+    object.__setattr__(model, _DRIVER, ModelPassDriver(tokenizer))
 
 
 def remove_model_pass(model) -> bool:
@@ -108,9 +96,6 @@ def model_pass_installed(model) -> bool:
     return bool(getattr(type(model), "__veloxquant_pass__", False))
 
 
-_warned_no_tokenizer: set = set()
-
-
 def _forward(model, base, inputs, args, kwargs):
     cache = kwargs.get("cache", args[0] if args else None)
     ids = inputs if (isinstance(inputs, mx.array) and inputs.ndim == 2
@@ -118,20 +103,23 @@ def _forward(model, base, inputs, args, kwargs):
     with feeding(ids) as frame:
         out = base.__call__(model, inputs, *args, **kwargs)
     if frame.due and cache is not None:
-        prompt = model.__dict__.get(_DRIVER) or PassPrompt()
-        if not prompt.tokenizer_known and id(model) not in _warned_no_tokenizer:
-            _warned_no_tokenizer.add(id(model))
-            warnings.warn("kvzip's reconstruction pass has no tokenizer for its repeat prompt, so it "
-                          "feeds the context tokens alone; pass tokenizer= to KVCacheBuilder.for_model / "
-                          "install (docs/methods/kvzip.md)", stacklevel=3)
-        for seq in _due_sequences(list(cache), frame.due):
-            run_reconstruction(model, base, seq, prompt)
+        driver = model.__dict__.get(_DRIVER)
+        if driver is None:
+            driver = ModelPassDriver()
+            object.__setattr__(model, _DRIVER, driver)
+        driver.bind(model, base)
+        try:
+            for seq, kinds in _due_sequences(list(cache), frame.due):
+                for kind in kinds:
+                    kind.run_model_pass(driver, seq)
+        finally:
+            driver.bind(None, None)
     return out
 
 
 def _due_sequences(cache: list, due: list) -> list:
-    """Per sequence with a deferred compression: its per-layer caches (a batch row's own caches, or
-    the plain list), each a (cache, batch index or None) pair."""
+    """Per sequence with a deferred pass: its per-layer caches (a batch row's own caches, or the plain
+    list), each a (cache, batch index or None) pair, and the classes that deferred, in layer order."""
     due_ids = {id(c) for c in due}
     rows = set()
     plain = False
@@ -143,148 +131,4 @@ def _due_sequences(cache: list, due: list) -> list:
     seqs = [[(c, None) for c in cache]] if plain else []
     for i in sorted(rows):
         seqs.append([(c.rows[i] if isinstance(c, BatchEvictionCache) else c, i) for c in cache])
-    return seqs
-
-
-def _scratch(c, i):
-    """A copy of a layer cache the pass may advance (never the caller's own)."""
-    if i is not None and hasattr(c, "extract"):
-        return c.extract(i)
-    return copy.deepcopy(c)
-
-
-def chunk_parts(prompt: PassPrompt, take, lo: int, hi: int, overlap: int) -> list:
-    """The pieces of the reconstruction input for context tokens [lo, hi), in order: the repeat
-    prompt (after the first chunk: quoting the previous chunk's last ``overlap`` tokens), the chat
-    template's suffix, the chunk. The prompt pieces are lists of ids; ``take(a, b)`` gives the
-    context's tokens a..b in the caller's form."""
-    head = [prompt.first] if lo == 0 else [prompt.next, take(max(lo - overlap, 0), lo)]
-    return head + [prompt.suffix, take(lo, hi)]
-
-
-def run_reconstruction(model, base, seq: list, prompt: PassPrompt) -> None:
-    """KVzip's chunked reconstruction pass over one sequence's pending text, then its evictions."""
-    zips = [c for c, _ in seq if isinstance(c, KVzipCache)]
-    if not zips:
-        return
-    first = zips[0]
-    n = first.pending
-    if any(z.pending != n for z in zips):
-        raise RuntimeError("kvzip caches of one sequence disagree on the pending text "
-                           f"({sorted({z.pending for z in zips})} tokens)")
-    ids = first.pending_ids()
-    B = ids.shape[0]
-    m, overlap = first.options.chunk, first.options.overlap
-
-    def tokens(lst):
-        return mx.broadcast_to(mx.array(lst, dtype=mx.int32)[None], (B, len(lst)))
-
-    with _hidden_hooks(model, seq) if first.options.normalize == "plus" else _nothing():
-        _chunks(model, base, seq, zips, prompt, ids, tokens, n, m, overlap)
-    for z in zips:
-        z.finish_pass()
-    shares = _global_shares(zips) if first.options.layers == "global" else None
-    for i, z in enumerate(zips):
-        z.compress(None if shares is None else shares[i])
-
-
-def _chunks(model, base, seq, zips, prompt, ids, tokens, n, m, overlap):
-    for lo in range(0, n, m):  # Sec. 3 (chunked scoring): each chunk with its own repeat prompt
-        hi = min(lo + m, n)
-        parts = chunk_parts(prompt, lambda a, b: ids[:, a:b], lo, hi, overlap)
-        parts = [tokens(p) if isinstance(p, list) else p for p in parts]
-        inp = mx.concatenate([p for p in parts if p.shape[1]], axis=1)
-        for z in zips:
-            z.begin_chunk(lo, hi)
-        try:
-            base.__call__(model, inp, cache=[c if isinstance(c, KVzipCache) else _scratch(c, i) for c, i in seq])
-        finally:
-            for z in zips:
-                z.end_chunk()
-
-
-_HOOKED: dict = {}
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
-
-
-def _attention_of(layer):
-    for name in ("self_attn", "attention", "attn"):
-        attn = getattr(layer, name, None)
-        if attn is not None and hasattr(attn, "o_proj"):
-            return attn
-    return None
-
-
-def _o_weight(proj):
-    if hasattr(proj, "scales"):  # a quantized projection: its dense weight
-        return mx.dequantize(proj.weight, proj.scales, getattr(proj, "biases", None), proj.group_size, proj.bits)
-    return proj.weight
-
-
-@contextlib.contextmanager
-def _hidden_hooks(model, seq):
-    """KVzip+ reads each KVzip layer's attention input and output projection: for the pass, every such
-    attention module gets a subclass whose ``__call__`` hands them to its layer's cache first."""
-    layers = getattr(model, "layers", None)
-    if layers is None or len(layers) != len(seq):
-        raise ValueError("kvzip normalize='plus' needs model.layers aligned with the cache list")
-    hooked = []
-    try:
-        for layer, (c, _) in zip(layers, seq):
-            if not isinstance(c, KVzipCache):
-                continue
-            attn = _attention_of(layer)
-            if attn is None:
-                raise ValueError(f"kvzip normalize='plus': {type(layer).__name__} has no attention module with o_proj")
-            cls = type(attn)
-            sub = _HOOKED.get(cls)
-            if sub is None:
-                def __call__(self, x, *args, _base=cls, **kwargs):
-                    z = self.__dict__.get("_veloxquant_zip")
-                    if z is not None:
-                        z.observe_hidden(x, _o_weight(self.o_proj))
-                    return _base.__call__(self, x, *args, **kwargs)
-
-                sub = _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-            object.__setattr__(attn, "_veloxquant_zip", c)
-            attn.__class__ = sub
-            hooked.append((attn, cls))
-        yield
-    finally:
-        for attn, cls in hooked:
-            attn.__class__ = cls
-            object.__delattr__(attn, "_veloxquant_zip")
-
-
-_warned_global: set = set()
-
-
-def _global_shares(zips: list):
-    """Per-layer budgets from one ranking over every layer's rows (kvzip ``layers="global"``), or
-    None where that is not possible here (then every layer keeps its own budget)."""
-    first = zips[0]
-    why = None
-    if first.keys.shape[0] != 1:
-        why = "a batch of several sequences in one cache"
-    elif any(z.dist is not None for z in zips):
-        why = "tensor parallelism"
-    if why is not None:
-        if why not in _warned_global:
-            _warned_global.add(why)
-            warnings.warn(f"kvzip layers='global' is not supported with {why}: each layer keeps its own "
-                          "budget", stacklevel=3)
-        return None
-    F = first.n_sink + first.recent
-    scores, cands = [], []
-    for z in zips:
-        pos = z.stored("positions")
-        forced = (pos < z.n_sink) | (pos >= z.offset - z.recent)
-        scores.append(z.stored("zip_score"))
-        cands.append((pos != PAD_POSITION) & ~forced)
-    n_total = sum(z.keys.shape[1] for z in zips) * (first.budget - F)
-    counts = layer_winner_counts(scores, cands, n_total).tolist()  # the one host read of a global pass
-    return [F + int(round(c / z.keys.shape[1])) for c, z in zip(counts, zips)]
+    return [(seq, list(dict.fromkeys(type(c) for c, _ in seq if id(c) in due_ids))) for seq in seqs]

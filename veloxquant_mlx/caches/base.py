@@ -27,6 +27,7 @@ from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .batch import BatchMerge
+from .policy import OnePass, PromptPolicy, PromptState
 from .quant import row_dim, rows_map
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
@@ -35,7 +36,7 @@ from .storage import PAD_POSITION, RowStorage, with_headroom
 _warned_ada_no_tap: set = set()
 
 
-class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
+class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
@@ -86,21 +87,26 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.tap_active = False  # set by the builder when per-layer masks reach this cache
         self.scale = None
         self._window_q = None
-        self._saw_decode = False
-        self._prompt_open = False  # prompt text arrived since the last single-token step
-        self._ending = False  # this single-token step ends the prompt: compress after its attention
-        self.compressing_prompt = False  # True only inside the one-shot compression's eviction step
+        self.prompt = PromptState()  # prompt-time policy: prompt open, ending, compressing (caches.policy)
         self._rng = mx.random.key(config.seed + layer_idx)
         self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
         # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
         # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
         self._fetched_positions = None
         self._fetched_ragged = False
-        self._attend = False  # inside observe_and_attend: the tap will use an output the scoring pass makes
-        self._attention_out = None
+        self.attend = OnePass()  # the tap's one-pass attention: an output a scoring pass hands back
         self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
     # Hooks a method may override -------------------------------------------------------------
+    needs_model_pass = False  # True: the builder wraps the model so run_model_pass can run (model_pass.py)
+
+    @classmethod
+    def run_model_pass(cls, driver, seq) -> None:
+        """Work this method deferred (``caches.forward.defer``) to after the model's forward, with the
+        model at hand: ``seq`` is one sequence's per-layer (cache, batch index or None) pairs, ``driver``
+        the glue's ``model_pass.ModelPassDriver`` (``forward(inputs, cache)``, ``scratch``, ``tokenizer``)."""
+        raise NotImplementedError(f"{cls.__name__} deferred work to a model pass but has no run_model_pass")
+
     # KVCacheConfig fields this method defaults differently from HEAD_BUDGET_DEFAULTS (allocation,
     # floor_alpha, max_head_factor), used where the config leaves them unset.
     config_defaults: dict = {}
@@ -171,7 +177,7 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         that are real (False rows become padding: ragged per-head budgets)."""
         if self.use_ada():
             return self.ada_select(self.scores())
-        return keep_top_rows(self.scores(), self.budget, self.n_sink, self.recent)
+        return keep_top_rows(self.scores(), self.keep_rows(), self.n_sink, self.recent)
 
     def use_ada(self) -> bool:
         """True when this eviction step should use Ada-KV head-adaptive budgets.
@@ -192,9 +198,16 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def ada_select(self, scores: mx.array):
         """(idx, real): Ada-KV allocation of this layer's H x budget rows over (B, H, rows) scores."""
         # Tensor parallel (self.dist): the layer-wide steps combine every rank's heads (radix top-k).
-        return ada_keep(scores, self.stored("positions"), self.offset, self.budget, self.n_sink,
+        keep = self.keep_rows()
+        return ada_keep(scores, self.stored("positions"), self.offset, keep, self.n_sink,
                         self.recent, self.config.floor_alpha, PAD_POSITION, layer=self.dist,
-                        cap=self.config.head_cap_rows(self.budget))
+                        cap=self.config.head_cap_rows(keep))
+
+    def keep_rows(self) -> int:
+        """Rows per head this eviction step keeps: the budget, or the target of a compression that
+        asks for another (``PromptState.compressing_to``); the budget itself never changes."""
+        t = self.prompt.target
+        return self.budget if t is None else t
 
     def evict_threshold(self) -> int:
         """Stored rows above which a (decode-bounded) method runs an eviction step."""
@@ -214,34 +227,10 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
             fetched = tuple(mx.depends(list(fetched), self.step_state()))
         return fetched
 
-    def _before_append(self, S: int) -> None:
-        """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per
-        row: caches.batch)."""
-        if self.cold is not None and S > 1 and not self._prompt_open and self.offset > 0:
-            self.cold.arm()  # a new turn on a cache that has evicted: recall with its queries
-        if S > 1 and self._saw_decode:
-            warnings.warn(
-                f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
-                "earlier generation and now receives a new prompt. If you wrote "
-                "`model.make_cache = lambda *a, **k: caches`, every generate() continues the old context: "
-                "use KVCacheBuilder.install(model, config) for fresh caches per call (pass prompt_cache "
-                "explicitly to continue on purpose).", stacklevel=3)
-            self._saw_decode = False
-        if S == 1 and self.offset > 0:
-            self._saw_decode = True
-        if self._ending:
-            self._end_prompt()  # the prompt's last step got no queries (no tap): compress now
-        if S == 1 and self._prompt_open and self._compresses_at_prompt_end():
-            # The prompt's last token (mlx_lm.generate feeds it alone): it attends to the whole prompt,
-            # its query joins the window, then the one-shot compression runs (in _observe).
-            self._ending = True
-        elif self._evicts_during(S) and self._rows > self.evict_threshold():
-            self._evict()  # queries never arrived for the last append (no tap): evict now
-        self._prompt_open = S > 1  # prompt text: the next single-token step ends the prompt
-
-    def note_fetched(self) -> None:
-        """Record the rows this step attends to (the tap's mask describes them)."""
-        self._fetched_positions = self.positions[:, :, :self._rows]
+    def note_fetched(self, positions: mx.array | None = None) -> None:
+        """Record the rows this step attends to (the tap's mask describes them): the stored rows, or
+        ``positions`` when the step attends to more (rows it will not store)."""
+        self._fetched_positions = self.positions[:, :, :self._rows] if positions is None else positions
         self._fetched_ragged = self.is_ragged
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
@@ -263,19 +252,19 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         """The tap's one-pass path: observe this step's queries, and return the layer's attention output
         when the method's scoring pass computed it from its own weights (None: the tap calls mlx-lm's
         attention). The output must equal causal attention over the rows ``update_and_fetch`` returned."""
-        self._attend = True
+        self.attend.active = True
         try:
             self.observe_queries(queries, scale)
         finally:
-            self._attend = False
-        out, self._attention_out = self._attention_out, None
+            self.attend.active = False
+        out, self.attend.out = self.attend.out, None
         return out
 
     def one_pass(self, mode: str, on: str = "fused") -> bool:
         """Inside :meth:`observe_and_attend`, should this step's scoring pass hand the layer's output back
-        (``self._attention_out``) instead of the tap computing it again? Yes when the method's option
+        (``self.attend.out``) instead of the tap computing it again? Yes when the method's option
         ``mode`` says ``on`` (always) or ``"auto"`` (where one pass is the faster: the CPU)."""
-        return self._attend and (mode == on or (mode == "auto" and fused_scoring_default()))
+        return self.attend.active and (mode == on or (mode == "auto" and fused_scoring_default()))
 
     @property
     def fetched_positions(self):
@@ -288,10 +277,6 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
     def fetched_ragged(self) -> bool:
         """Whether the rows the last ``update_and_fetch`` returned held padding (ragged heads)."""
         return self._fetched_ragged
-
-    def continue_on_purpose(self) -> None:
-        """The next prompt continues this cache deliberately (multi-turn reuse): no reuse warning."""
-        self._saw_decode = False
 
     def step_state(self) -> list:
         """Arrays a step updates that attention does not read (positions, per-row scores, the query
@@ -307,49 +292,10 @@ class EvictionCache(RowStorage, Accounting, StateRoundTrip, _BaseCache):
         self.on_queries(queries)
         if self.cold is not None and self.cold.armed:
             self._recall(queries, scale)
-        if self._ending:
+        if self.prompt.ending:
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
-
-    def _recall(self, queries: mx.array, scale: float) -> None:
-        """A new input on a cache with a cold tier (caches.recall). Where the tap lets this cache hand
-        the layer's output back (``observe_and_attend``, fp rows), its first chunk recalls at once and
-        attends to the recalled rows too, so the new input's own hidden states see them; elsewhere the
-        recall waits for the input's last token. Either way the compression at the input's end picks."""
-        self.cold.note_queries(queries)
-        S = queries.shape[2]
-        early = S > 1 and self._attend and self.kv_bits is None
-        if (early or S == 1) and self.cold.recall(self):
-            if early:  # recalled rows are older than the chunk: "causal" (bottom-right) stays right
-                self._attention_out = mx.fast.scaled_dot_product_attention(
-                    queries, self.stored("keys"), self.stored("values"), scale=scale, mask="causal")
-            else:
-                self._ending = True
-
-    def _end_prompt(self) -> None:
-        """After the prompt's last step: the one-shot compression (prefill-only methods, and every
-        method under prompt_eviction="end")."""
-        self._ending = False
-        if self._rows > self.budget:
-            self.compressing_prompt = True  # a method may select differently at the one-shot step
-            try:
-                self._evict()
-            finally:
-                self.compressing_prompt = False
-
-    # -- prompt-time policy (config.prompt_eviction) ------------------------------------------
-    def _compresses_at_prompt_end(self) -> bool:
-        """Compress once when the prompt ends? Prefill-only methods always; decode-bounded methods
-        under ``prompt_eviction="end"`` (the paper's prefill + decode setting)."""
-        return self.prefill_only or self.config.prompt_eviction == "end"
-
-    def _evicts_during(self, S: int) -> bool:
-        """Does a step of S new tokens run threshold evictions? Prompt chunks (S > 1) only under
-        ``prompt_eviction="stream"``; single tokens only for decode-bounded methods."""
-        if S > 1:
-            return self.config.prompt_eviction == "stream"
-        return not self.prefill_only
 
     def attention_mask(self, mask, queries: mx.array):
         """The mask this layer's attention should use, given the one mlx-lm built from cache[0].

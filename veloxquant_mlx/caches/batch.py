@@ -41,6 +41,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from .batch_storage import BatchRows
+from .forward import input_span
 from .quant import buf_nbytes, quantize_rows, rows_map
 from .storage import PAD_POSITION, with_headroom
 
@@ -228,13 +229,12 @@ class BatchEvictionCache(_BaseCache):
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
             if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
                 k, v = (keys, values) if (B == 1 and n == S) else (keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
-                if hasattr(row, "input_span"):  # KVzip rows record their own token ids of this forward
-                    row.input_span = (i, a, n)
                 row._check_kv(k, v)
                 row._before_append(n)
             held.append(row._rows)
             if n:
-                row._append(k, v)
+                with input_span(i, a, n):  # a row reading its token ids reads its own slice
+                    row._append(k, v)
         bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
         # every row's tokens quantized at once: the same as row by row (groups lie along head_dim)
         self._kv.store(spans, held, quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs))

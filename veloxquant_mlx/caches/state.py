@@ -84,8 +84,8 @@ class StateRoundTrip:
             "layer_idx": self.layer_idx, "n_layers": self.n_layers, "offset": self.offset,
             "rows": self._rows, "evictions": self.evictions, "queries_observed": self.queries_observed,
             "queries_from_keys": self.queries_from_keys, "tap_active": self.tap_active,
-            "scale": self.scale, "saw_decode": self._saw_decode, "prompt_open": self._prompt_open,
-            "ending": self._ending,
+            "scale": self.scale, "saw_decode": self.prompt.saw_decode, "prompt_open": self.prompt.open,
+            "ending": self.prompt.ending,
             "ragged": self.is_ragged, "evict_floor": self._evict_floor,
             **({} if self.cold is None else {"recall": self.cold.meta()}),
         }, sort_keys=True)
@@ -107,9 +107,9 @@ class StateRoundTrip:
         self.queries_from_keys = meta["queries_from_keys"]
         self.tap_active = meta["tap_active"]
         self.scale = meta["scale"]
-        self._saw_decode = meta["saw_decode"]
-        self._prompt_open = meta["prompt_open"]
-        self._ending = meta.get("ending", False)
+        self.prompt.saw_decode = meta["saw_decode"]
+        self.prompt.open = meta["prompt_open"]
+        self.prompt.ending = meta.get("ending", False)
         self._ragged = meta["ragged"]
         self._evict_floor = meta.get("evict_floor", 0)
         if self.cold is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from .. import _blas as blas
+from ..platform import blas
 from ..registry import methods
 from . import compress, demo, fit_kvzap, generate, serve
 from . import eval as eval_cmd

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .._blas import blas_hint, describe
+from ..platform.blas import blas_hint, describe
 from ..builder import KVCacheBuilder
 from ..config import budget_for
 from ..evaluation.passkey import extract_digits, make_passkey_prompt

@@ -7,7 +7,7 @@ import sys
 import time
 
 from .. import distributed
-from .._blas import blas_hint
+from ..platform.blas import blas_hint
 from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches

@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 
-from .._blas import openblas_preloaded
+from ..platform.blas import openblas_preloaded
 
 
 class ByteTokenizer:

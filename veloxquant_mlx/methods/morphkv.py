@@ -13,8 +13,8 @@ import dataclasses
 
 from ..options import option
 from ..ops.window_scores import window_scores
+from ..caches.window import WindowScoreCache
 from ..registry import register
-from .snapkv import _WindowScoreCache
 
 
 @dataclasses.dataclass
@@ -27,7 +27,7 @@ class MorphKVOptions:
 
 
 @register("morphkv")
-class MorphKVCache(_WindowScoreCache):
+class MorphKVCache(WindowScoreCache):
     """MorphKV: recent window + top older tokens by the window's attention, prefill and decode."""
 
     Options = MorphKVOptions

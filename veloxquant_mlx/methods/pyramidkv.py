@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..caches.window import WindowScoreCache
+from ..ops.window_scores import pooled_window_scores
 from ..options import option
 from ..registry import register
-from .snapkv import SnapKVCache
 
 
 @dataclasses.dataclass
@@ -40,10 +41,16 @@ def pyramid_budgets(budget: int, window: int, n_layers: int, beta: float) -> lis
 
 
 @register("pyramidkv")
-class PyramidKVCache(SnapKVCache):
+class PyramidKVCache(WindowScoreCache):
     """PyramidKV: SnapKV's score with linearly decreasing per-layer budgets (prefill-only)."""
 
     Options = PyramidKVOptions
+    prefill_only = True
+
+    def scores(self):
+        q, q_pos, scale = self._window()
+        return pooled_window_scores(q, self.stored("keys"), q_pos, self.stored("positions"), scale,
+                                    self.options.kernel)
 
     @classmethod
     def check_config(cls, config):

@@ -1,4 +1,4 @@
-"""Observation-window attention scores shared by SnapKV / PyramidKV / MorphKV.
+"""Observation-window attention scores, shared by the window-scored methods (SnapKV, PyramidKV, MorphKV).
 
 All three score every stored key by the softmax attention it receives from the last ``W`` queries
 (the observation window), summed over the query heads that read its KV head (GQA group). SnapKV and
@@ -43,9 +43,9 @@ def max_pool_1d(x: mx.array, kernel: int) -> mx.array:
     return out
 
 
-def snapkv_scores(queries: mx.array, keys: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
+def pooled_window_scores(queries: mx.array, keys: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
                   kernel: int) -> mx.array:
-    """SnapKV's score: window attention summed over window and group, max-pooled over the keys
+    """The pooled window score (SnapKV's and PyramidKV's): window attention summed over window and group, max-pooled over the keys
     before the window; keys inside the observation window get +inf (SnapKV always keeps them);
     padding rows get -inf."""
     s = window_scores(queries, keys, q_pos, k_pos, scale, "sum")

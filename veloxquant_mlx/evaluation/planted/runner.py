@@ -13,7 +13,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..._blas import openblas_preloaded
+from ...platform.blas import openblas_preloaded
 from ...config import KVCacheConfig, budget_for
 from ...registry import get_method, methods as registered_methods
 from .scenarios import (D, H_KV, H_Q, NESTED_KINDS, SCALE, Scenario, attention_probs, make_bridge,

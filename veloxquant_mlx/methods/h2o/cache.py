@@ -52,7 +52,7 @@ class H2OKVCache(EvictionCache):
         # One query over storage without padding: every stored row is in its past, no mask needed.
         kw = {"all_visible": S == 1 and not self.is_ragged}
         if self.one_pass(self.options.attention_pass):  # the rows stored now are the rows update_and_fetch returned
-            mass, self._attention_out = attention_mass(*args, values=self.stored("values"), **kw)
+            mass, self.attend.out = attention_mass(*args, values=self.stored("values"), **kw)
         else:
             mass = attention_mass(*args, **kw)
         r = self._rows

@@ -23,17 +23,17 @@ attention of its last ``window`` prompt queries: not KVzip, documented in docs/m
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import threading
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ...options import option
+from .model_pass import reconstruct
 from .ops import reconstruction_attend, reconstruction_scores, value_output_norms, window_max_scores
 from ...registry import register
+from ...caches import forward
 from ...caches.base import EvictionCache
 from ...caches.quant import dequantize_rows, quantize_rows, rows_map, rows_zip
 from ...caches.storage import with_headroom
@@ -61,33 +61,6 @@ class KVzipOptions:
     normalize: str = option("none", choices=("none", "plus"), doc="row score: none (KVzip) | plus (KVzip+)")
 
 
-# -- what the model wrapper tells the caches during one forward (one thread = one generation) -------
-_LOCAL = threading.local()
-
-
-class _Frame:
-    __slots__ = ("ids", "due")
-
-    def __init__(self, ids):
-        self.ids = ids  # (B, S) int token ids of this forward, or None (embeddings fed)
-        self.due = []  # KVzip caches that deferred their compression to the model pass
-
-
-@contextlib.contextmanager
-def feeding(ids):
-    """The model wrapper's forward: caches record ``ids`` and defer compression to the pass."""
-    prev = getattr(_LOCAL, "frame", None)
-    frame = _LOCAL.frame = _Frame(ids)
-    try:
-        yield frame
-    finally:
-        _LOCAL.frame = prev
-
-
-def _frame():
-    return getattr(_LOCAL, "frame", None)
-
-
 @register("kvzip")
 class KVzipCache(EvictionCache):
     """KVzip: rows scored by the max attention of the model's reconstruction of its context."""
@@ -98,6 +71,10 @@ class KVzipCache(EvictionCache):
     config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
     prefill_only = True
     needs_model_pass = True  # the builder installs veloxquant_mlx.model_pass for this method
+
+    @classmethod
+    def run_model_pass(cls, driver, seq):
+        reconstruct(cls, driver, seq)  # methods/kvzip/model_pass.py
 
     def __init__(self, config, layer_idx=0, n_layers=1):
         super().__init__(config, layer_idx, n_layers)
@@ -110,7 +87,6 @@ class KVzipCache(EvictionCache):
         self._own = None  # that chunk's own keys and values (never stored)
         self._parts = []  # per-chunk scores of the pass in progress
         self._plus = None  # KVzip+: (1 / ||h|| of the chunk's queries, the attention's W_o), set per chunk
-        self.input_span = None  # (batch index, start, count) set by BatchEvictionCache per call
 
     def extra_row_fields(self):
         return {"zip_score": 0.0, "zip_ids": -1.0}
@@ -129,15 +105,8 @@ class KVzipCache(EvictionCache):
             self.row_extras["zip_ids"][:, :, prev:prev + keys.shape[2]] = ids
 
     def _ids_for(self, shape):
-        frame, span = _frame(), self.input_span
-        self.input_span = None
-        if frame is None or frame.ids is None:
-            return None
-        ids = frame.ids
-        if span is not None:
-            i, a, n = span
-            ids = ids[i:i + 1, a:a + n]
-        if tuple(ids.shape) != (shape[0], shape[2]):
+        ids = forward.input_ids()  # this row's slice when a batch cache feeds it
+        if ids is None or tuple(ids.shape) != (shape[0], shape[2]):
             return None
         return mx.expand_dims(ids.astype(mx.float32), 1)
 
@@ -155,10 +124,8 @@ class KVzipCache(EvictionCache):
     def _evict(self):
         n = self.pending
         if n > 0:
-            frame = _frame()
-            if frame is not None and self._ids_known:
+            if self._ids_known and forward.defer(self):
                 self._zip_due = True  # the wrapper runs the pass after this forward, then finish_pass
-                frame.due.append(self)
                 return
             self._fallback_scores(n)
         super()._evict()
@@ -212,18 +179,13 @@ class KVzipCache(EvictionCache):
         if not (self._zip_due and self.pending == 0):
             return
         self._zip_due = False
-        keep, self.budget = self.budget, (self.budget if budget is None else budget)
-        self.compressing_prompt = True
-        try:
+        with self.prompt.compressing_to(budget):  # the budget itself stays; keep_rows() reads the target
             super()._evict()
-        finally:
-            self.compressing_prompt = False
-            self.budget = keep
 
     def _end_prompt(self):
         # "global": a layer below its own budget may still have to give rows to another layer.
         if self.options.layers == "global" and self.pending and self.offset > self.budget >= self._rows:
-            self._ending = False
+            self.prompt.ending = False
             self._evict()
             return
         super()._end_prompt()
@@ -236,8 +198,7 @@ class KVzipCache(EvictionCache):
         k, v = self._fetch()
         B, H, S = keys.shape[:3]
         new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
-        self._fetched_positions = mx.concatenate([self.positions[:, :, :self._rows], new_pos], axis=2)
-        self._fetched_ragged = self.is_ragged
+        self.note_fetched(mx.concatenate([self.positions[:, :, :self._rows], new_pos], axis=2))
         if self.queries_from_keys:  # no tap: keys stand in for the queries, as everywhere else
             self._score_chunk(keys, keys.shape[-1] ** -0.5)
         # Quantized rows: the pass's own rows join in the stored layout, so attention takes one path.
@@ -280,7 +241,7 @@ class KVzipCache(EvictionCache):
         lo, hi, lead = self._chunk
         own_keys, own_values = self._own
         if self._fuse_attention(lo, hi, lead):  # the chunk's rows are all the rows attention reads
-            self._attention_out, s = reconstruction_attend(queries, self.stored("keys")[:, :, lo:hi], own_keys,
+            self.attend.out, s = reconstruction_attend(queries, self.stored("keys")[:, :, lo:hi], own_keys,
                                                            self.stored("values")[:, :, lo:hi], own_values,
                                                            scale, self.options.q_block,
                                                            self._plus_weights(lo, hi, lead, queries.shape[1]))
@@ -298,7 +259,7 @@ class KVzipCache(EvictionCache):
         S = queries.shape[2]
         if not self.is_ragged:
             return create_causal_mask(S, offset=self._rows) if isinstance(mask, mx.array) else mask
-        return self.ragged_mask(self._fetched_positions, mx.arange(self.offset, self.offset + S), queries)
+        return self.ragged_mask(self.fetched_positions, mx.arange(self.offset, self.offset + S), queries)
 
     def step_state(self):
         # A scoring step stores nothing; its scores are tied to the layer's output so each layer's

@@ -29,8 +29,9 @@ import mlx.core as mx
 from ...options import option
 from ...ops import gather_rows, keep_top_rows
 from ...ops.attention import causal_attention
-from .ops import (cross_head_keep, episodic_block_size, max_head_rows, nestedkv_scores,
-                            rows_from_mask)
+from ...ops.anomaly import ANOMALY_DEFAULTS as _A
+from ...ops.anomaly import anomaly_scores, episodic_block_size
+from .ops import cross_head_keep, max_head_rows, rows_from_mask
 from ...registry import register
 from ...caches.base import PAD_POSITION, EvictionCache
 from ...caches.shard import shard_of
@@ -38,13 +39,13 @@ from ...caches.shard import shard_of
 
 @dataclasses.dataclass
 class NestedKVOptions:
-    window: int = option(64, low=1, small=8, doc="W: trailing window of the current-memory anchor")
-    beta: float = option(3.0, low=0.0, doc="head-adaptive blend temperature")
-    tau: float = option(0.60, doc="surprise gate threshold (min-max normalized, mean-centred std)")
-    kappa: float = option(10.0, low=0.0, doc="surprise gate sharpness")
+    window: int = option(_A.window, low=1, small=8, doc="W: trailing window of the current-memory anchor")
+    beta: float = option(_A.beta, low=0.0, doc="head-adaptive blend temperature")
+    tau: float = option(_A.tau, doc="surprise gate threshold (min-max normalized, mean-centred std)")
+    kappa: float = option(_A.kappa, low=0.0, doc="surprise gate sharpness")
     safeguard_alpha: float = option(0.20, low=0.0, high=1.0, doc="per-head guaranteed floor (fraction of budget)")
-    prior: tuple = option((0.4, 0.4, 0.2), kind=tuple, doc="blend log-prior (stable, episodic, current)")
-    gap_frac: float = option(0.10, low=0.0, low_open=True, high=0.5, doc="top/bottom fraction of the gap")
+    prior: tuple = option(_A.prior, kind=tuple, doc="blend log-prior (stable, episodic, current)")
+    gap_frac: float = option(_A.gap_frac, low=0.0, low_open=True, high=0.5, doc="top/bottom fraction of the gap")
     cross_head: bool = option(True, doc="cross-head budget competition (needs the query tap)")
     # Prompt chunks' attention (NestedKV itself reads no queries): "blocked" computes it in query
     # sub-blocks that skip their causal future (exact to float rounding; faster than MLX's CPU kernel,
@@ -90,7 +91,7 @@ class NestedKVKVCache(EvictionCache):
         # now are the rows update_and_fetch returned (a chunk appends; compression runs at the end step).
         S = queries.shape[2]
         if S > 1 and self.one_pass(self.options.prefill_attention, on="blocked"):
-            self._attention_out = causal_attention(queries, self.stored("keys"), self.stored("values"),
+            self.attend.out = causal_attention(queries, self.stored("keys"), self.stored("values"),
                                                    self.stored("positions"), self.offset - S, self.scale,
                                                    self.options.query_block)
 
@@ -107,8 +108,8 @@ class NestedKVKVCache(EvictionCache):
         forced = forced | (valid & (positions >= self.offset - max(self.recent, 1)))
         o = self.options
         N = keys.shape[2]
-        return nestedkv_scores(keys, valid, forced, window=o.window, block=episodic_block_size(N),
-                               prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
+        return anomaly_scores(keys, valid, forced, window=o.window, block=episodic_block_size(N),
+                              prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
 
     def select_rows(self):
         keys, pos = self.stored("keys"), self.stored("positions")

@@ -32,15 +32,11 @@ import mlx.core as mx
 from ...caches.base import PAD_POSITION, EvictionCache
 from ...caches.quant import dequantize_rows
 from ...caches.shard import head_means, shard_of
+from ...ops.anomaly import ANOMALY_DEFAULTS, anomaly_scores, episodic_block_size
 from ...options import option
 from ...registry import register
-from ..nestedkv.cache import NestedKVOptions
-from ..nestedkv.ops import episodic_block_size, nestedkv_scores
 from .ops import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows, forced_blocks,
                   log_reservoir_priority, n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
-
-_ANOMALY = NestedKVOptions()  # the key prior scores rows with NestedKV's defaults
-
 
 @dataclasses.dataclass
 class NexusOptions:
@@ -185,9 +181,9 @@ class NexusKVCache(EvictionCache):
         valid = pos != PAD_POSITION
         # forced rows (sinks, the recent window) are kept anyway: keep them out of the normalisation
         forced = valid & ((pos < self.n_sink) | (pos >= self.offset - max(self.recent, 1)))
-        o = _ANOMALY
-        s = nestedkv_scores(keys, valid, forced, window=o.window, block=episodic_block_size(keys.shape[2]),
-                            prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
+        o = ANOMALY_DEFAULTS  # the key prior scores rows with the anomaly score's defaults
+        s = anomaly_scores(keys, valid, forced, window=o.window, block=episodic_block_size(keys.shape[2]),
+                           prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
         p = block_max(mx.where(mx.isfinite(s), s, 0.0), self.options.block_size)  # (B, H, N_k)
         if n_groups == 1:
             d = shard_of(self)  # tensor parallel: every rank's heads (one all_sum of N_k floats)

@@ -28,9 +28,9 @@ checks the preload in a throw-away child process (a preload whose dependencies d
 kills every process started with it) and then restarts the current Python command with it. It
 is also available as a launcher::
 
-    python -m veloxquant_mlx._blas your_script.py --args
-    python -m veloxquant_mlx._blas -m some.module --args
-    python -m veloxquant_mlx._blas              # status and a 1024x1024 fp32 matmul benchmark
+    python -m veloxquant_mlx.platform.blas your_script.py --args
+    python -m veloxquant_mlx.platform.blas -m some.module --args
+    python -m veloxquant_mlx.platform.blas              # status and a 1024x1024 fp32 matmul benchmark
 
 The default is one OpenBLAS thread (``$OPENBLAS_NUM_THREADS`` set by the user wins): on the
 bundled model two threads were not faster on a 2-core machine (see README, "CPU BLAS").
@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._blas_locate import (_PIP_SOURCE, OPENBLAS_PATH_ENV, BlasLibrary, _candidates, _plan, _source_of, find_blas,
+from .blas_locate import (_PIP_SOURCE, OPENBLAS_PATH_ENV, BlasLibrary, _candidates, _plan, _source_of, find_blas,
                           find_openblas)
 
 __all__ = [
@@ -271,7 +271,7 @@ def blas_hint(tried: bool = False) -> Optional[str]:
         return None
     if _preloaded(_OPTIMIZED_BLAS_MARKERS):
         return None
-    launcher = "re-run with --fast-blas (or `python -m veloxquant_mlx._blas <script> ...`)"
+    launcher = "re-run with --fast-blas (or `python -m veloxquant_mlx.platform.blas <script> ...`)"
     lib = find_blas()
     if lib and tried:
         return (f"MLX is using its slow reference CPU BLAS; OpenBLAS from {lib.source} ({lib.path}) failed "
@@ -386,7 +386,7 @@ def blas_info(measure: bool = False) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m veloxquant_mlx._blas [script.py | -m module] [args...]``
+    """``python -m veloxquant_mlx.platform.blas [script.py | -m module] [args...]``
 
     Without arguments: print the BLAS status and a quick matmul benchmark.
     With arguments: run that Python command with OpenBLAS preloaded.
@@ -407,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reexec_with_openblas(args)  # does not return on success
         hint = blas_hint()
         if hint:
-            print(f"veloxquant_mlx._blas: {hint}", file=sys.stderr)
+            print(f"veloxquant_mlx.platform.blas: {hint}", file=sys.stderr)
     # Already preloaded (or impossible): run the command in a fresh interpreter
     # image anyway so behaviour is identical either way.
     for stream in (sys.stdout, sys.stderr):

@@ -2,7 +2,7 @@
 
 Candidates, best first: ``$VELOXQUANT_OPENBLAS``, pip's ``cmeel-openblas``, the system's library. For
 each, the ELF dependencies are read (``DT_NEEDED``) and any that the system cannot resolve are taken
-from a wheel-bundled copy (``mlx_cpu.libs``, ...), see :mod:`veloxquant_mlx._blas`.
+from a wheel-bundled copy (``mlx_cpu.libs``, ...), see :mod:`veloxquant_mlx.platform.blas`.
 """
 
 from __future__ import annotations
