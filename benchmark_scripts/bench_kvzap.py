@@ -69,14 +69,14 @@ def decode(model, logits, caches, n):
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
-        from veloxquant_mlx._blas import reexec_with_openblas
+        from veloxquant_mlx.platform.blas import reexec_with_openblas
 
         reexec_with_openblas(num_threads=1)
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-    from veloxquant_mlx._blas import blas_info
+    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.config import budget_for
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import prose_text

@@ -136,7 +136,7 @@ def test_scorer_is_found_by_identity_and_spelled_in_a_spec(model):
     meta = read_scorer_metadata(path)
     assert meta["identity"] == model_identity(model) and meta["layers"] == [0, 1]
     assert {"commit", "command", "date", "text", "tokens"} <= set(meta["provenance"])
-    assert {"r2", "spearman", "keep_overlap_20"} <= set(meta["quality"]["mean"])
+    assert {"r2", "spearman", "keep_overlap_0.2"} <= set(meta["quality"]["mean"])
 
 
 def test_save_load_carries_the_scorer_and_refuses_a_changed_one(model, tmp_path):

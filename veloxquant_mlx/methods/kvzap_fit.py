@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import budget_for
+
 LOG_FLOOR = 1e-7  # scores below this (underflowed probabilities) are clipped before the log
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean feature variance
 
@@ -54,7 +56,7 @@ def spearman(pred: np.ndarray, y: np.ndarray) -> float:
 
 def keep_overlap(pred: np.ndarray, y: np.ndarray, density: float) -> float:
     """Of the rows KVzip+ would keep at ``density`` (its top scores), the share the prediction keeps too."""
-    k = max(int(round(density * len(y))), 1)
+    k = budget_for(density, len(y))
     top_true = set(np.argsort(-y, kind="stable")[:k].tolist())
     top_pred = np.argsort(-pred, kind="stable")[:k]
     return sum(int(i) in top_true for i in top_pred) / k
@@ -90,7 +92,7 @@ def held_out_quality(texts: list, w, b, density: float = 0.2) -> dict:
             rho.append(spearman(p[:, h], yi[:, h]))
             keep.append(keep_overlap(p[:, h], yi[:, h], density))
     return {"r2": round(r2(x @ w + b, y), 4), "spearman": round(float(np.nanmean(rho)), 4),
-            f"keep_overlap_{int(round(density * 100))}": round(float(np.mean(keep)), 4), "rows": int(len(y))}
+            f"keep_overlap_{density:g}": round(float(np.mean(keep)), 4), "rows": int(len(y))}
 
 
 def _stack(texts: list):
