@@ -205,3 +205,12 @@ def test_default_recent_is_the_papers_window_capped_at_half_the_budget():
     assert KVCacheConfig("kvzap", budget=100).recent == 50
     assert KVzapCache.needs_hidden_states and not KVzapCache.prefill_only
     assert not getattr(KVzapCache, "needs_model_pass", False)  # scored from the forward itself: no extra pass
+
+
+def test_fit_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
+    from veloxquant_mlx.cli import main
+
+    assert main(["fit-kvzap", "--out", str(tmp_path / "no" / "such" / "f.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["fit-kvzap", "--out", str(tmp_path / "f.safetensors"), "--texts", "2"]) == 2
+    assert "--texts must be >= 3" in capsys.readouterr().err
