@@ -171,7 +171,6 @@ class KVzapCache(EvictionCache):
 
     def __init__(self, config, layer_idx=0, n_layers=1):
         super().__init__(config, layer_idx, n_layers)
-        self.input_span = None  # (batch index, start, count), set by BatchEvictionCache per call
         self._hidden = None  # this step's attention input, from the hidden-state tap
         self._weights = None  # (W (d_model, H_kv of the whole model), b), set by attach_model / on load
         self._local = None  # the same, sliced to this rank's heads
@@ -231,14 +230,10 @@ class KVzapCache(EvictionCache):
         prev = self._rows
         super()._append(keys, values)
         S = keys.shape[2]
-        x, self._hidden = self._hidden, None
-        span, self.input_span = self.input_span, None
+        x, self._hidden = self._hidden, None  # a row of a batch gets its own slice (caches.batch)
         if self._weights is None or x is None:
             s = self._unscored(prev, S)
         else:
-            if span is not None:  # a row of a batch: its own sequence and tokens
-                i, a, n = span
-                x = x[i:i + 1, a:a + n]
             if x.shape[1] != S or x.shape[0] != keys.shape[0]:
                 raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows of "
                                  f"{keys.shape[0]} sequences")
