@@ -214,3 +214,13 @@ def test_fit_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["fit-kvzap", "--out", str(tmp_path / "f.safetensors"), "--texts", "2"]) == 2
     assert "--texts must be >= 3" in capsys.readouterr().err
+
+
+def test_the_evaluations_shared_prefill_hands_kvzap_its_hidden_states(model):
+    from veloxquant_mlx.evaluation.retrieval import shared_prefill_generate
+
+    prompt = random_prompt(70, seed=8)
+    out = shared_prefill_generate(model, prompt, {"kvzap": KVCacheBuilder.for_model(model, kvzap(budget=24))}, 6)
+    alone = KVCacheBuilder.for_model(model, kvzap(budget=24))
+    toks = feed(model, alone, prompt, decode=6)
+    assert "error" not in out["kvzap"] and out["kvzap"]["tokens"][:6] == toks[len(prompt):]
