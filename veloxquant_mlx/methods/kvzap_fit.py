@@ -20,17 +20,25 @@ def log_targets(scores: np.ndarray) -> np.ndarray:
     return np.log(np.maximum(scores.astype(np.float64), LOG_FLOOR))
 
 
+class Ridge:
+    """Closed-form ridge regression ``x W + b ~ y``: the centred Gram matrix is formed once, then solved for
+    any strength. ``lam = alpha * mean diag`` of that matrix (scale-free); the bias is not penalized."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        self.mx, self.my = x.mean(axis=0), y.mean(axis=0)
+        xc = x - self.mx
+        self.gram, self.xty = xc.T @ xc, xc.T @ (y - self.my)
+        self.scale = max(np.trace(self.gram) / self.gram.shape[0], 1e-12)
+
+    def solve(self, alpha: float):
+        w = np.linalg.solve(self.gram + alpha * self.scale * np.eye(self.gram.shape[0]), self.xty)
+        return w, self.my - self.mx @ w
+
+
 def ridge(x: np.ndarray, y: np.ndarray, alpha: float):
-    """(W (d, H), b (H,)) minimizing ||x W + b - y||^2 + lam ||W||^2 with lam = alpha * mean diag of the
-    centred Gram matrix (the bias is not penalized)."""
-    x = x.astype(np.float64)
-    y = y.astype(np.float64)
-    mx_, my = x.mean(axis=0), y.mean(axis=0)
-    xc, yc = x - mx_, y - my
-    gram = xc.T @ xc
-    lam = alpha * max(np.trace(gram) / gram.shape[0], 1e-12)
-    w = np.linalg.solve(gram + lam * np.eye(gram.shape[0]), xc.T @ yc)
-    return w, my - mx_ @ w
+    """(W (d, H), b (H,)) of :class:`Ridge` at one strength."""
+    return Ridge(x, y).solve(alpha)
 
 
 def r2(pred: np.ndarray, y: np.ndarray) -> float:
@@ -71,10 +79,8 @@ def fit_layers(train: dict, val: dict, test: dict, density: float = 0.2):
     for layer in sorted(train):
         xt, yt = _stack(train[layer])
         xv, yv = _stack(val[layer])
-        errs = []
-        for a in ALPHAS:
-            w, b = ridge(xt, yt, a)
-            errs.append(float(((xv @ w + b - yv) ** 2).mean()))
+        fit = Ridge(xt, yt)
+        errs = [float(((xv @ w + b - yv) ** 2).mean()) for w, b in map(fit.solve, ALPHAS)]
         alpha = ALPHAS[int(np.argmin(errs))]
         w, b = ridge(np.concatenate([xt, xv]), np.concatenate([yt, yv]), alpha)
         weights[layer], alphas[layer] = (w.astype(np.float32), b.astype(np.float32)), alpha
