@@ -224,3 +224,11 @@ def test_the_evaluations_shared_prefill_hands_kvzap_its_hidden_states(model):
     alone = KVCacheBuilder.for_model(model, kvzap(budget=24))
     toks = feed(model, alone, prompt, decode=6)
     assert "error" not in out["kvzap"] and out["kvzap"]["tokens"][:6] == toks[len(prompt):]
+
+
+def test_fitting_leaves_the_model_as_it_came():
+    from veloxquant_mlx.model_pass import model_pass_installed
+    from veloxquant_mlx.tap import query_tap_installed
+
+    m = make_tiny_model("llama", seed=11)  # conftest fits its scorer
+    assert not model_pass_installed(m) and not hidden_tap_installed(m) and not query_tap_installed(m)

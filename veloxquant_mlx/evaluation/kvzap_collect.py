@@ -155,11 +155,17 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
         from tqdm import tqdm
 
         bar = tqdm(total=len(wins), desc="fit-kvzap", unit="text", file=sys.stderr)
+    from ..builder import KVCacheBuilder
+    from ..model_pass import model_pass_installed
+
+    fresh = not (KVCacheBuilder.installed(model) or model_pass_installed(model))
     try:
         parts = [collect(model, tokenizer, w, bar) for w in (train, val, test)]
     finally:
         if bar is not None:
             bar.close()
+        if fresh:  # leave the model as it came: no pass wrapper (with this tokenizer's prompt), no taps
+            KVCacheBuilder.uninstall(model)
     weights, quality, alphas = fit_layers(*parts, density=density)
     fit = {"kind": "linear", "target": "log KVzip+ score (kvzip normalize='plus', layers='each')",
            "regression": "ridge, closed form, strength chosen on the validation windows",
