@@ -9,9 +9,10 @@ in chunks of about 2K tokens (Sec. 3, chunked scoring). Each head keeps its top 
 sinks and the recent window (Ada-KV head budgets with ``allocation="ada"``: the paper's non-uniform
 head budget, within a layer).
 
-A cache cannot call the model: the builder wraps the model (``veloxquant_mlx.model_pass``), which
-records the token ids each forward feeds (this file stores them per row, ``zip_ids``) and, right
-after a forward in which a cache deferred its compression, runs the pass with the caches in scoring
+A cache cannot call the model: the builder wraps the model (the glue's model-pass hook), whose
+forward frame gives the token ids each forward feeds (this file stores them per row, ``zip_ids``) and,
+right after a forward in which a cache deferred its compression, calls ``run_model_pass``: the pass
+(``methods/kvzip/model_pass.py``) runs with the caches in scoring
 mode (``begin_chunk`` .. ``end_chunk``: attention reads the stored rows plus the pass's own keys,
 which are never stored; the tap's queries score the rows), then every cache evicts
 (``finish_pass``). Prefill-only: decode tokens are appended. A later turn scores only the text that
@@ -57,7 +58,7 @@ class KVzipOptions:
     layers: str = option("global", choices=("each", "global"), small="each",
                          doc="budget across layers: each | global")
     # "plus": KVzip+ (KVzap, arXiv 2601.07891): the probability over the query's hidden-state norm, times
-    # the row's ||W_o v||. Needs the model pass's hook on the attention modules (model_pass.py).
+    # the row's ||W_o v||. Needs the pass's hook on the attention modules (methods/kvzip/model_pass.py).
     normalize: str = option("none", choices=("none", "plus"), doc="row score: none (KVzip) | plus (KVzip+)")
 
 
