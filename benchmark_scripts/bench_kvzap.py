@@ -86,6 +86,28 @@ def main(argv=None):
     all_tokens = list(tokenizer.encode(prose_text(seed=0)))
     rows = []
     out = Path(args.out)
+    names = ["plain", "kvzap", "rotating"] + ([] if args.no_kvzip else ["kvzip"])
+
+    def summarize(n, budget, pre, dec, rounds):
+        """The row of one context from the rounds so far, written at once: a run cut short keeps them."""
+        med = {k: statistics.median(v) for k, v in pre.items()}
+        row = {"context": n, "budget": budget, "rounds": rounds, "decode_tokens": args.decode,
+               "prefill_s": pre, "decode_s_per_token": dec,
+               "prefill_ratio_vs_plain": {k: med[k] / med["plain"] for k in med if k != "plain"},
+               "prefill_ratio_by_round": {k: [a / b for a, b in zip(pre[k], pre["plain"])] for k in pre if k != "plain"},
+               # tokens per second kvzap / rotating: >= 1 means kvzap decodes at least as fast
+               "decode_speed_vs_rotating": statistics.median(dec["rotating"]) / statistics.median(dec["kvzap"]),
+               "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])]}
+        done = [x for x in rows if x["context"] != n] + [row]
+        rows[:] = done
+        print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; kvzap decode speed / "
+              f"rotating {row['decode_speed_vs_rotating']:.3f}", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"experiment": "kvzap cost", "model": desc, "density": args.density,
+                                   "rows": rows, "provenance": {**provenance(command_line(), labels=names),
+                                   "load_average_at_end": os.getloadavg(), "mlx": mx.__version__,
+                                   **blas_info()}}, indent=1))
+
     for n in args.contexts:
         if len(all_tokens) < n:
             raise SystemExit(f"prose gives {len(all_tokens)} tokens, need {n}")
@@ -99,7 +121,6 @@ def main(argv=None):
                         for c in make_prompt_cache(model)]
             return KVCacheBuilder.for_model(model, KVCacheConfig(name, budget=budget), tokenizer=tokenizer)
 
-        names = ["plain", "kvzap", "rotating"] + ([] if args.no_kvzip else ["kvzip"])
         pre = {k: [] for k in names}
         dec = {k: [] for k in ("kvzap", "rotating")}
         prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)  # warm-up
@@ -112,22 +133,7 @@ def main(argv=None):
                     dec[name].append(decode(model, logits, caches, args.decode))
             print(f"{n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in pre.items()) + "; decode "
                   + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms/tok" for k, v in dec.items()), flush=True)
-        med = {k: statistics.median(v) for k, v in pre.items()}
-        row = {"context": n, "budget": budget, "rounds": args.rounds, "decode_tokens": args.decode,
-               "prefill_s": pre, "decode_s_per_token": dec,
-               "prefill_ratio_vs_plain": {k: med[k] / med["plain"] for k in med if k != "plain"},
-               "prefill_ratio_by_round": {k: [a / b for a, b in zip(pre[k], pre["plain"])] for k in pre if k != "plain"},
-               # tokens per second kvzap / rotating: >= 1 means kvzap decodes at least as fast
-               "decode_speed_vs_rotating": statistics.median(dec["rotating"]) / statistics.median(dec["kvzap"]),
-               "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])]}
-        rows.append(row)
-        print(f"{n}: prefill / plain {row['prefill_ratio_vs_plain']}; kvzap decode speed / rotating "
-              f"{row['decode_speed_vs_rotating']:.3f}", flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"experiment": "kvzap cost", "model": desc, "density": args.density,
-                                   "rows": rows, "provenance": {**provenance(command_line(), labels=names),
-                                   "load_average_at_end": os.getloadavg(), "mlx": mx.__version__,
-                                   **blas_info()}}, indent=1))
+            summarize(n, budget, pre, dec, r + 1)
     print(f"wrote {out}")
     return 0
 
