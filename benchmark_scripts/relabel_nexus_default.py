@@ -26,7 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx.evaluation.provenance import key_of, method_fingerprint, method_of  # noqa: E402
-from veloxquant_mlx.evaluation.results import _CONFIG_SUFFIXES, ResultStore, pinned_options  # noqa: E402
+from veloxquant_mlx.evaluation.labels import SUFFIXES  # noqa: E402
+from veloxquant_mlx.evaluation.results import ResultStore, pinned_options  # noqa: E402
+
+_CONFIG_SUFFIXES = [s for s in SUFFIXES if s != "-ada"]  # the suffixes the migrated labels could carry
 
 OLD, RESERVOIR, PROMPT_TOPK = "nexus", "nexus-reservoir", "nexus-prompt-topk"
 

@@ -104,7 +104,7 @@ def test_demo_passkey_at_20_percent(capsys):
     (["generate", "--method", "streaming", "--allocation", "ada", "--budget", "64"], "not supported"),
     (["demo", "--methods", "nexus:n_samples=abc"], "bad value"),
     (["generate", "--method", "nexus", "--budget", "64", "--kv-bits", "3"], r"kv_bits=3 is not supported.*\[4, 8\]"),
-    (["generate", "--method", "full", "--kv-bits", "2"], r"--kv-bits 2 is not supported.*\[4, 8\]"),
+    (["generate", "--method", "full", "--kv-bits", "2"], r"kv_bits=2 is not supported.*\[4, 8\]"),
     (["generate", "--method", "nexus", "--budget", "64", "--kv-bits", "4", "--kv-group-size", "48"],
      r"kv_group_size=48 is not supported"),
 ])
@@ -202,6 +202,11 @@ def test_prompt_cache_refuses_flags_that_conflict_with_the_file(capsys, tmp_path
     assert rc == 2 and "--streaming-evict-every 3" in err
     rc, _, err = _main(capsys, *base, "--method", "streaming", "--budget", "24")  # equal to the file's: fine
     assert rc == 0, err
+    rc, _, err = _main(capsys, *base, "--method", "streaming:budget=200")  # a spec's fields count as flags do
+    assert rc == 2
+    _one_error_line(err, r"budget=200 in --method \(file: 24\)")
+    rc, _, err = _main(capsys, *base, "--method", "streaming:budget=24")
+    assert rc == 0, err
     rc, _, err = _main(capsys, *base)
     assert rc == 0, err
 
@@ -229,15 +234,57 @@ def test_compress_checks_the_output_path_before_any_work(capsys, tmp_path, tiny_
 
 def test_kv_bits_4_defaults_to_groups_of_32(capsys):
     from veloxquant_mlx.cli import build_parser
-    from veloxquant_mlx.cli.args import config_from_args
+    from veloxquant_mlx.cli.args import config_from_args, full_quant
 
     for bits, group in (("4", 32), ("8", 64)):
         args = build_parser().parse_args(["generate", "--method", "nexus", "--budget", "128", "--kv-bits", bits])
-        assert args.kv_group_size == group and config_from_args(args, 100).kv_group_size == group
+        assert config_from_args(args, 100).kv_group_size == group
+        spec = build_parser().parse_args(["generate", "--method", f"nexus:budget=128,kv_bits={bits}"])
+        assert config_from_args(spec, 100).kv_group_size == group  # the group follows bits given in the spec too
     args = build_parser().parse_args(["generate", "--kv-bits", "4", "--kv-group-size", "64"])
     assert config_from_args(args, 100).kv_group_size == 64
     args = build_parser().parse_args(["generate", "--method", "full", "--kv-bits", "4"])
-    assert args.kv_group_size == 32  # mlx-lm's QuantizedKVCache takes the same default here
+    assert full_quant(args) == (4, 32)  # mlx-lm's QuantizedKVCache takes the same default here
+    args = build_parser().parse_args(["generate", "--method", "full:kv_bits=8,kv_group_size=128"])
+    assert full_quant(args) == (8, 128)
+
+
+def test_method_spec_and_flags_are_one_setting(capsys):
+    """--method takes a spec; the flags are the same keys: they merge, and a setting given both ways must agree."""
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.args import CLIError, config_from_args
+    from veloxquant_mlx.config import KVCacheConfig
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["generate", *argv]), 1000)
+
+    want = KVCacheConfig(method="nexus", budget=256, kv_bits=4, allocation="ada", options={"window": 8})
+    assert cfg("--method", "nexus:window=8,kv_bits=4,allocation=ada,budget=256") == want
+    assert cfg("--method", "nexus:window=8", "--kv-bits", "4", "--allocation", "ada", "--budget", "256") == want
+    assert cfg("--method", "nexus", "--nexus-window", "8", "--kv-bits", "4", "--allocation", "ada",
+               "--budget", "256") == want
+    assert cfg("--method", "nexus:window=8,budget=256", "--nexus-window", "8", "--budget", "256",
+               "--kv-bits", "4", "--allocation", "ada") == want  # equal both ways: fine
+    assert cfg("--method", "snapkv", "--density", "0.25").budget == 250
+    for argv, msg in ((("--method", "nexus:window=8", "--nexus-window", "4"), "window is given twice"),
+                      (("--method", "nexus:budget=64", "--budget", "128"), "budget is given twice"),
+                      (("--method", "nexus:budget=64", "--density", "0.2"), "budget in --method or --density"),
+                      (("--method", "nexus:windw=8"),
+                       r"unknown key 'windw'; valid keys for nexus: block_size, window, .*, budget, n_sink"),
+                      (("--method", "nexus:window=eight"), r"window=eight: expected an int"),
+                      (("--method", "full:budget=64"), r"valid keys for full: kv_bits, kv_group_size")):
+        with pytest.raises(CLIError, match=msg):
+            cfg(*argv)
+
+
+def test_generate_takes_a_method_spec(capsys, tiny_cli):
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(40), "--max-tokens", "2",
+                         "--method", "nexus:block_size=8,window=8,budget=32,prompt_eviction=stream")
+    assert rc == 0, err
+    assert "Cache: nexus (budget 32/head, prompt_eviction=stream)" in out, out
+    rc, _, err = _main(capsys, "generate", "--prompt", "t1 t2", "--method", "nexus:window=8,windw=3")
+    assert rc == 2 and tiny_cli["loads"] == 1  # refused before the model load
+    _one_error_line(err, r"unknown key 'windw'; valid keys for nexus")
 
 
 def test_default_group_falls_back_with_a_warning_where_head_dim_cannot_take_it(capsys, tiny_cli):

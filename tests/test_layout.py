@@ -19,8 +19,8 @@ METHODS = f"{PACKAGE}.methods"
 # the shared machinery and the mlx-lm glue: they must work for any method, so they name none
 SHARED = [f"{PACKAGE}.caches", f"{PACKAGE}.ops", f"{PACKAGE}.builder", f"{PACKAGE}.tap",
           f"{PACKAGE}.prompt_cache", f"{PACKAGE}.model_pass", f"{PACKAGE}.distributed"]
-CORE = [f"{PACKAGE}.{m}" for m in ("caches", "methods", "ops", "config", "registry", "options", "builder",
-                                    "tap", "prompt_cache", "model_pass", "distributed")]
+CORE = [f"{PACKAGE}.{m}" for m in ("caches", "methods", "ops", "config", "config_spec", "registry", "options",
+                                    "builder", "tap", "prompt_cache", "model_pass", "distributed")]
 
 
 def _under(mod: str, prefixes) -> bool:

@@ -8,37 +8,47 @@ keyword style (``nexus_window=16``, ``nestedkv_budget=512``) onto the same field
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from typing import Any
 
+from .config_spec import (ALLOCATIONS, CORE_FIELDS, KV_BITS, KV_GROUP_SIZES, PROMPT_EVICTIONS,  # noqa: F401
+                          format_spec, parse_spec)
 from .options import check_recall, check_value, validate_options
-from .registry import get_method
+from .registry import FULL, get_method
 
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
-_CORE_FIELDS = ("budget", "n_sink", "recent", "seed")
-
-# Budget allocation across the KV heads of one layer (the "allocation" axis of score x allocation x
-# selection): "uniform" gives every head ``budget`` rows; "ada" is Ada-KV (Feng et al., NeurIPS 2025).
-ALLOCATIONS = ("uniform", "ada")
-
-# When eviction runs while the prompt is read (see docs/architecture.md "When eviction runs"):
-# "end": hold the prompt, compress once when it ends (right after the first single-token step; under
-#        mlx_lm.generate the prompt's last token, which attends to everything), then evict through decode. The paper's prefill +
-#        decode setting: the question is in the window before anything is scored. Peak = the prompt's KV.
-# "stream": also evict at every prompt chunk (mlx_lm.generate: every prefill_step_size tokens), scored
-#        before the question has arrived. Peak = budget + one chunk + headroom per layer.
-PROMPT_EVICTIONS = ("end", "stream")
-
-# Quantized kept rows (mlx-lm's QuantizedKVCache layout; see caches/quant.py). 2 bits is left out on
-# purpose: at equal memory it tends to collapse ("More Tokens, Lower Precision", arXiv 2412.12706).
-KV_BITS = (4, 8)
-KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+_FLAT_CORE = ("budget", "n_sink", "recent", "seed")
+# Their defaults where the method does not set them (recent: ``default_recent``).
+_DEFAULTS = {"budget": 512, "n_sink": 4, "seed": 0}
 
 
 def default_kv_group_size(kv_bits: int | None) -> int:
     """32 for 4-bit rows, else 64 (mlx-lm's). Paired passkey runs (docs/quality.md) lost Nexus's answers
     with 4-bit groups of 64 on SmolLM2 and Gemma 3, and groups of 32 restored them (~12 % more bytes)."""
     return 32 if kv_bits == 4 else 64
+
+
+def check_kv_quant(kv_bits, kv_group_size) -> tuple:
+    """(kv_bits, kv_group_size) of quantized rows, checked (group None: :func:`default_kv_group_size`).
+    The one check of both, for eviction caches and for mlx-lm's own QuantizedKVCache (``full``)."""
+    if kv_group_size is None:
+        kv_group_size = default_kv_group_size(kv_bits)
+    if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        raise ValueError(f"kv_bits={kv_bits!r} is not supported: use None (full precision) or one of "
+                         f"{list(KV_BITS)}")
+    if not isinstance(kv_group_size, int) or isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size={kv_group_size!r} is not supported: use one of {list(KV_GROUP_SIZES)}")
+    return kv_bits, kv_group_size
+
+
+def parse_full(spec: str = FULL, **given) -> tuple:
+    """(kv_bits, kv_group_size) of a ``full`` spec (``full``, ``full:kv_bits=4``): mlx-lm's own cache."""
+    name, core, _ = parse_spec(spec, given)
+    if name != FULL:
+        raise ValueError(f"{spec!r} is not the full cache")
+    return check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
+
 
 # Head-budget fields a method may default differently (``EvictionCache.config_defaults``; KVzip takes
 # the paper's non-uniform budget). A config left at ``METHOD_DEFAULT`` takes the method's value.
@@ -141,7 +151,7 @@ class KVCacheConfig:
                 raise TypeError(f"unknown KVCacheConfig argument {key!r} (method is {method!r}; "
                                 f"flat options must start with {prefix!r})")
             name = key[len(prefix):]
-            if name in _CORE_FIELDS:
+            if name in _FLAT_CORE:
                 if core[name] is not None and core[name] != value:
                     raise ValueError(f"{key}={value!r} conflicts with {name}={core[name]!r}")
                 core[name] = value
@@ -150,7 +160,7 @@ class KVCacheConfig:
                     raise ValueError(f"{key}={value!r} conflicts with options.{name}={opt_values[name]!r}")
                 opt_values[name] = value
             else:
-                known = sorted(set(_CORE_FIELDS) | opt_fields)
+                known = sorted(set(_FLAT_CORE) | opt_fields)
                 raise TypeError(f"unknown option {key!r} for method {method!r}; known: "
                                 f"{', '.join(prefix + k for k in known)}")
         unknown = set(opt_values) - opt_fields
@@ -160,38 +170,19 @@ class KVCacheConfig:
         self.options = cls.Options(**opt_values)
         validate_options(self.options)
 
-        int_meta = dict(kind=int, high=None, low_open=False, choices=None, allow_none=False)
-        self.budget = check_value("KVCacheConfig", "budget",
-                                   512 if core["budget"] is None else core["budget"], {**int_meta, "low": 1})
-        self.n_sink = check_value("KVCacheConfig", "n_sink",
-                                   4 if core["n_sink"] is None else core["n_sink"], {**int_meta, "low": 0})
-        self.seed = check_value("KVCacheConfig", "seed",
-                                 0 if core["seed"] is None else core["seed"], {**int_meta, "low": 0})
+        def check(name, value):
+            return check_value("KVCacheConfig", name, value, CORE_FIELDS[name])
+
+        self.budget, self.n_sink, self.seed = (check(k, _DEFAULTS[k] if core[k] is None else core[k])
+                                               for k in ("budget", "n_sink", "seed"))
         recent = core["recent"]
-        if recent is None:
-            recent = cls.default_recent(self.budget, self.options)
-        self.recent = check_value("KVCacheConfig", "recent", recent, {**int_meta, "low": 0})
-        self.head_dim = None if head_dim is None else check_value(
-            "KVCacheConfig", "head_dim", head_dim, {**int_meta, "low": 1})
-        self.allocation = check_value("KVCacheConfig", "allocation", allocation,
-                                       dict(kind=str, low=None, high=None, low_open=False,
-                                            choices=ALLOCATIONS, allow_none=False))
-        self.floor_alpha = check_value("KVCacheConfig", "floor_alpha", floor_alpha,
-                                        dict(kind=float, low=0.0, high=1.0, low_open=False, choices=None,
-                                             allow_none=False))
-        self.prompt_eviction = check_value("KVCacheConfig", "prompt_eviction", prompt_eviction,
-                                            dict(kind=str, low=None, high=None, low_open=False,
-                                                 choices=PROMPT_EVICTIONS, allow_none=False))
-        self.max_head_factor = check_value("KVCacheConfig", "max_head_factor", max_head_factor,
-                                            dict(kind=float, low=1.0, high=None, low_open=False, choices=None,
-                                                 allow_none=True))
-        if kv_group_size is None:
-            kv_group_size = default_kv_group_size(kv_bits)
-        if kv_bits is not None and (not isinstance(kv_bits, int) or isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
-            raise ValueError(f"kv_bits={kv_bits!r} is not supported: use None (full precision) or one of "
-                             f"{list(KV_BITS)}")
-        if not isinstance(kv_group_size, int) or isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
-            raise ValueError(f"kv_group_size={kv_group_size!r} is not supported: use one of {list(KV_GROUP_SIZES)}")
+        self.recent = check("recent", cls.default_recent(self.budget, self.options) if recent is None else recent)
+        self.head_dim = check("head_dim", head_dim)
+        self.allocation = check("allocation", allocation)
+        self.floor_alpha = check("floor_alpha", floor_alpha)
+        self.prompt_eviction = check("prompt_eviction", prompt_eviction)
+        self.max_head_factor = check("max_head_factor", max_head_factor)
+        kv_bits, kv_group_size = check_kv_quant(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         if kv_bits is not None:
             reason = cls.kv_bits_unsupported_reason()
@@ -265,6 +256,37 @@ class KVCacheConfig:
     def from_dict(cls, d: dict) -> "KVCacheConfig":
         d = dict(d)
         return cls(**d)
+
+    @classmethod
+    def parse(cls, spec: str, **given) -> "KVCacheConfig":
+        """The config a spec string describes: ``KVCacheConfig.parse("nexus:window=16,kv_bits=4")``
+        (grammar: :mod:`veloxquant_mlx.config_spec`). ``given``: fields set apart from the spec
+        (``budget=256``, an option by its spec key); a field set both ways must agree (else
+        ValueError), so a spec never silently overrides a separate setting nor the reverse.
+        ``KVCacheConfig.parse(str(c)) == c``."""
+        method, core, options = parse_spec(spec, given)
+        if method == FULL:
+            raise ValueError(f"{spec!r} is mlx-lm's own cache, not an eviction config (see parse_full)")
+        try:
+            return cls(method=method, options=options, **core)
+        except TypeError as e:  # a value of the wrong type given separately
+            raise ValueError(str(e)) from None
+
+    def spec_fields(self) -> tuple:
+        """(core fields, options) that differ from what the method alone gives: what ``str()`` writes."""
+        cls = get_method(self.method)
+        signature = {k: p.default for k, p in inspect.signature(KVCacheConfig.__init__).parameters.items()}
+        implied = {**signature, **_DEFAULTS, "recent": cls.default_recent(self.budget, self.options),
+                   "kv_group_size": default_kv_group_size(self.kv_bits), **HEAD_BUDGET_DEFAULTS,
+                   **cls.config_defaults}
+        core = {k: getattr(self, k) for k in CORE_FIELDS if getattr(self, k) != implied[k]}
+        defaults = cls.Options()
+        options = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)
+                   if getattr(self.options, f.name) != getattr(defaults, f.name)}
+        return core, options
+
+    def __str__(self):
+        return format_spec(self.method, *self.spec_fields())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

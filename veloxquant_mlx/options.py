@@ -63,6 +63,45 @@ def check_value(owner: str, name: str, value, meta: dict):
     return value
 
 
+def parse_value(text: str, kind, allow_none: bool = False):
+    """A value of ``kind`` from its text (the grammar of method specs and CLI flags): ints, floats,
+    ``true`` / ``false``, strings, tuples as ``(a,b,c)`` or ``a,b,c``; ``none`` (or ``inf``: n=None means
+    n=inf) is None when ``allow_none``. Raises ValueError saying what was expected."""
+    text = text.strip()
+    if allow_none and text.lower() in ("none", "inf"):
+        return None
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+    elif kind is str:
+        return text
+    elif kind is tuple:
+        try:
+            return tuple(float(x) for x in text.strip("()").split(","))
+        except ValueError:
+            pass
+    else:
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    what = {bool: "true or false", int: "an int", float: "a number", tuple: "numbers like (0.4,0.4,0.2)"}
+    raise ValueError(f"expected {what.get(kind, kind.__name__)}{' or none' if allow_none else ''}, got {text!r}")
+
+
+def format_value(value) -> str:
+    """The text :func:`parse_value` reads back as ``value``."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(repr(float(v)) for v in value) + ")"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
 def validate_options(opts) -> None:
     """Check every field of an options dataclass against its :func:`option` metadata (in place)."""
     owner = type(opts).__name__

@@ -9,7 +9,9 @@ import dataclasses
 import json
 import sys
 
-from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, default_kv_group_size
+from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant, default_kv_group_size
+from ..config_spec import option_key, parse_spec
+from ..options import parse_value as _parse_text
 from ..registry import FULL, get_method, methods
 
 
@@ -26,8 +28,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage only with --help), defaults shown in --help, and the
-    4-bit / 8-bit default of ``--kv-group-size`` filled in once ``--kv-bits`` is known."""
+    """argparse with one-line errors (the usage only with --help) and defaults shown in --help."""
 
     def __init__(self, *a, **kw):
         kw.setdefault("formatter_class", HelpFormatter)
@@ -36,12 +37,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (`{self.prog} --help` lists the options)", file=sys.stderr)
         raise SystemExit(2)
-
-    def parse_known_args(self, args=None, namespace=None):
-        ns, rest = super().parse_known_args(args, namespace)
-        if getattr(ns, "kv_group_size", 0) is None:
-            ns.kv_group_size = default_kv_group_size(getattr(ns, "kv_bits", None))
-        return ns, rest
 
 
 _GIVEN = "given_flags"
@@ -62,21 +57,14 @@ def given_flags(args) -> set:
 
 
 def parse_value(kind, allow_none):
-    """An argparse ``type=`` for an option of ``kind`` (bool: true/false; tuple: comma separated;
-    ``none`` / ``inf`` is None when ``allow_none``)."""
+    """An argparse ``type=`` for an option of ``kind``: the method-spec grammar's values
+    (:func:`veloxquant_mlx.options.parse_value`; tuples also without parentheses)."""
 
     def parse(text):
-        if allow_none and text.lower() in ("none", "inf"):
-            return None
-        if kind is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-        if kind is tuple:
-            return tuple(float(x) for x in text.split(","))
-        return kind(text)
+        try:
+            return _parse_text(text, kind, allow_none)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     return parse
 
@@ -108,9 +96,11 @@ def add_cache_args(parser, default_method="nexus"):
     """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
     policy, method options); :func:`config_from_args` turns them into a config."""
     given = dict(action=_Given)
-    parser.add_argument("--method", default=default_method, **given,
-                        help=f"eviction method (`methods` lists them), or '{FULL}' for mlx-lm's full KVCache "
-                             f"(default: {default_method})")
+    parser.add_argument("--method", default=default_method, **given, metavar="SPEC",
+                        help=f"eviction method (`methods` lists them) with optional settings, e.g. "
+                             f"nexus:window=16,kv_bits=4 (any option of the method or field of KVCacheConfig; "
+                             f"the flags below are the same settings), or '{FULL}' / '{FULL}:kv_bits=4' for "
+                             f"mlx-lm's own cache (default: {default_method})")
     parser.add_argument("--budget", type=int, default=None, **given,
                         help="tokens kept per KV head per layer (default: 512)")
     parser.add_argument("--density", type=float, default=None, **given,
@@ -151,10 +141,23 @@ def add_cache_args(parser, default_method="nexus"):
     add_method_options(parser)
 
 
-def config_from_args(args, prompt_len: int):
-    """KVCacheConfig from CLI flags, or None for the full cache."""
+_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages")
+# (flag dest, its key in a method spec) of the cache flags: the same name but for --cache-seed
+_FLAG_KEYS = tuple((dest, "seed" if dest == "cache_seed" else dest) for dest in (
+    "budget", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha", "prompt_eviction", "kv_bits",
+    "kv_group_size", *_RECALL_FLAGS))
+# Flags that only an eviction cache reads.
+_EVICTION_FLAGS = ("budget", "density", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha",
+                   "prompt_eviction", *_RECALL_FLAGS)
+
+
+def cache_spec(args, prompt_len: int | None = None) -> tuple:
+    """(method, core fields, options) of ``--method``'s spec and the cache flags, through the one spec
+    parser (:func:`veloxquant_mlx.config_spec.parse_spec`): the flags are the spec's keys spelled
+    as flags, and a setting given both ways must agree. ``--density`` needs ``prompt_len``."""
+    name = args.method.partition(":")[0].strip()
     extra = {k: v for k, v in vars(args).items() if k.startswith("opt__")}
-    if args.method == FULL:
+    if name == FULL:
         for dest in _EVICTION_FLAGS:
             if getattr(args, dest, None) is not None:
                 raise CLIError(f"--{dest.replace('_', '-')} does not apply to --method {FULL} (the full cache "
@@ -162,69 +165,48 @@ def config_from_args(args, prompt_len: int):
         if extra:
             raise CLIError(f"{_flags(extra)} {'does' if len(extra) == 1 else 'do'} not apply to --method {FULL} "
                            "(it takes no method options)")
-        _check_full_kv_bits(args)
-        return None
-    get_method(args.method)  # unknown method -> ValueError listing the known ones
-    wrong = {k: v for k, v in extra.items() if k.split("__")[1] != args.method}
+    wrong = {k: v for k, v in extra.items() if k.split("__")[1] != name}
     if wrong:
-        raise CLIError(f"{_flags(wrong)} do(es) not apply to --method {args.method}")
-    if args.budget is not None and args.density is not None:
-        raise CLIError("give --budget or --density, not both")
-    budget = args.budget
-    if args.density is not None:
-        if not 0.0 < args.density <= 1.0:
-            raise CLIError(f"--density must be in (0, 1], got {args.density}")
-        budget = budget_for(args.density, prompt_len)
-    options = {k.split("__")[2]: v for k, v in extra.items()}
-    alloc = {k: v for k, v in (("allocation", args.allocation), ("floor_alpha", args.floor_alpha),
-                               ("prompt_eviction", getattr(args, "prompt_eviction", None)),
-                               ("kv_bits", getattr(args, "kv_bits", None)),
-                               ("kv_group_size", getattr(args, "kv_group_size", None)),
-                               *((k, getattr(args, k, None)) for k in _RECALL_FLAGS)) if v is not None}
-    if not alloc.get("recall") and any(k in alloc for k in _RECALL_FLAGS[1:]):
-        raise CLIError(f"{_flags({'opt__' + k: 0 for k in _RECALL_FLAGS[1:] if k in alloc})} only apply with --recall")
-    return KVCacheConfig(method=args.method, budget=budget, n_sink=args.n_sink, recent=args.recent,
-                         seed=args.cache_seed, options=options, **alloc)
+        raise CLIError(f"{_flags(wrong)} do(es) not apply to --method {name}")
+    given = {key: getattr(args, dest) for dest, key in _FLAG_KEYS if getattr(args, dest, None) is not None}
+    given.update({option_key(name, k.split("__")[2]): v for k, v in extra.items()})
+    density = getattr(args, "density", None)
+    if density is not None:
+        if args.budget is not None:
+            raise CLIError("give --budget or --density, not both")
+        if not 0.0 < density <= 1.0:
+            raise CLIError(f"--density must be in (0, 1], got {density}")
+    try:
+        name, core, options = parse_spec(args.method, given)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if density is not None:
+        if "budget" in core:
+            raise CLIError(f"give a budget in --method or --density, not both (--method {args.method})")
+        if prompt_len is not None:
+            core["budget"] = budget_for(density, prompt_len)
+    if core.get("recall") is None and any(k in core for k in _RECALL_FLAGS[1:]):
+        raise CLIError(f"{_flags({'opt__' + k: 0 for k in _RECALL_FLAGS[1:] if k in core})} only apply with --recall")
+    return name, core, options
 
 
-# Flags that only an eviction cache reads.
-_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages")
-_EVICTION_FLAGS = ("budget", "density", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha",
-                   "prompt_eviction", *_RECALL_FLAGS)
+def full_quant(args) -> tuple:
+    """(kv_bits, kv_group_size) of mlx-lm's own cache for ``--method full`` (bits None: its KVCache)."""
+    _, core, _ = cache_spec(args)
+    return check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
 
 
-def _check_full_kv_bits(args):
-    """--method full --kv-bits: mlx-lm's own QuantizedKVCache; same supported values as ours."""
-    from ..config import KV_BITS
-
-    bits = getattr(args, "kv_bits", None)
-    if bits is not None and bits not in KV_BITS:
-        raise CLIError(f"--kv-bits {bits} is not supported: use one of {list(KV_BITS)} (or leave it out)")
-    if (getattr(args, "kv_group_size", None) or default_kv_group_size(bits)) not in KV_GROUP_SIZES:
-        raise CLIError(f"--kv-group-size {args.kv_group_size} is not supported: use one of {list(KV_GROUP_SIZES)}")
+def config_from_args(args, prompt_len: int):
+    """KVCacheConfig from ``--method`` and the cache flags, or None for the full cache."""
+    name, core, options = cache_spec(args, prompt_len)
+    if name == FULL:
+        check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
+        return None
+    return KVCacheConfig(method=name, options=options, **core)
 
 
 def _flags(extra):
     return ", ".join("--" + k[5:].replace("__", "-").replace("_", "-") for k in extra)
-
-
-def parse_method_spec(spec: str, budget: int) -> KVCacheConfig:
-    """``name`` or ``name:option=value,option=value`` (e.g. ``nexus:n_samples=none``) -> config."""
-    name, _, rest = spec.partition(":")
-    cls = get_method(name)
-    fields = {f.name: f for f in dataclasses.fields(cls.Options)}
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in fields:
-            raise CLIError(f"bad method spec {spec!r}: expected {name}:option=value with option in "
-                           f"{sorted(fields)}")
-        meta = fields[key].metadata
-        try:
-            options[key] = parse_value(meta.get("kind", str), meta.get("allow_none", False))(value)
-        except (ValueError, argparse.ArgumentTypeError) as e:
-            raise CLIError(f"bad value in method spec {spec!r}: {e}") from None
-    return KVCacheConfig(method=name, budget=budget, options=options)
 
 
 def _model_args(model):
@@ -257,19 +239,23 @@ def fit_kv_group(model, args) -> None:
     """Check --kv-group-size against the model's head_dim before any work. A default group that does not
     divide it is replaced (with a warning) by the largest supported one that does; one the user asked
     for is refused."""
-    bits = getattr(args, "kv_bits", None)
+    _, core, _ = cache_spec(args)
+    bits, group = core.get("kv_bits"), core.get("kv_group_size")
+    chosen = group is not None  # in --method or --kv-group-size
+    if group is None:
+        group = default_kv_group_size(bits)
     a = _model_args(model)
     head_dim = getattr(a, "head_dim", None) or (a.hidden_size // a.num_attention_heads if
                                                 getattr(a, "num_attention_heads", None) else None)
-    if bits is None or not head_dim or head_dim % args.kv_group_size == 0:
+    if bits is None or not head_dim or head_dim % group == 0:
         return
     fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]
-    if "kv_group_size" in given_flags(args):
-        raise CLIError(f"--kv-group-size {args.kv_group_size} does not divide the model's head_dim {head_dim}: "
+    if chosen:
+        raise CLIError(f"--kv-group-size {group} does not divide the model's head_dim {head_dim}: "
                        f"use {' or '.join(map(str, fits)) if fits else 'no --kv-bits'}")
     if not fits:
         raise CLIError(f"--kv-bits needs a head_dim divisible by 32; this model's is {head_dim} (leave --kv-bits out)")
-    print(f"warning: the model's head_dim {head_dim} cannot take the default groups of {args.kv_group_size} for "
+    print(f"warning: the model's head_dim {head_dim} cannot take the default groups of {group} for "
           f"{bits}-bit rows; using groups of {max(fits)}", file=sys.stderr)
     args.kv_group_size = max(fits)
 
@@ -344,13 +330,6 @@ def question_tokens(tokenizer, meta: dict, question: str) -> list:
     return list(tokenizer.encode("\n\n" + question + meta.get("turn_tail", ""), add_special_tokens=False))
 
 
-# (flag dest, the config's key) for the cache flags a compressed document fixes
-_FILE_FLAGS = (("method", "method"), ("budget", "budget"), ("n_sink", "n_sink"), ("recent", "recent"),
-               ("cache_seed", "seed"), ("allocation", "allocation"), ("floor_alpha", "floor_alpha"),
-               ("prompt_eviction", "prompt_eviction"), ("kv_bits", "kv_bits"), ("kv_group_size", "kv_group_size"),
-               *((k, k) for k in _RECALL_FLAGS))
-
-
 def describe_file_config(cfg) -> str:
     """One line for a compressed document's config (a dict or its JSON)."""
     cfg = json.loads(cfg) if isinstance(cfg, str) else (cfg or {})
@@ -366,7 +345,18 @@ def check_flags_against_file(args, meta: dict, path: str) -> None:
     cfg = json.loads(cfg) if isinstance(cfg, str) else (cfg or {})
     given = given_flags(args)
     bad = []
-    for dest, key in _FILE_FLAGS:
+    if "method" in given:  # the spec's name and each of its fields
+        try:
+            name, core, opts = parse_spec(args.method)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
+        held = {**(cfg.get("options") or {}), **cfg} if name == cfg.get("method") else {}
+        if not held:
+            bad.append(f"--method {args.method} (file: {cfg.get('method')})")
+        for k, v in {**opts, **core}.items() if held else ():
+            if (list(v) if isinstance(v, tuple) else v) != held.get(k):
+                bad.append(f"{k}={_cli_value(v)} in --method (file: {_cli_value(held.get(k))})")
+    for dest, key in _FLAG_KEYS:
         if dest in given and getattr(args, dest) != cfg.get(key):
             bad.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (file: {_cli_value(cfg.get(key))})")
     if "density" in given:

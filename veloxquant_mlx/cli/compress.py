@@ -19,8 +19,8 @@ import time
 from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
-from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, check_context, config_from_args, fit_kv_group,
-                   fmt_bytes, load_model_for_cli, prompt_bar)
+from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, cache_spec, check_context, config_from_args,
+                   fit_kv_group, fmt_bytes, load_model_for_cli, prompt_bar)
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
 
@@ -95,20 +95,19 @@ def cmd_compress(args):
         text = f.read()
     if not text.strip():
         raise CLIError(f"{args.prompt_file} is empty: nothing to compress")
-    if args.method == FULL:
+    name, core, _ = cache_spec(args)  # reject bad flags before the (slow) model load
+    if name == FULL:
         raise CLIError(f"compress needs an eviction method, not --method {FULL}")
-    if args.recall == "disk":  # the disk tier's file belongs to this process and is removed when it exits
+    if core.get("recall") == "disk":  # the disk tier's file belongs to this process and is removed when it exits
         raise CLIError("--recall disk cannot be saved in a compressed document: use --recall memory")
     if args.density is None:
-        config_from_args(args, 0)  # reject bad flags before the (slow) model load
+        config_from_args(args, 0)
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)
     fit_kv_group(model, args)
     n = len(split_template(tokenizer, text, not args.ignore_chat_template)[0])
     check_context(model, n, allow=args.allow_past_context)
     config = config_from_args(args, n)
-    if config is None:
-        raise CLIError(f"compress needs an eviction method, not --method {FULL}")
     r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
                           not args.ignore_chat_template, args.model)
     print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "

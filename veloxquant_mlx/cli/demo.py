@@ -7,10 +7,10 @@ import time
 
 from ..platform.blas import blas_hint, describe
 from ..builder import KVCacheBuilder
-from ..config import budget_for
+from ..config import KVCacheConfig, budget_for
 from ..evaluation.passkey import extract_digits, make_passkey_prompt
 from ..registry import FULL
-from .args import CLIError, fmt_bytes, load_model_for_cli, parse_method_spec
+from .args import CLIError, fmt_bytes, load_model_for_cli
 
 
 def demo_row(model, tokenizer, tokens, config, bar, prefill_step_size, max_tokens=8) -> dict:
@@ -50,7 +50,7 @@ def cmd_demo(args):
 
 
     for spec in args.methods:
-        parse_method_spec(spec, 10**6)  # reject bad specs before loading the model
+        KVCacheConfig.parse(spec, budget=10**6)  # reject bad specs before loading the model (budget: --density's)
     if not 0.0 < args.density <= 1.0:
         raise CLIError(f"--density must be in (0, 1], got {args.density}")
     hint = None if getattr(args, "blas_hint_shown", False) else blas_hint()
@@ -71,7 +71,7 @@ def cmd_demo(args):
                          "[{elapsed}<{remaining}]") as bar:
         for method in methods:
             bar.set_description(f"prefill {method}")
-            config = None if method == FULL else parse_method_spec(method, budget)
+            config = None if method == FULL else KVCacheConfig.parse(method, budget=budget)
             out = demo_row(model, tokenizer, tokens, config, bar, args.prefill_step_size)
             answer = extract_digits(out["text"])
             rows.append((method, answer, answer == key, out))

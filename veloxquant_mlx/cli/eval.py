@@ -39,8 +39,8 @@ def _common(p):
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--methods", nargs="+", default=None,
                    help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk, <method>-ada "
-                        "for Ada-KV allocation; for speed also kvcache, rotating); default: full + every "
-                        "registry method + the Nexus ablations")
+                        "for Ada-KV allocation, a spec such as nexus:window=8; for speed also kvcache, rotating); "
+                        "default: full + every registry method + the Nexus ablations")
 
 
 def _md_path(args):

@@ -12,9 +12,9 @@ from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
-from .args import (CLIError, add_cache_args, check_context, check_flags_against_file, config_from_args,
-                   describe_file_config, fit_kv_group, fmt_bytes, load_compressed_document, load_model_for_cli,
-                   prompt_bar, question_tokens)
+from .args import (CLIError, add_cache_args, cache_spec, check_context, check_flags_against_file,
+                   config_from_args, describe_file_config, fit_kv_group, fmt_bytes, full_quant,
+                   load_compressed_document, load_model_for_cli, prompt_bar, question_tokens)
 
 
 def encode_prompt(tokenizer, prompt: str, use_chat: bool):
@@ -81,8 +81,10 @@ def cmd_generate(args):
         from ..prompt_cache import read_prompt_cache_metadata
 
         check_flags_against_file(args, read_prompt_cache_metadata(args.prompt_cache), args.prompt_cache)
-    elif args.density is None or args.method == FULL:
-        config_from_args(args, 0)  # reject bad flags before the (slow) model load
+    elif args.density is None:  # reject bad flags before the (slow) model load
+        config_from_args(args, 0)
+    else:  # the budget needs the prompt: the flags and the spec alone
+        cache_spec(args)
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     if not args.prompt_cache:
@@ -102,17 +104,19 @@ def cmd_generate(args):
     held = meta["tokens"] if args.prompt_cache else 0
     check_context(model, held + len(tokens), args.max_tokens, args.allow_past_context)
     config = None if args.prompt_cache else config_from_args(args, len(tokens))
+    bits, group = (config.kv_bits, config.kv_group_size) if config is not None else \
+        (None, 64) if args.prompt_cache else full_quant(args)
     progress, close = _prefill_progress(len(tokens))
     try:
         out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
                              args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
                              caches=loaded if args.prompt_cache else None,
-                             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, progress=progress)
+                             kv_bits=bits, kv_group_size=group, progress=progress)
     finally:
         close()
     print()
     print("=" * 10)
-    bits = "" if args.kv_bits is None else f", {args.kv_bits}-bit rows (groups of {args.kv_group_size})"
+    bits = "" if bits is None else f", {bits}-bit rows (groups of {group})"
     loaded_label = f"loaded from {args.prompt_cache}: {describe_file_config(meta.get('config'))}" \
         if args.prompt_cache else FULL + bits
     label = loaded_label if config is None else (f"{config.method} (budget {config.budget}/head, "

@@ -32,7 +32,7 @@ from decimal import Decimal, InvalidOperation
 from .. import distributed
 from ..builder import KVCacheBuilder
 from ..registry import FULL
-from .args import CLIError, add_cache_args, config_from_args, load_model_for_cli
+from .args import CLIError, add_cache_args, config_from_args, full_quant, load_model_for_cli
 from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
 
 log = logging.getLogger("veloxquant_mlx.serve")
@@ -230,19 +230,19 @@ def cmd_serve(args):
     if distributed.world()[1] == 0:  # only rank 0 listens
         check_port(args.host, args.port)
 
-    options = {k: getattr(args, k) for k in vars(server_args()) if hasattr(args, k) and k != "model"}
-    if config is not None:
-        # Our caches store quantized rows themselves (config.kv_bits) and keep batching; mlx-lm's server
-        # given kv_bits would serve sequentially and try to convert caches. Only --method full hands
-        # --kv-bits to mlx-lm (its own QuantizedKVCache, sequential requests).
-        options.pop("kv_bits", None)
-        options.pop("kv_group_size", None)
+    # mlx-lm's server takes kv_bits only for its own QuantizedKVCache (--method full; sequential requests):
+    # our caches quantize their rows themselves (config.kv_bits) and keep batching.
+    options = {k: getattr(args, k) for k in vars(server_args())
+               if hasattr(args, k) and k not in ("model", "kv_bits", "kv_group_size")}
+    if config is None:
+        options["kv_bits"], options["kv_group_size"] = full_quant(args)
+    bits = options.get("kv_bits") if config is None else config.kv_bits
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     label = FULL if config is None else f"{config.method}, budget {config.budget}/head"
-    if getattr(args, "kv_bits", None) is not None:
-        label += f", {args.kv_bits}-bit rows"
+    if bits is not None:
+        label += f", {bits}-bit rows"
     log.info(f"veloxquant serve: {label} on http://{args.host}:{args.port}/v1")
     serve(model, tokenizer, config, model_name=args.model, **options)
     return 0

@@ -177,7 +177,13 @@ def key_of(label: str, regime: str = "end", options: dict | None = None) -> str:
     """The fingerprint key a figure's label depends on: ``snapkv-ada`` -> ``snapkv:ada``; a label
     run with ``prompt_eviction="stream"`` (``regime="stream"``) -> ``<method>:stream``; a key
     (``nexus:stream``) is returned as is. ``options``: the method options the label pins
-    (``nexus-reservoir`` -> ``nexus[prompt_top_k=False]``)."""
+    (``nexus-reservoir`` -> ``nexus[prompt_top_k=False]``). A spec string used as a label
+    (``snapkv:allocation=ada``) has the key of its method, options and allocation."""
+    if "=" in label.partition(":")[2] and "[" not in label:
+        from ..config_spec import parse_spec
+
+        m, core, pinned = parse_spec(label)
+        return key_of(m + ("-ada" if core.get("allocation") == "ada" else ""), regime, options or pinned)
     if ":" in label or label.endswith("]"):
         return label
     m = method_of(label)

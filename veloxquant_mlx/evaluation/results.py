@@ -1,5 +1,5 @@
-"""Shared plumbing of the real-model evaluation: method specs, model loading and the resumable JSON
-cell store (the report generated from the JSON files is ``report.py``).
+"""Shared plumbing of the real-model evaluation: model loading and the resumable JSON cell store (the
+method labels are ``labels.py``; the report generated from the JSON files is ``report.py``).
 
 Every experiment (passkey, perplexity, speed) is a list of *cells*; a cell has a string id built
 from its grid coordinates. Finished cells are written to ``<out_dir>/<experiment>.json`` one at a
@@ -10,7 +10,6 @@ worker processes (``--shard i/n``) can fill the same file.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as _dt
 import json
 import math
@@ -18,35 +17,12 @@ import os
 import platform
 import time
 import warnings
-from typing import Any
 from pathlib import Path
 
-from ..builder import KVCacheBuilder
-from ..caches.quant import model_caches
-from ..config import METHOD_DEFAULT, KVCacheConfig
-from ..registry import FULL, get_method, methods
+from ..registry import FULL  # noqa: F401 (re-exported)
 from .eval_model import ByteTokenizer, load_eval_model, machine_info, tiny_model  # noqa: F401 (re-exported)
-
-
-# Nexus ablations run next to every registry method: top-K instead of the reservoir, and no walk.
-ABLATIONS = {
-    "nexus-topk": ("nexus", {"n_samples": None}),
-    "nexus-nowalk": ("nexus", {"lam": 0.0, "prompt_top_k": False}),  # the walk's ablation as measured: on the reservoir
-}
-
-
-# Opt-in Nexus options (only when named with --methods): remedies for the needle's block-boundary cut.
-# The Nexus ablations pin prompt_top_k=False: they were measured against the reservoir default (until
-# 2026-12-01), so a label keeps meaning what its published cells ran.
-OPT_IN_ABLATIONS = {
-    "nexus-smooth": ("nexus", {"smooth_blocks": 1, "prompt_top_k": False}),
-    "nexus-prior": ("nexus", {"key_prior": 0.5, "prompt_top_k": False}),
-    "nexus-prior1": ("nexus", {"key_prior": 1.0, "prompt_top_k": False}),  # the anomaly prior alone (no attention)
-    "nexus-b16": ("nexus", {"block_size": 16, "prompt_top_k": False}),
-    "nexus-prompt-topk": ("nexus", {"prompt_top_k": True}),  # = nexus's default since 2026-12-01; kept for old runs
-    "nexus-reservoir": ("nexus", {"prompt_top_k": False}),  # the paper: the reservoir at the one-shot step too
-    "kvzip-global": ("kvzip", {"layers": "global"}),  # = kvzip's default since the head-budget change; kept for old runs
-}
+from .labels import (ROTATING, MethodSpec, _ada_base, _is_ada, make_caches, method_specs,  # noqa: F401 (re-exported)
+                     pinned_options, rotating_caches)
 
 
 DEFAULT_OUT_DIR = "figures/eval"  # the published grid: written only with --publish
@@ -56,133 +32,6 @@ USER_OUT_DIR = "veloxquant_eval"  # a user's run goes here unless --out-dir says
 
 
 DEFAULT_RESULTS_MD = "docs/results.md"
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodSpec:
-    """One column of the comparison: a label, the registry method (None = full cache), options."""
-
-    name: str
-    method: str | None
-    options: tuple = ()  # sorted (key, value) pairs, hashable
-    # "ada": Ada-KV budget allocation across heads (label "<method>-ada"); unset: the method's default
-    allocation: Any = METHOD_DEFAULT
-    # Further KVCacheConfig fields, sorted (key, value) pairs: kv_bits (label suffix "-4bit" / "-8bit";
-    # for the full cache, mlx-lm's QuantizedKVCache), kv_group_size (suffix "-g32" / "-g128", after the
-    # bits), max_head_factor (label suffix "-nocap": None), floor_alpha (Ada-KV's per-head floor).
-    extra: tuple = ()
-    # mlx-lm's own eviction a user would pick instead ("rotating": RotatingKVCache(max_size=budget)); method None
-    mlx_cache: str | None = None
-
-    @property
-    def is_full(self) -> bool:
-        """The full cache (mlx-lm's KVCache, or its QuantizedKVCache for ``full-4bit``): no budget."""
-        return self.method is None and self.mlx_cache is None
-
-    @property
-    def kv_bits(self):
-        return dict(self.extra).get("kv_bits")
-
-    @property
-    def quant(self) -> tuple:
-        """(kv_bits, kv_group_size): how the rows are stored (bits None = float rows)."""
-        e = dict(self.extra)
-        return (e.get("kv_bits"), e.get("kv_group_size", 64) if e.get("kv_bits") else 64)
-
-    @property
-    def opts(self) -> dict:
-        return dict(self.options)
-
-    @property
-    def prefill_only(self) -> bool:
-        """True when the method compresses only once at the end of the prompt (or is the full cache):
-        then the prefill + decode regime is identical to the prefill-only one."""
-        if self.method is None:
-            return True
-        return bool(getattr(get_method(self.method), "prefill_only", False))
-
-
-def method_specs(names=None, ablations: bool = True) -> list:
-    """Full cache + every registry method (read at run time) + the Nexus ablations.
-
-    ``names`` restricts / orders the list (labels such as ``"nexus-topk"`` allowed; ``"<method>-ada"``
-    is the method with Ada-KV allocation, for methods that support it; opt-in only)."""
-    specs = {FULL: MethodSpec(FULL, None)}
-    for m in methods():
-        specs[m] = MethodSpec(m, m)
-    if ablations and "nexus" in specs:
-        for label, (m, opts) in ABLATIONS.items():
-            specs[label] = MethodSpec(label, m, tuple(sorted(opts.items())))
-    if names is None:
-        return list(specs.values())
-    for m in methods():
-        if get_method(m).supports_allocation("ada"):
-            specs.setdefault(m + _ADA, MethodSpec(m + _ADA, m, allocation="ada"))
-    if ablations and "nexus" in specs:
-        for label, (m, opts) in OPT_IN_ABLATIONS.items():
-            specs.setdefault(label, MethodSpec(label, m, tuple(sorted(opts.items()))))
-    if "kvzip" in specs:
-        # kvzip's default is the paper's head budgets with our per-head cap; "kvzip-paper" drops the cap
-        # (exactly the paper), "kvzip-each" is the library's per-layer uniform contract (the old default).
-        specs.setdefault("kvzip-paper", MethodSpec("kvzip-paper", "kvzip", extra=(("max_head_factor", None),)))
-        specs.setdefault("kvzip-each", MethodSpec("kvzip-each", "kvzip", (("layers", "each"),), allocation="uniform"))
-        specs.setdefault("kvzip-plus", MethodSpec("kvzip-plus", "kvzip", (("normalize", "plus"),)))  # KVzip+
-    specs.setdefault(ROTATING, MethodSpec(ROTATING, None, mlx_cache=ROTATING))
-    out = []
-    for n in names:
-        base, extra = n, {}
-        while base not in specs and base.endswith(tuple(_CONFIG_SUFFIXES)):
-            suffix = next(x for x in _CONFIG_SUFFIXES if base.endswith(x))
-            base, extra = base[:-len(suffix)], {**_CONFIG_SUFFIXES[suffix], **extra}
-        if base not in specs or (specs[base].method is None and set(extra) - {"kv_bits", "kv_group_size"}) or (
-                specs[base].mlx_cache and extra):
-            raise ValueError(f"unknown method {n!r}; known: {', '.join(specs)} (each may end in "
-                             f"{', '.join(_CONFIG_SUFFIXES)})")
-        spec = specs[base]
-        out.append(dataclasses.replace(spec, name=n, extra=tuple(sorted({**dict(spec.extra), **extra}.items())))
-                   if extra else spec)
-    return out
-
-
-def pinned_options(label: str) -> dict | None:
-    """The method options a figure label pins (``nexus-reservoir`` -> {"prompt_top_k": False}), for its
-    fingerprint key; None for a plain method or a label this code does not know."""
-    try:
-        spec = method_specs([label])[0]
-    except ValueError:
-        return None
-    return dict(spec.options) or None
-
-
-# Label suffixes that set KVCacheConfig fields: quantized kept rows, and the specs' own per-head bound.
-# "-4bit" pins the groups of 64 its published cells ran with (the library's 4-bit default is now 32).
-_CONFIG_SUFFIXES = {"-4bit": {"kv_bits": 4, "kv_group_size": 64}, "-8bit": {"kv_bits": 8}, "-nocap": {"max_head_factor": None},
-                    "-g32": {"kv_group_size": 32}, "-g128": {"kv_group_size": 128}}
-
-
-def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
-    """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
-    ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""
-    if spec.mlx_cache == ROTATING:
-        return rotating_caches(model, budget)
-    if spec.method is None:  # "full-4bit": mlx-lm's own quantized cache, no eviction
-        return model_caches(model, *spec.quant)
-    config = KVCacheConfig(method=spec.method, budget=int(budget), seed=int(seed), options=spec.opts,
-                           allocation=spec.allocation, prompt_eviction=prompt_eviction, **dict(spec.extra))
-    return KVCacheBuilder.for_model(model, config)
-
-
-ROTATING = "rotating"
-
-
-def rotating_caches(model, budget: int) -> list:
-    """What ``mlx_lm.generate --max-kv-size budget`` gives: ``RotatingKVCache(max_size=budget, keep=4)``
-    per layer (a model's own sliding-window layers keep their caches; mlx-lm's make_prompt_cache
-    ignores max_kv_size for a model with make_cache, so the plain KVCache layers are swapped here)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-
-    return [RotatingKVCache(max_size=int(budget), keep=4) if type(c) is KVCache else c
-            for c in make_prompt_cache(model)]
 
 
 def quiet_cache_warnings():
@@ -377,15 +226,3 @@ def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
     store.stamp()
     print(f"{store.experiment}: {res}")
     return 0
-
-
-_ADA = "-ada"  # label suffix of a method run with Ada-KV allocation
-
-
-def _is_ada(name) -> bool:
-    return name.endswith(_ADA)
-
-
-def _ada_base(name) -> str:
-    """The uniform-allocation method of an Ada label ("snapkv-ada" -> "snapkv"); other names unchanged."""
-    return name[:-len(_ADA)] if _is_ada(name) else name

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...platform.blas import openblas_preloaded
 from ...config import KVCacheConfig, budget_for
+from ...config_spec import parse_spec
 from ...registry import get_method, methods as registered_methods
 from .scenarios import (D, H_KV, H_Q, NESTED_KINDS, SCALE, Scenario, attention_probs, make_bridge,
                         make_erosion, make_heavy, make_nested)
@@ -41,19 +42,26 @@ class Variant:
 
 # Ada-KV head-adaptive allocation is run on top of the scores the Nexus paper pairs it with.
 ADA_METHODS = ("snapkv", "pyramidkv")
+# The suite's own labels (its published JSON is keyed by them), as method specs (config_spec).
+ABLATIONS = {"nexus_topk": "nexus:n_samples=none", "nexus_nowalk": "nexus:lam=0.0"}
+
+
+def variant(label: str, spec: str) -> Variant:
+    """The variant a method spec describes (``variant("nexus_topk", "nexus:n_samples=none")``)."""
+    method, core, options = parse_spec(spec)
+    return Variant(label, method, tuple(sorted(options.items())), tuple(sorted(core.items())))
 
 
 def method_variants() -> list[Variant]:
     """Every registered method with its defaults, the Nexus ablations when "nexus" is registered,
     and Ada-SnapKV / Ada-PyramidKV ("<m>+ada") when the class supports ``"ada"``."""
     names = sorted(registered_methods())
-    out = [Variant(m, m) for m in names]
+    out = [variant(m, m) for m in names]
     if "nexus" in names:
-        out.append(Variant("nexus_topk", "nexus", (("n_samples", None),)))
-        out.append(Variant("nexus_nowalk", "nexus", (("lam", 0.0),)))
+        out += [variant(label, spec) for label, spec in ABLATIONS.items()]
     for m in ADA_METHODS:
         if m in names and get_method(m).supports_allocation("ada"):
-            out.append(Variant(f"{m}+ada", m, (), (("allocation", "ada"),)))
+            out.append(variant(f"{m}+ada", f"{m}:allocation=ada"))
     return out
 
 
