@@ -104,7 +104,7 @@ def main(argv=None):
               f"rotating {row['decode_speed_vs_rotating']:.3f}", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"experiment": "kvzap cost", "model": desc, "density": args.density,
-                                   "rows": rows, "provenance": {**provenance(command_line(), labels=names),
+                                   "rows": rows, "provenance": {**provenance(command_line(), labels=["full", *(k for k in names if k in ("kvzap", "kvzip"))]),
                                    "load_average_at_end": os.getloadavg(), "mlx": mx.__version__,
                                    **blas_info()}}, indent=1))
 

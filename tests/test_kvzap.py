@@ -12,7 +12,6 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
-from veloxquant_mlx.cli.args import parse_method_spec
 from veloxquant_mlx.evaluation.kvzap_collect import hidden_states, split_windows, windows
 from veloxquant_mlx.methods.kvzap import (KVzapCache, find_scorer, load_scorer, model_identity,
                                           read_scorer_metadata, save_scorer)
@@ -130,9 +129,10 @@ def test_missing_or_bad_scorer_says_how_to_fit_one(model, tmp_path, monkeypatch)
 def test_scorer_is_found_by_identity_and_spelled_in_a_spec(model):
     path = fit_tiny_scorer(model)
     assert find_scorer(model_identity(model)) == path
-    cfg = parse_method_spec(f"kvzap:scorer={path}", 32)
+    cfg = KVCacheConfig.parse(f"kvzap:scorer={path}", budget=32)
     assert cfg.options.scorer == str(path) and cfg == kvzap(kvzap_scorer=str(path), n_sink=cfg.n_sink,
                                                              recent=cfg.recent)
+    assert KVCacheConfig.parse(str(cfg)) == cfg  # the spec round-trips a path
     meta = read_scorer_metadata(path)
     assert meta["identity"] == model_identity(model) and meta["layers"] == [0, 1]
     assert {"commit", "command", "date", "text", "tokens"} <= set(meta["provenance"])
