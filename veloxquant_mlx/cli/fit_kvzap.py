@@ -24,6 +24,7 @@ def cmd_fit_kvzap(args):
     if not os.path.isdir(out_dir):
         raise CLIError(f"--out {args.out!r}: folder {out_dir!r} does not exist")
     from ..evaluation.kvzap_collect import STDLIB_MODULES, fit_scorer, stdlib_text, windows
+    from ..evaluation.provenance import command_line
 
     if args.text:
         with open(args.text, encoding="utf-8") as f:
@@ -35,7 +36,7 @@ def cmd_fit_kvzap(args):
     model, tokenizer = load_model_for_cli(args.model)
     ids = list(tokenizer.encode(text))
     wins = windows(ids, args.context, args.texts)
-    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True)
+    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True, command=command_line())
     print(f"wrote {args.out}: {len(meta['layers'])} layers, {meta['provenance']['tokens']} tokens")
     print(f"held-out fit (mean over layers): {meta['quality']['mean']}")
     return 0

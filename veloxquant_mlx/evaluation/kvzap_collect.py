@@ -142,11 +142,12 @@ def collect(model, tokenizer, wins: list, bar=None) -> dict:
     return data
 
 
-def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 0.2, progress: bool = False) -> dict:
-    """Fit and write a scorer for ``model`` on token windows ``wins``; returns the file's metadata."""
+def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 0.2, progress: bool = False,
+               command: str | None = None) -> dict:
+    """Fit and write a scorer for ``model`` on token windows ``wins``; returns the file's metadata.
+    ``command``: what the provenance records as the command (default: this process's argv)."""
     from ..methods.kvzap import model_identity, read_scorer_metadata, save_scorer
     from ..methods.kvzap_fit import fit_layers, summarize
-    from .provenance import command_line
 
     train, val, test = split_windows(wins)
     commit = _commit()  # the code that runs the fit (read now: a commit made while it runs is not it)
@@ -171,7 +172,7 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
            "regression": "ridge, closed form, strength chosen on the validation windows",
            "alpha": {str(k): v for k, v in alphas.items()}, "context": len(wins[0]), "n_sink_left_out": 4}
     tokens = {"train": sum(map(len, train)), "validation": sum(map(len, val)), "held_out": sum(map(len, test))}
-    prov = {"commit": commit, "command": command_line(),
+    prov = {"commit": commit, "command": command or " ".join(sys.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "text": source, "tokens": tokens, "windows": [len(train), len(val), len(test)]}
     q = {"per_layer": {str(k): v for k, v in quality.items()}, "mean": summarize(quality)}
