@@ -7,6 +7,7 @@ the result file, says what would run, and writes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -14,6 +15,18 @@ _REPO = Path(__file__).resolve().parents[2]
 # Tokens beyond the first prompt that a cell may still feed or decode (later turns, answers): a
 # length is refused unless length + this fits the model's context.
 HEADROOM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class RunControl:
+    """How an ``eval`` run walks its cells and where it writes (the harness's settings say which cells)."""
+
+    out_dir: str
+    shard: tuple = (0, 1)  # (i, n): every n-th cell starting at i
+    time_budget: float | None = None  # seconds after which no new cell starts
+    max_cells: int | None = None  # at most this many unfinished cells; 0: a dry run
+    progress: bool = True
+    publish: bool = False  # allow out_dir inside the published figures/
 
 
 def published_dirs() -> list:
@@ -26,18 +39,18 @@ def is_published(path) -> bool:
     return any(p == d or d in p.parents for d in published_dirs())
 
 
-def check_out_dir(args) -> None:
+def check_out_dir(control: RunControl) -> None:
     """Refuse (ValueError, one line) an output folder inside the published figures without --publish."""
-    if getattr(args, "max_cells", None) == 0:
+    if control.max_cells == 0:
         return  # a dry run writes nothing anywhere
-    if is_published(args.out_dir) and not getattr(args, "publish", False):
-        raise ValueError(f"--out-dir {args.out_dir} is inside the published figures/; pass --publish to change "
+    if is_published(control.out_dir) and not control.publish:
+        raise ValueError(f"--out-dir {control.out_dir} is inside the published figures/; pass --publish to change "
                          "them on purpose, or pick another folder")
 
 
-def writes(args) -> bool:
+def writes(control: RunControl) -> bool:
     """False for ``--max-cells 0`` (nothing is written: no cells, no meta, no report)."""
-    return getattr(args, "max_cells", None) != 0
+    return control.max_cells != 0
 
 
 def model_context(model) -> int | None:

@@ -9,14 +9,16 @@ cache as it was at that moment. Budget = density x sequence length.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
 
 from ..config import budget_for
+from ..decode import token_nll
 from .passkey import prose_text
 from .outputs import writes
-from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
+from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
 
 
@@ -37,26 +39,30 @@ def streaming_nll(model, tokens, caches, chunk: int) -> list:
     nll = []
     for i in range(0, n, chunk):
         j = min(i + chunk, n)
-        parts = [(i, j - 1), (j - 1, j)] if j - i > 1 else [(i, j)]
-        for a, b in parts:
-            logits = model(x[None, a:b], cache=caches)[0].astype(mx.float32)
-            lse = mx.logsumexp(logits, axis=-1)
-            tgt = mx.take_along_axis(logits, x[a + 1:b + 1][:, None], axis=-1)[:, 0]
-            v = lse - tgt
-            mx.eval(v)
-            nll.extend(v.tolist())
+        for a, b in [(i, j - 1), (j - 1, j)] if j - i > 1 else [(i, j)]:
+            nll.extend(token_nll(model, x[a:b], x[a + 1:b + 1], caches))
     return nll
 
 
-def run(args) -> int:
+@dataclasses.dataclass(frozen=True)
+class PerplexitySettings:
+    """Which cells ``eval perplexity`` runs (None: the default for the model size)."""
+
+    quick: bool = False  # the tiny harness-check model: smaller defaults, every method at every density
+    methods: tuple | None = None
+    n_tokens: int | None = None  # tokens scored (default 2048; quick 640)
+    chunk: int | None = None  # stream chunk (default 128; quick 64)
+    densities: tuple | None = None  # default: 0.2 for every method, 0.1 and 0.5 for a few
+
+
+def run(model, tokenizer, settings: PerplexitySettings, control, desc: str = "") -> int:
     quiet_cache_warnings()
-    quick = args.quick
-    model, tokenizer, desc = load_eval_model(args.model, quick)
-    n_tokens = args.n_tokens or (640 if quick else 2048)
-    chunk = args.chunk or (64 if quick else 128)
-    specs = {s.name: s for s in method_specs(args.methods)}
-    if args.densities:
-        dens_all, dens_few = args.densities, []
+    quick = settings.quick
+    n_tokens = settings.n_tokens or (640 if quick else 2048)
+    chunk = settings.chunk or (64 if quick else 128)
+    specs = {s.name: s for s in method_specs(settings.methods)}
+    if settings.densities:
+        dens_all, dens_few = list(settings.densities), []
     else:
         dens_all, dens_few = [0.2], [0.1, 0.5]
     few = [m for m in ("nexus", "h2o", "snapkv", "streaming", "morphkv") if m in specs]
@@ -74,7 +80,7 @@ def run(args) -> int:
     grid = {"n_tokens": n_tokens, "chunk": chunk, "densities_all_methods": dens_all,
             "densities_few_methods": dens_few, "few_methods": few,
             "text": "stdlib pydoc_data.topics prose (code blocks removed)", "n_cells": len(cells)}
-    store = ResultStore(f"{args.out_dir}/perplexity.json", "perplexity", write=writes(args))
+    store = ResultStore(f"{control.out_dir}/perplexity.json", "perplexity", write=writes(control))
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
 
     def run_one(p):
@@ -93,4 +99,4 @@ def run(args) -> int:
                                  for i in range(0, len(nll), chunk)],
                 "seconds": round(time.perf_counter() - t, 2)}
 
-    return run_experiment(store, cells, run_one, args)
+    return run_experiment(store, cells, run_one, control)

@@ -3,9 +3,9 @@ behaviour fingerprint per method, so ``benchmark_scripts/check_figures.py`` can 
 the code has since moved away from.
 
 The fingerprint of a method is 12 hex digits of a sha256 over what the method does on a fixed tiny
-random llama (2 layers, 2 KV heads, fp32) and a fixed 512-token prompt at budget 192, run through
-mlx-lm's own ``generate_step`` with 40 greedy decode steps (so decode evicts too). Each setting has its
-own key, so a figure depends only on the settings it measured: ``"nexus"`` is ``prompt_eviction="end"``
+random llama (2 layers, 2 KV heads, fp32) and a fixed 512-token prompt at budget 192, run as
+mlx-lm's ``generate_step`` runs it (:mod:`veloxquant_mlx.decode`) with 40 greedy decode steps (so
+decode evicts too). Each setting has its own key, so a figure depends only on the settings it measured: ``"nexus"`` is ``prompt_eviction="end"``
 (the default), ``"nexus:stream"`` is ``prompt_eviction="stream"`` (128-token chunks) and
 ``"nexus:ada"`` is ``allocation="ada"`` (or the refusal's text when the method refuses Ada-KV). Hashed: every layer's kept positions per head, the caches' allocated bytes, the
 generated tokens and their log-probabilities rounded to 0.01 (coarse on purpose: BLAS libraries sum
@@ -51,16 +51,17 @@ def _prompt():
 
 
 def _run(model, caches, prefill_step: int) -> list:
-    """One generation through mlx-lm's generate_step: what the method kept, allocated and produced."""
+    """One generation as mlx-lm's generate_step runs it: what the method kept, allocated and produced."""
     import mlx.core as mx
     import numpy as np
-    from mlx_lm.generate import generate_step
 
-    out = []
-    for tok, logprobs in generate_step(mx.array(_prompt()), model, prompt_cache=caches, max_tokens=_DECODE,
-                                       prefill_step_size=prefill_step):
-        lp = float(logprobs.astype(mx.float32)[int(tok)])
-        out.append([int(tok), round(lp, 2)])
+    from ..decode import feed_prompt, greedy, step
+
+    x = mx.array(_prompt())
+    feed_prompt(model, x, caches, prefill_step)
+    y, lp = step(model, x[-1:], caches, logprobs=True)
+    toks, lps = greedy(model, caches, y, _DECODE, logprobs=lp, feed_last=True)
+    out = [[t, round(float(p.astype(mx.float32)), 2)] for t, p in zip(toks, lps)]
     for c in caches:
         kept = getattr(c, "kept_positions", None)
         pos = np.array(kept()).tolist() if kept is not None else int(c.offset)

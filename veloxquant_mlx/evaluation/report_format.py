@@ -1,4 +1,5 @@
-"""Formatting shared by the report: percentages with Wilson intervals, method order, colours and figure saving."""
+"""Formatting shared by the report writers: markdown tables, percentages with Wilson intervals, method
+order, colours, and matplotlib set-up and figure saving."""
 
 from __future__ import annotations
 
@@ -7,6 +8,32 @@ from pathlib import Path
 
 from .results import FULL, _ada_base, _is_ada
 from .stats import wilson
+
+
+def md_row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def md_table(head, rows=()) -> list:
+    """Markdown lines: the header row, its rule, then ``rows`` (each a list of cell strings)."""
+    return [md_row(head), "|" + "---|" * len(head)] + [md_row(r) for r in rows]
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (ImportError without the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def wilson_bars(avg, n) -> tuple:
+    """(accuracy %, distance down, distance up) of an accuracy ``avg`` over ``n`` prompts to its Wilson
+    95% bounds: a figure's point and error bar."""
+    lo, hi = wilson(int(round(avg * n)), n)
+    return 100 * avg, 100 * (avg - lo), 100 * (hi - avg)
 
 
 def _save_figure(plt, fig, figs_dir, filename) -> Path:

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from .report_format import md_row, md_table
 from .report_tasks import _setting_name, _source_lines, load, outcomes, plot, setting_order, table
 
 
@@ -48,8 +49,7 @@ def question_pairs(data: dict, d) -> list:
     if not cols:
         return []
     lines = [f"Question inside vs left out at {_setting_name(d)} (only inside right / only left-out right, "
-             "exact McNemar; accuracy inside → left out):", "",
-             "| row | " + " | ".join(c[:-len(" q-out")] for c in cols) + " |", "|---|" + "---|" * len(cols)]
+             "exact McNemar; accuracy inside → left out):", ""] + md_table(["row"] + [c[:-len(" q-out")] for c in cols])
     rows = sorted({m for c in cols for m in per[c]})
     for m in rows:
         cells = []
@@ -62,7 +62,7 @@ def question_pairs(data: dict, d) -> list:
             common = set(a) & set(b)
             cells.append(f"{sum(a[k] for k in common)}→{sum(b[k] for k in common)}/{pr['n']}: "
                          f"{pr['only_a']} / {pr['only_b']}, p={fmt_p(pr['p'])}")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append(md_row([m] + cells))
     return lines + [""]
 
 
@@ -102,11 +102,3 @@ def write_long_report(task_dirs, speed_dirs, md_path, figs_dir) -> Path:
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(lines))
     return md_path
-
-
-def add_args(p):
-    p.add_argument("--tasks", nargs="+", default=[], help="folders holding an eval tasks tasks.json")
-    p.add_argument("--speed", nargs="+", default=[], help="folders holding an eval speed speed.json")
-    p.add_argument("--md", required=True, help="markdown path to write (e.g. docs/results_long.md)")
-    p.add_argument("--figs", required=True, help="folder for the figures")
-    p.set_defaults(func=lambda a: print(f"wrote {write_long_report(a.tasks, a.speed, a.md, a.figs)}") or 0)

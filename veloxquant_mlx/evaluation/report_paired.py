@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .report_format import _REGIME_NAME, _ci_cell, _mean, _order, _pct
+from .report_format import _REGIME_NAME, _ci_cell, _mean, _order, _pct, md_row, md_table
 from .results import FULL
 from .stats import fmt_p, paired
 
@@ -34,15 +34,14 @@ def _paired_table(lines, res, regime, density, members, columns, prefill_only, r
         return out
     lines.append(f"*Paired: {ref} against each method on the same prompts ({_REGIME_NAME[regime]}, "
                  f"{density:.0%}; exact McNemar test on the discordant prompts).*\n")
-    lines.append(f"| {ref} vs | Prompts | Both right | Only {ref} | Only other | Neither | "
-                 "Difference (points) | p (two-sided) |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines += md_table([f"{ref} vs", "Prompts", "Both right", f"Only {ref}", "Only other", "Neither",
+                       "Difference (points)", "p (two-sided)"])
     for m in _order(out):
         r = out[m]
         diff = 100 * (r["only_a"] - r["only_b"]) / r["n"]
         label = m + (" †" if regime == "decode" and prefill_only.get(m) else "")
-        lines.append(f"| {label} | {r['n']} | {r['both']} | {r['only_a']} | {r['only_b']} | {r['neither']} | "
-                     f"{diff:+.1f} | {fmt_p(r['p'])} |")
+        lines.append(md_row([label] + [str(r[k]) for k in ("n", "both", "only_a", "only_b", "neither")] +
+                            [f"{diff:+.1f}", fmt_p(r["p"])]))
     lines.append("")
     return out
 
@@ -81,10 +80,9 @@ def _needle_cut_table(lines, cells, regime, density):
     lines.append(f"*Block-boundary cut of the needle ({_REGIME_NAME[regime]}, {density:.0%}): for every "
                  "(layer, KV head) the kept positions after generation against the key's token spans (the key "
                  "occurs twice in the needle). Cut = some of an occurrence's tokens kept and some evicted.*\n")
-    lines.append("| Method | Prompts | (layer, head) pairs with a cut | Prompts with any cut | Key tokens kept | "
-                 "Pairs keeping a whole key | Accuracy, prompts with a cut | Accuracy, no cut | "
-                 "Mean cut: right / wrong answers | Mean whole: right / wrong answers |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    lines += md_table(["Method", "Prompts", "(layer, head) pairs with a cut", "Prompts with any cut", "Key tokens kept",
+                       "Pairs keeping a whole key", "Accuracy, prompts with a cut", "Accuracy, no cut",
+                       "Mean cut: right / wrong answers", "Mean whole: right / wrong answers"])
     for m in _order(summ):
         g = summ[m]
         acc = [_ci_cell(*g[k]) + ")" if g[k][1] else "–" for k in ("cut", "nocut")]

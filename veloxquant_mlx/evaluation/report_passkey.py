@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from .report_format import (_REGIME_NAME, _ci_avg, _ci_cell, _ctx_label, _ok_cells, _order,
-                            _pct)
+from .report_format import _REGIME_NAME, _ci_avg, _ci_cell, _ctx_label, _ok_cells, _order, _pct, md_row, md_table
 from .report_paired import _needle_cut_table, _paired_table
 from .report_passkey_figures import passkey_figures
 from .results import FULL, _ada_base, _is_ada
@@ -111,8 +110,7 @@ def passkey_coverage(data) -> dict:
 def passkey_coverage_table(data) -> str:
     """Markdown table: per haystack x context x regime x density, the prompts and methods finished."""
     groups = passkey_coverage(data)
-    rows = ["| Haystack | Context | Regime | Density | Prompts | Methods | Cells | Errors |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = md_table(["Haystack", "Context", "Regime", "Density", "Prompts", "Methods", "Cells", "Errors"])
     for (hay, ctx, regime, dens), g in sorted(groups.items(), key=lambda kv: (kv[0][0] != "grass", kv[0][1],
                                                                               kv[0][2] != "prefill",
                                                                               kv[0][3] or 0)):
@@ -135,9 +133,7 @@ def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index=
                 continue
             lines.append(f"\n#### Ada-KV allocation vs uniform, {density:.0%}, "
                          f"{_REGIME_NAME[regime]}\n")
-            lines.append("| Method | " + " | ".join(f"{h} {_ctx_label(n)}" for h, n in cols) +
-                         " | Avg. uniform → Ada |")
-            lines.append("|---|" + "---|" * (len(cols) + 1))
+            lines += md_table(["Method"] + [f"{h} {_ctx_label(n)}" for h, n in cols] + ["Avg. uniform → Ada"])
             summary = {}
             for base, a in pairs:
                 cells_txt, tot = [], {base: [0, 0], a: [0, 0]}
@@ -156,7 +152,7 @@ def _ada_tables(data, lines, densities, grid_cols, ada_methods, headline, index=
                     avg = f"{_pct(summary[base][0])} → {_pct(summary[base][1])}"
                 else:
                     avg = "–"
-                lines.append(f"| {base} | " + " | ".join(cells_txt) + f" | {avg} |")
+                lines.append(md_row([base] + cells_txt + [avg]))
             lines.append("")
             headline[("ada", regime, density)] = summary
 
@@ -227,7 +223,7 @@ def _accuracy_table(g: PasskeyGrid, lines, regime, density, title, headline):
         vals, avg, n, copied = g.row(regime, density, m, complete)
         label = m + (" †" if copied else "")
         dens = "100%" if m == FULL else f"{density:.0%}"
-        rows.append(f"| {label} | {dens} | " + " | ".join(vals) + f" | {_ci_avg(avg, n)} |")
+        rows.append(md_row([label, dens] + vals + [_ci_avg(avg, n)]))
     if complete:
         avgs = {m: g.row(regime, density, m, complete)[1] for m in members}
         n_pr = sum(g.tables[(density, regime, col)][1] for col in complete)
@@ -236,9 +232,7 @@ def _accuracy_table(g: PasskeyGrid, lines, regime, density, title, headline):
                 if complete and len(complete) < len(g.cols) else "Avg.")
     cols = [f"{h} {_ctx_label(n)}" for h, n in g.cols]
     lines.append(f"*{title}.*\n")
-    lines.append("| Method | Density | " + " | ".join(cols) + f" | {avg_head} |")
-    lines.append("|---|---|" + "---|" * (len(cols) + 1))
-    lines += rows
+    lines += md_table(["Method", "Density"] + cols + [avg_head]) + rows
     lines.append("")
     if complete:
         headline[("paired", regime, density)] = _paired_table(lines, g.res, regime, density, members, complete,
@@ -268,8 +262,7 @@ def _seed_variance_table(cells, lines, headline):
     if len(seeds) <= 1:
         return
     lines.append("\n#### Nexus reservoir seed variance (same prompts, cache seed varied)\n")
-    lines.append("| Regime | Density | Prompts | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd |")
-    lines.append("|---|---|---|" + "---|" * (len(seeds) + 1))
+    lines += md_table(["Regime", "Density", "Prompts"] + [f"seed {s}" for s in seeds] + ["mean ± sd"])
     groups = {}
     for c in cells:
         if c["method"] == "nexus":
@@ -284,8 +277,8 @@ def _seed_variance_table(cells, lines, headline):
         accs = {s: sum(by_seed[s][p] for p in common) / len(common) for s in by_seed}
         vals = [accs[s] for s in sorted(accs)]
         sd = statistics.pstdev(vals) if len(vals) > 1 else 0.0
-        lines.append(f"| {regime} | {dens:.0%} | {len(common)} | " + " | ".join(_pct(accs.get(s)) for s in seeds) +
-                     f" | {_pct(statistics.mean(vals))} ± {_pct(sd)} |")
+        lines.append(md_row([regime, f"{dens:.0%}", str(len(common))] + [_pct(accs.get(s)) for s in seeds] +
+                            [f"{_pct(statistics.mean(vals))} ± {_pct(sd)}"]))
         headline[("nexus_seeds", regime, dens)] = (statistics.mean(vals), sd, len(common))
     lines.append("")
 
@@ -322,12 +315,11 @@ def _seed_n_table(data, lines):
                  "selection redrawn with every seed. Cells: mean over layers of P(the layer keeps a whole key "
                  "occurrence) ± the seed-to-seed sd of the fraction of layers that keep one "
                  "(`benchmark_scripts/nexus_seed_n.py`; a proxy: no decoding).\n")
-    lines.append("| Prompt (1K) | " + " | ".join("top-K" if n == "topk" else f"n = {n}" for n in ns) + " |")
-    lines.append("|---|" + "---|" * len(ns))
+    lines += md_table(["Prompt (1K)"] + ["top-K" if n == "topk" else f"n = {n}" for n in ns])
     for p, r in data["prompts"].items():
         cells = [f"{100 * r['per_n'][n]['p_whole_mean_over_layers']:.0f} ± "
                  f"{100 * r['per_n'][n]['layers_keeping_whole_frac_sd_over_seeds']:.0f}" for n in ns]
-        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+        lines.append(md_row([p] + cells))
     lines.append("")
 
 

@@ -3,7 +3,7 @@ every table's average with its Wilson interval (matplotlib, the ``bench`` extra)
 
 from __future__ import annotations
 
-from .report_format import _REGIME_NAME, _color, _ctx_label, _mean, _save_figure, _style
+from .report_format import _REGIME_NAME, _color, _ctx_label, _mean, _save_figure, _style, pyplot, wilson_bars
 from .results import FULL, _is_ada
 from .stats import wilson
 
@@ -20,11 +20,9 @@ def _density_figure(g, plt, figs_dir, figures):
             for d in g.densities:
                 _, avg, n, _ = g.row(regime, d, m, g.comparable[(regime, d)][1])
                 if n:
-                    lo, hi = wilson(int(round(avg * n)), n)
                     xs.append(d)
-                    ys.append(100 * avg)
-                    err[0].append(100 * (avg - lo))
-                    err[1].append(100 * (hi - avg))
+                    for v, dest in zip(wilson_bars(avg, n), (ys, *err)):
+                        dest.append(v)
             if xs:  # error bars: Wilson 95%
                 ax.errorbar(xs, ys, yerr=err, capsize=2, label=m, color=_color(m), **_style(m))
         if full_acc is not None:
@@ -97,10 +95,10 @@ def _forest_figure(g, plt, figs_dir, figures):
                 _, avg, n, _ = g.row(regime, d, m, g.comparable[(regime, d)][1])
                 if not n:
                     continue
-                lo, hi = wilson(int(round(avg * n)), n)
-                ax.errorbar([100 * avg], [i], xerr=[[100 * (avg - lo)], [100 * (hi - avg)]], fmt="o",
-                            capsize=3, color=_color(m))
+                pct, down, up = wilson_bars(avg, n)
+                ax.errorbar([pct], [i], xerr=[[down], [up]], fmt="o", capsize=3, color=_color(m))
                 if m == FULL:
+                    lo, hi = wilson(int(round(avg * n)), n)
                     ax.axvspan(100 * lo, 100 * hi, color="0.85", zorder=0)
             ax.set_yticks(range(len(ms)))
             ax.set_yticklabels(list(reversed(ms)), fontsize=8)
@@ -114,12 +112,10 @@ def _forest_figure(g, plt, figs_dir, figures):
 def passkey_figures(g, lines, figs_dir, figures):
     """The three figures of a :class:`~.report_passkey.PasskeyGrid`; a note instead without matplotlib."""
     try:
-        import matplotlib
+        plt = pyplot()
     except ImportError as e:
         lines.append(f"_(passkey figures need matplotlib, the bench extra: {e})_\n")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     if not g.densities:  # only the full cache ran: nothing to plot against density
         lines.append("_(no passkey figures: no method with a budget in these cells)_\n")

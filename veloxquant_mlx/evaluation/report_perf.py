@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from .report_format import _color, _ctx_label, _err_cells, _ok_cells, _order, _save_figure, _style
+from .report_format import _color, _ctx_label, _err_cells, _ok_cells, _order, _save_figure, _style, md_row, md_table, pyplot
 from .results import FULL
 
 
@@ -29,12 +29,9 @@ def _perplexity_tables(data, lines, figs_dir, figures):
     if not densities:
         lines.append(f"Only the full cache is measured so far (PPL {full_ppl:.2f}); no eviction cells.\n")
         return {"full": full_ppl, "table": {}}
-    lines.append("| Method | " + " | ".join(f"PPL @ {d:.0%}" for d in densities) +
-                 " | " + " | ".join(f"late PPL @ {d:.0%}" for d in densities) + " |")
-    lines.append("|---|" + "---|" * (2 * len(densities)))
+    lines += md_table(["Method"] + [f"PPL @ {d:.0%}" for d in densities] + [f"late PPL @ {d:.0%}" for d in densities])
     if full_ppl is not None:
-        lines.append("| full (100%) | " + " | ".join(f"{full_ppl:.2f}" for _ in densities) + " | " +
-                     " | ".join(f"{full_late:.2f}" for _ in densities) + " |")
+        lines.append(md_row(["full (100%)"] + [f"{full_ppl:.2f}"] * len(densities) + [f"{full_late:.2f}"] * len(densities)))
     table = {}
     for m in methods_all:
         row, late = [], []
@@ -49,14 +46,10 @@ def _perplexity_tables(data, lines, figs_dir, figures):
                 err = [c for c in _err_cells(data) if c["method"] == m and c.get("density") == d]
                 row.append("error" if err else "–")
                 late.append("error" if err else "–")
-        lines.append(f"| {m} | " + " | ".join(row) + " | " + " | ".join(late) + " |")
+        lines.append(md_row([m] + row + late))
     lines.append("")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))
         for m in methods_all:
             xs = [d for d in densities if (m, d) in table]
@@ -117,11 +110,9 @@ def _speed_block(med, lines, ctxs, caches, with_peak=True):
     has_limit = any(("rotating", n) in med for n in ctxs)
     tag = " (CPU time)" if _cpu_timed(med, ctxs) else ""
     lim_cols = [f"{_ctx_label(n)} ×limit{tag}" for n in ctxs] if has_limit else []
-    lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} decode tok/s" for n in ctxs) + " | " +
-                 " | ".join(f"{_ctx_label(n)} ×KVCache" for n in ctxs) + " | " +
-                 "".join(f"{c} | " for c in lim_cols) + "prefill tok/s " +
-                 " / ".join(_ctx_label(n) for n in ctxs) + " |")
-    lines.append("|---|" + "---|" * ((3 if has_limit else 2) * len(ctxs) + 1))
+    lines += md_table(["Cache"] + [f"{_ctx_label(n)} decode tok/s" for n in ctxs] +
+                      [f"{_ctx_label(n)} ×KVCache" for n in ctxs] + lim_cols +
+                      ["prefill tok/s " + " / ".join(_ctx_label(n) for n in ctxs)])
     for c in caches:
         tps, rel, lim, pre = [], [], [], []
         for n in ctxs:
@@ -137,13 +128,11 @@ def _speed_block(med, lines, ctxs, caches, with_peak=True):
                 rel.append("–")
                 lim.append("–")
                 pre.append("–")
-        lines.append(f"| {c} | " + " | ".join(tps) + " | " + " | ".join(rel) + " | " +
-                     ("".join(f"{x} | " for x in lim) if has_limit else "") + " / ".join(pre) + " |")
+        lines.append(md_row([c] + tps + rel + (lim if has_limit else []) + [" / ".join(pre)]))
     lines.append("")
-    lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} allocated KV MiB (prefill → end)" for n in ctxs) + " | " +
-                 " | ".join(f"{_ctx_label(n)} allocated ×KVCache" for n in ctxs) + " | " +
-                 " | ".join(f"{_ctx_label(n)} kept MiB (end)" for n in ctxs) + " |")
-    lines.append("|---|" + "---|" * (3 * len(ctxs)))
+    lines += md_table(["Cache"] + [f"{_ctx_label(n)} allocated KV MiB (prefill → end)" for n in ctxs] +
+                      [f"{_ctx_label(n)} allocated ×KVCache" for n in ctxs] +
+                      [f"{_ctx_label(n)} kept MiB (end)" for n in ctxs])
     for c in caches:
         kv, rel, kept = [], [], []
         for n in ctxs:
@@ -158,14 +147,12 @@ def _speed_block(med, lines, ctxs, caches, with_peak=True):
                 kv.append("–")
                 rel.append("–")
                 kept.append("–")
-        lines.append(f"| {c} | " + " | ".join(kv) + " | " + " | ".join(rel) + " | " + " | ".join(kept) + " |")
+        lines.append(md_row([c] + kv + rel + kept))
     lines.append("")
     if not with_peak:
         return
-    lines.append("| Cache | " + " | ".join(f"{_ctx_label(n)} prefill peak Δ MiB" for n in ctxs) + " | " +
-                 " | ".join(f"{_ctx_label(n)} decode peak Δ MiB" for n in ctxs) + " | " +
-                 " | ".join(f"{_ctx_label(n)} process peak MiB" for n in ctxs) + " |")
-    lines.append("|---|" + "---|" * (3 * len(ctxs)))
+    lines += md_table(["Cache"] + [f"{_ctx_label(n)} {t}" for t in ("prefill peak Δ MiB", "decode peak Δ MiB",
+                                                                     "process peak MiB") for n in ctxs])
 
     def cell(m, key):
         return f"{m[key] / mib:.0f}" if m and m.get(key) is not None else "–"
@@ -173,7 +160,7 @@ def _speed_block(med, lines, ctxs, caches, with_peak=True):
     for c in caches:
         row = [[cell(med.get((c, n)), k) for n in ctxs]
                for k in ("peak_memory_bytes", "decode_peak_memory_bytes", "process_peak_bytes")]
-        lines.append(f"| {c} | " + " | ".join(" | ".join(r) for r in row) + " |")
+        lines.append(md_row([c] + [x for r in row for x in r]))
     lines.append("")
 
 
@@ -212,11 +199,7 @@ def _speed_tables(data, lines, figs_dir, figures):
         _speed_block(oth, lines, octx, ["kvcache", "rotating"] +
                      [c for c in _order({k[0] for k in oth}) if c not in ("kvcache", "rotating")])
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         mib = 1024 * 1024
         fig, axes = plt.subplots(1, 4, figsize=(18, 4))
         for c in caches:

@@ -1,8 +1,8 @@
 """Markdown tables and a figure from ``<out_dir>/tasks.json`` (written by ``eval tasks``).
 
-A column is a task at one length (the follow-up task: one column per turn plus "all turns"); a row
-is a method. Accuracy is % [Wilson 95 %] (correct/prompts) over the prompts that method finished;
-each method is paired with the full cache (and chosen pairs with each other) on the prompts both
+A column is a task at one length (the follow-up task: one column per turn plus "all turns"; each
+task's columns come from its registered report section, :mod:`.tasks`); a row is a method.
+Accuracy is % [Wilson 95 %] (correct/prompts) over the prompts that method finished; each method is paired with the full cache (and chosen pairs with each other) on the prompts both
 finished, by the exact McNemar test (only A right / only B right, p).
 """
 
@@ -12,8 +12,10 @@ import json
 import os
 from pathlib import Path
 
+from .report_format import md_row, md_table, pyplot
 from .results import FULL, ROTATING
 from .stats import fmt_ci, fmt_p, paired, wilson
+from .tasks import get_task, task_names, turn_columns
 
 # Paired comparisons printed besides "vs full" (both labels must be present).
 PAIRS = (("nexus", "nexus-prompt-topk"), ("nestedkv", "nexus"), ("nestedkv", "nexus-prompt-topk"),
@@ -45,14 +47,8 @@ def outcomes(data: dict) -> dict:
             base = f"{c['task']} {c['length'] // 1024}K" if c["length"] % 1024 == 0 else f"{c['task']} {c['length']}"
             if c.get("question", "in") != "in":
                 base += f" q-{c['question']}"
-            cols = {}
-            if len(c["turns"]) > 1:
-                for t in c["turns"]:
-                    cols[f"{base} turn {t['turn'] + 1}"] = t["correct"]
-                cols[f"{base} all turns"] = c["correct"]
-            else:
-                cols[base] = c["correct"]
-            for col, ok in cols.items():
+            columns = get_task(c["task"]).columns if c["task"] in task_names() else turn_columns
+            for col, ok in columns(base, c).items():
                 out.setdefault(d, {}).setdefault(col, {}).setdefault(c["method"], {})[c["index"]] = bool(ok)
     return out
 
@@ -64,10 +60,9 @@ def _methods(data, per_col) -> list:
 
 
 def _col_order(col: str):
-    from .tasks import TASKS
-
+    names = task_names()
     task, rest = col.split(" ", 1)
-    return (TASKS.index(task) if task in TASKS else 99, rest.replace("all turns", "turn 9"))
+    return (names.index(task) if task in names else 99, rest.replace("all turns", "turn 9"))
 
 
 def table(data: dict, density) -> list:
@@ -75,7 +70,7 @@ def table(data: dict, density) -> list:
     per = outcomes(data).get(density, {})
     cols = sorted(per, key=_col_order)
     methods = _methods(data, per)
-    lines = ["| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    lines = md_table(["method"] + cols)
     for m in methods:
         row = []
         for col in cols:
@@ -85,7 +80,7 @@ def table(data: dict, density) -> list:
                 continue
             k, n = sum(r.values()), len(r)
             row.append(fmt_ci(k, n).replace(", ", "–") + f" ({k}/{n})")
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append(md_row([m] + row))
     pair_lines = []
     vs_rotating = [(m, ROTATING) for m in methods if m not in (FULL, ROTATING)] if ROTATING in methods else []
     for a, b in [(FULL, m) for m in methods if m != FULL] + vs_rotating + list(PAIRS):
@@ -98,10 +93,10 @@ def table(data: dict, density) -> list:
                 cells.append(f"{pr['only_a']} / {pr['only_b']} (n={pr['n']}), p={fmt_p(pr['p'])}")
             else:
                 cells.append("–")
-        pair_lines.append(f"| {a} vs {b} | " + " | ".join(cells) + " |")
+        pair_lines.append(md_row([f"{a} vs {b}"] + cells))
     if pair_lines:
-        lines += ["", "Paired (only first right / only second right, exact McNemar):", "",
-                  "| pair | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)] + pair_lines
+        lines += ["", "Paired (only first right / only second right, exact McNemar):", ""] + \
+            md_table(["pair"] + cols) + pair_lines
     return lines
 
 
@@ -110,11 +105,7 @@ def plot(data: dict, density, path) -> Path | None:
     per = outcomes(data).get(density, {})
     if not per:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cols = sorted(per, key=_col_order)
     methods = _methods(data, per)
     w = 0.8 / max(len(methods), 1)

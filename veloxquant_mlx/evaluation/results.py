@@ -211,18 +211,19 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
             "stopped_by_time_budget": stopped, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def run_experiment(store: ResultStore, cells: list, run_one, args) -> int:
-    """The end of every ``eval`` sub-command: run the unfinished cells with the CLI's shard / time
-    budget / max-cells / progress settings, record the run in the JSON's meta, print the counts."""
+def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
+    """The end of every ``eval`` harness: run the unfinished cells with ``control``'s shard / time
+    budget / max-cells / progress (:class:`.outputs.RunControl`), record the run in the JSON's meta,
+    print the counts."""
     if not store.write:
-        mine = [cid for k, (cid, _) in enumerate(cells) if k % args.shard[1] == args.shard[0]]
+        mine = [cid for k, (cid, _) in enumerate(cells) if k % control.shard[1] == control.shard[0]]
         done = store.done()
         print(f"{store.experiment}: {len(mine)} cells planned in {store.path}, {sum(c in done for c in mine)} "
               f"finished, {sum(c not in done for c in mine)} to run; --max-cells 0: nothing written")
         return 0
-    res = run_cells(store, cells, run_one, shard=args.shard, time_budget=args.time_budget,
-                    max_cells=args.max_cells, desc=store.experiment, progress=not args.no_progress)
-    store.update_meta(run={"finished": now(), "shard": list(args.shard), **res})
+    res = run_cells(store, cells, run_one, shard=control.shard, time_budget=control.time_budget,
+                    max_cells=control.max_cells, desc=store.experiment, progress=control.progress)
+    store.update_meta(run={"finished": now(), "shard": list(control.shard), **res})
     store.stamp()
     print(f"{store.experiment}: {res}")
     return 0

@@ -11,8 +11,8 @@ prompt). For prefill-only methods (and the full cache) both regimes are the same
 
 from __future__ import annotations
 
+import dataclasses
 import random
-import re
 import time
 
 import mlx.core as mx
@@ -23,9 +23,11 @@ from ..config import budget_for
 from .passkey import extract_digits, make_passkey_prompt, prose_text
 from .needle import key_token_spans, needle_cut_stats  # noqa: F401 (re-exported)
 from .outputs import check_lengths, writes
-from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
-                      now, quiet_cache_warnings, run_experiment)
-from .speed import feed_prompt, greedy_continue, greedy_generate, last_prompt_step
+from .speed import greedy_generate
+from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
+                      quiet_cache_warnings, run_experiment)
+from ..decode import greedy, last_prompt_step
+from .fanout import FanOutCache, run_shared_cells, shared_pass  # noqa: F401 (FanOutCache re-exported)
 
 MAGIC_NEEDLE = "The magic number is {key}. Remember it: the magic number is {key}. "
 MAGIC_QUESTION = "\nWhat is the magic number? The magic number is"
@@ -45,78 +47,6 @@ def make_prompt(tokenizer, haystack: str, n_tokens: int, depth: float, key: str,
         return make_passkey_prompt(tokenizer, n_tokens, depth, key, filler=filler + " ",
                                    needle=MAGIC_NEEDLE.format(key=key), question=MAGIC_QUESTION)
     raise ValueError(f"unknown haystack {haystack!r} (grass, text)")
-
-
-class FanOutCache:
-    """One layer's cache that feeds every prefill step to several caches at once.
-
-    Attention uses the primary (full ``KVCache``) rows; every sub-cache receives the same keys,
-    values and (through the query tap) queries and evicts on its own. For a prompt fed as ONE chunk
-    into empty caches this is exactly the computation each sub-cache would see alone (its fetch is
-    just the new rows), so the prefill-only regime needs one forward pass per prompt instead of one
-    per method. A sub-cache that raises is dropped and its error recorded."""
-
-    def __init__(self, primary, subs: dict, dequantize: bool = False):
-        self.primary = primary
-        self.subs = dict(subs)
-        self.errors: dict = {}
-        self.dequantize = dequantize
-
-    def __getattr__(self, name):
-        # A quantized primary's bits / group_size make mlx-lm's attention take its quantized path
-        # (exactly what each cache would get alone), unless its rows are read dequantized.
-        if name in ("bits", "group_size") and not self.__dict__.get("dequantize", True):
-            return getattr(self.__dict__["primary"], name)
-        raise AttributeError(name)
-
-    @property
-    def offset(self):
-        return self.primary.offset
-
-    def make_mask(self, *a, **k):
-        return self.primary.make_mask(*a, **k)
-
-    def _each(self, fn_name, *args):
-        for name, c in list(self.subs.items()):
-            fn = getattr(c, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception as e:
-                self.errors[name] = f"{type(e).__name__}: {e}"
-                del self.subs[name]
-
-    def update_and_fetch(self, keys, values):
-        self._each("update_and_fetch", keys, values)
-        k, v = self.primary.update_and_fetch(keys, values)
-        if isinstance(k, tuple) and self.dequantize:
-            # Opt-in shortcut: the stored 4/8-bit values through the float attention path. mlx-lm's
-            # quantized attention reads the same values, but its CPU kernel has no BLAS (~6x slower
-            # at 1K); the summation order differs, and on a real model that changes some answers.
-            gs, bits = self.primary.group_size, self.primary.bits
-            k, v = (mx.dequantize(*k, group_size=gs, bits=bits), mx.dequantize(*v, group_size=gs, bits=bits))
-        return k, v
-
-    def observe_queries(self, queries, scale=None):
-        self._each("observe_queries", queries, scale)
-
-    def observe_attention_input(self, x, module=None):
-        self._each("observe_attention_input", x, module)  # the hidden-state tap, for caches that read it
-
-    def attention_mask(self, mask, queries):
-        return mask
-
-    @property
-    def state(self):
-        return [self.primary.state] + [c.state for c in self.subs.values()]
-
-
-def _arrays(tree):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
 
 
 def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: int, eos_ids=(),
@@ -140,17 +70,8 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
     attention, as each list would alone. ``dequantized_prefill`` reads the primary's stored rows
     dequantized through float attention instead (faster on the CPU; not what a lone run computes)."""
     full = model_caches(model, kv_bits, kv_group_size)
-    fans = [FanOutCache(full[i], {n: cs[i] for n, cs in named_caches.items()}, dequantized_prefill)
-            for i in range(len(full))]
     x = mx.array(tokens)
-    t0 = time.perf_counter()
-    feed_prompt(model, x, fans, prefill_step)
-    mx.eval(_arrays([f.state for f in fans]))
-    prefill_s = time.perf_counter() - t0
-    errors = {}
-    for f in fans:
-        for n, e in f.errors.items():
-            errors.setdefault(n, e)
+    prefill_s, errors = shared_pass(model, x, full, named_caches, prefill_step, dequantized_prefill)
     out = {"__prefill_s__": prefill_s}
     rows = [("__full__", full)] + list(named_caches.items())
     firsts = {}
@@ -169,7 +90,7 @@ def shared_prefill_generate(model, tokens, named_caches: dict, max_new_tokens: i
         try:
             t = time.perf_counter()
             y, first_s = firsts.pop(name)
-            toks = greedy_continue(model, caches, y, max_new_tokens, eos_ids)
+            toks = greedy(model, caches, y, max_new_tokens, eos_ids)
             out[name] = {"tokens": toks, "decode_s": time.perf_counter() - t + first_s,
                          "kv_bytes_end": kv_report(caches)["allocated_bytes"]}
             if needle_spans:
@@ -251,25 +172,49 @@ def default_plan(specs: dict, quick: bool) -> list:
     ]
 
 
-def run(args) -> int:
+@dataclasses.dataclass(frozen=True)
+class PasskeySettings:
+    """Which cells ``eval passkey`` runs: the default plan, or a custom grid when any of contexts,
+    densities, haystacks, regimes, depths or methods is set, or the stages of ``plan``."""
+
+    quick: bool = False
+    methods: tuple | None = None
+    contexts: tuple | None = None
+    densities: tuple | None = None
+    haystacks: tuple | None = None
+    regimes: tuple | None = None
+    depths: tuple | None = None
+    n_keys: int = 3
+    out_name: str = "passkey.json"  # result file inside the output folder
+    seeds: tuple | None = None  # Nexus reservoir seeds (custom grid)
+    chunk: int = 256  # prefill chunk of the prefill + decode regime
+    max_new_tokens: int = 8
+    spread: bool = False  # prompt order balanced for partial runs (spread_order)
+    prefill_first: bool = False  # every prefill-regime cell before the decode regime
+    shared_prefill: bool = True  # prefill regime: one shared single-chunk pass per prompt
+    plan: tuple | None = None  # a script's own stages (dicts as default_plan gives)
+    dequantized_prefill: bool = False  # quantized shared passes read dequantized rows (not exact)
+
+
+def run(model, tokenizer, settings: PasskeySettings, control, desc: str = "") -> int:
     quiet_cache_warnings()
-    quick = args.quick
-    model, tokenizer, desc = load_eval_model(args.model, quick)
-    specs = {s.name: s for s in method_specs(args.methods)}
+    a = settings
+    quick = a.quick
+    specs = {s.name: s for s in method_specs(a.methods)}
     if FULL not in specs:
         specs = {FULL: method_specs([FULL])[0], **specs}
-    keys = make_keys(max(args.n_keys, 1))
-    custom = any(v is not None for v in (args.contexts, args.densities, args.haystacks, args.regimes, args.depths))
-    if getattr(args, "plan", None):  # a script's own stages (e.g. benchmark_scripts/eval_quant_passkey.py)
-        plan = args.plan
-    elif custom or args.methods:
-        plan = [{"name": "custom", "contexts": args.contexts or ([640] if quick else [1024]),
-                 "haystacks": args.haystacks or ["grass"], "densities": args.densities or [0.2],
-                 "regimes": args.regimes or ["prefill", "decode"], "methods": list(specs),
-                 "depths": args.depths or [0.1, 0.5, 0.9], "n_keys": args.n_keys, "seeds": args.seeds or [0]}]
+    keys = make_keys(max(a.n_keys, 1))
+    custom = any(v is not None for v in (a.contexts, a.densities, a.haystacks, a.regimes, a.depths))
+    if a.plan:
+        plan = [dict(st) for st in a.plan]
+    elif custom or a.methods:
+        plan = [{"name": "custom", "contexts": list(a.contexts or ([640] if quick else [1024])),
+                 "haystacks": list(a.haystacks or ["grass"]), "densities": list(a.densities or [0.2]),
+                 "regimes": list(a.regimes or ["prefill", "decode"]), "methods": list(specs),
+                 "depths": list(a.depths or [0.1, 0.5, 0.9]), "n_keys": a.n_keys, "seeds": list(a.seeds or [0])}]
     else:
         plan = default_plan(specs, quick)
-    check_lengths(model, sorted({c for st in plan for c in st["contexts"]}), "--contexts", headroom=max(args.max_new_tokens, 1))
+    check_lengths(model, sorted({c for st in plan for c in st["contexts"]}), "--contexts", headroom=max(a.max_new_tokens, 1))
     cells, seen = [], set()
     for stage in plan:
         for cid, p in _stage_cells(stage, specs, keys):
@@ -277,17 +222,17 @@ def run(args) -> int:
                 seen.add(cid)
                 p["stage"] = stage["name"]
                 cells.append((cid, p))
-    if getattr(args, "spread", False):
+    if a.spread:
         cells = spread_order(cells, keys)
-    if getattr(args, "prefill_first", False):
+    if a.prefill_first:
         cells.sort(key=lambda t: t[1]["regime"] != "prefill")  # stable: priority kept within each regime
-    max_new = args.max_new_tokens
-    grid = {"plan": plan, "keys": keys, "max_new_tokens": max_new, "prefill_step_decode_regime": args.chunk,
+    max_new = a.max_new_tokens
+    grid = {"plan": plan, "keys": keys, "max_new_tokens": max_new, "prefill_step_decode_regime": a.chunk,
             "n_cells": len(cells),
             "stage_counts": {st["name"]: sum(1 for _, p in cells if p["stage"] == st["name"]) for st in plan},
             "needles": {"grass": "The pass key is N. Remember it. N is the pass key.",
                                                "text": MAGIC_NEEDLE.format(key="N").strip()}}
-    store = ResultStore(f"{args.out_dir}/{getattr(args, 'out_name', 'passkey.json')}", "passkey", write=writes(args))
+    store = ResultStore(f"{control.out_dir}/{a.out_name}", "passkey", write=writes(control))
     store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
     prompts = {}
     eos = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
@@ -321,7 +266,7 @@ def run(args) -> int:
         spans = key_token_spans(tokenizer, toks, pos, p["key"])
         out = shared_prefill_generate(model, toks, named, max_new, eos_ids=eos, needle_spans=spans,
                                       kv_bits=quant[0], kv_group_size=quant[1],
-                                      dequantized_prefill=getattr(args, "dequantized_prefill", False))
+                                      dequantized_prefill=a.dequantized_prefill)
         pre = out["__prefill_s__"]
         recs = {}
         for cid, q in group:
@@ -336,10 +281,8 @@ def run(args) -> int:
                                     pre, r["decode_s"], r["kv_bytes_end"], True, r.get("needle"))
             recs[cid]["group_size"] = len(group)
             if quant[0] is not None:
-                recs[cid]["quant_prefill"] = "dequantized" if getattr(args, "dequantized_prefill", False) else "exact"
+                recs[cid]["quant_prefill"] = "dequantized" if a.dequantized_prefill else "exact"
         return recs
-
-    pending = {}
 
     def run_one(p):
         k = (p["haystack"], p["context"], p["depth"], p["key"])
@@ -351,24 +294,14 @@ def run(args) -> int:
                                                           "regime", "method", "seed")})
         # One shared pass per prompt and row storage: quantized caches attend over their quantized
         # rows from the first chunk on (what mlx_lm.generate does), so they share a quantized pass.
-        if p["regime"] == "prefill" and args.shared_prefill and spec.mlx_cache is None:  # rotating: its own pass
-            if my not in pending:
-                t = time.perf_counter()
-                recs = run_group(p, toks, pos, spec.quant)
-                share = (time.perf_counter() - t) / max(len(recs), 1)
-                for cid, r in recs.items():
-                    r["cell_s"] = round(share, 3)
-                    r["finished"] = now()
-                    if cid != my:
-                        store.put(cid, r)  # siblings are stored right away (resumable)
-                pending[my] = recs[my]
-            return dict(pending.pop(my))
+        if p["regime"] == "prefill" and a.shared_prefill and spec.mlx_cache is None:  # rotating: its own pass
+            return run_shared_cells(store, my, lambda: run_group(p, toks, pos, spec.quant))
         budget = len(toks) if spec.is_full else budget_for(p["density"], len(toks))
         caches = make_caches(model, spec, budget, seed=p["seed"], prompt_eviction=REGIME_POLICY[p["regime"]])
-        step = 2048 if p["regime"] == "prefill" else args.chunk
+        step = 2048 if p["regime"] == "prefill" else a.chunk
         r = greedy_generate(model, toks, caches, max_new, step, eos_ids=eos)
         needle = needle_cut_stats(caches, key_token_spans(tokenizer, toks, pos, p["key"]))
         return _record(p, toks, pos, budget, step, spec, r["tokens"], r["prefill_s"], r["decode_s"],
                        r["kv_bytes_end"], False, needle)
 
-    return run_experiment(store, cells, run_one, args)
+    return run_experiment(store, cells, run_one, control)

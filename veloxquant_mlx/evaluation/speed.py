@@ -3,80 +3,25 @@
 
 Runs are paired and interleaved: round r runs every cache once (in a rotated order) for each
 context, so slow drifts of a shared CPU hit all caches alike; the report takes medians over rounds.
-Also home of :func:`greedy_generate`, the prefill + greedy decode loop used by every experiment.
+:func:`greedy_generate` is one timed prefill + greedy decode through :mod:`veloxquant_mlx.decode`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 from ..caches.accounting import kv_report
 from ..config import budget_for
+from ..decode import decode_steps, feed_prompt, greedy, last_prompt_step, prefill  # noqa: F401 (re-exported)
 from .passkey import prose_text
 from .outputs import check_lengths, writes
-from .results import (FULL, ResultStore, cell_id, load_eval_model, machine_info, make_caches, method_specs,
+from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
 
 
-def _eval_state(caches):
-    import mlx.core as mx
-
-    states = []
-    for c in caches:
-        try:
-            states.append(c.state)
-        except Exception:  # pragma: no cover - a cache without a state
-            pass
-    if states:
-        mx.eval(states)
-
-
-def feed_prompt(model, x, caches, prefill_step: int) -> None:
-    """Feed all but the last of the prompt ids ``x`` (1-D mx array) exactly as
-    ``mlx_lm.generate.generate_step`` does: chunks of ``prefill_step``, the cache state evaluated
-    after each."""
-    n, done = x.shape[0], 0
-    while n - done > 1:
-        m = min(max(prefill_step, 1), n - done - 1)
-        model(x[None, done:done + m], cache=caches)
-        _eval_state(caches)
-        done += m
-
-
-def last_prompt_step(model, x, caches):
-    """The prompt's last id as its own single-token step (generate_step's first ``_step``; a
-    compression at the end of the prompt runs here); returns the greedy first new token."""
-    import mlx.core as mx
-
-    logits = model(x[None, -1:], cache=caches)
-    y = mx.argmax(logits[0, -1], axis=-1)
-    mx.eval(y)
-    return y
-
-
-def prefill(model, x, caches, prefill_step: int):
-    """The whole prompt as mlx_lm.generate feeds it (:func:`feed_prompt`, then
-    :func:`last_prompt_step`); returns the greedy first new token (evaluated)."""
-    feed_prompt(model, x, caches, prefill_step)
-    return last_prompt_step(model, x, caches)
-
-
-def greedy_continue(model, caches, y, max_new_tokens: int, eos_ids=(), stop=None) -> list:
-    """Token ids: ``y`` (the first new token, an mx scalar) and up to ``max_new_tokens - 1`` more
-    greedy single-token steps through ``caches``, stopping after an id in ``eos_ids`` or once
-    ``stop(ids so far)`` is true."""
-    import mlx.core as mx
-
-    out = [int(y.item())]
-    for _ in range(max_new_tokens - 1):
-        if out[-1] in eos_ids or (stop is not None and stop(out)):
-            break
-        logits = model(y.reshape(1, 1), cache=caches)
-        y = mx.argmax(logits[0, -1], axis=-1)
-        mx.eval(y)
-        out.append(int(y.item()))
-    return out
+greedy_continue = greedy  # the name the benchmark scripts import
 
 
 def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: int, eos_ids=()) -> dict:
@@ -91,7 +36,7 @@ def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: in
     y = prefill(model, mx.array(tokens), caches, prefill_step)
     t1 = time.perf_counter()
     kv_prefill = kv_report(caches)
-    out = greedy_continue(model, caches, y, max_new_tokens, eos_ids)
+    out = greedy(model, caches, y, max_new_tokens, eos_ids)
     t2 = time.perf_counter()
     kv_end = kv_report(caches)
     nd = len(out) - 1
@@ -163,10 +108,7 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
                 before = mx.get_active_memory()
                 mx.reset_peak_memory()
                 t0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(decode_tokens):
-                    logits = model(y.reshape(1, 1), cache=caches)
-                    y = mx.argmax(logits[0, -1], axis=-1)
-                    mx.eval(y)
+                y = decode_steps(model, caches, y, decode_tokens)
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 live[name][1] = y
                 kv = kv_report(caches)
@@ -197,22 +139,34 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
 CORE = ["kvcache", "rotating", "nexus"]
 
 
-def run(args) -> int:
+@dataclasses.dataclass(frozen=True)
+class SpeedSettings:
+    """Which caches and contexts ``eval speed`` measures (None: the default)."""
+
+    quick: bool = False
+    methods: tuple | None = None  # default CORE (+ a group of every other method at the first context)
+    contexts: tuple | None = None  # prompt lengths (default 1024 2048 4096; quick 640)
+    density: float = 0.2
+    decode_tokens: int | None = None  # per round (default 32; quick 8)
+    repeats: int = 3
+    prefill_step: int = 256
+
+
+def run(model, tokenizer, settings: SpeedSettings, control, desc: str = "") -> int:
     quiet_cache_warnings()
-    quick = args.quick
-    model, tokenizer, desc = load_eval_model(args.model, quick)
-    store = ResultStore(f"{args.out_dir}/speed.json", "speed", write=writes(args))
-    density = args.density
-    decode_tokens = args.decode_tokens if args.decode_tokens is not None else (8 if quick else 32)
-    repeats = args.repeats
-    prefill_step = args.prefill_step
-    contexts = args.contexts or ([640] if quick else [1024, 2048, 4096])
-    core = args.methods or CORE
+    quick = settings.quick
+    store = ResultStore(f"{control.out_dir}/speed.json", "speed", write=writes(control))
+    density = settings.density
+    decode_tokens = settings.decode_tokens if settings.decode_tokens is not None else (8 if quick else 32)
+    repeats = settings.repeats
+    prefill_step = settings.prefill_step
+    contexts = list(settings.contexts or ([640] if quick else [1024, 2048, 4096]))
+    core = list(settings.methods or CORE)
     specs = {s.name: s for s in method_specs()}
     specs.update({s.name: s for s in method_specs([n for n in core if n not in specs and n not in ("kvcache", "rotating")])})
     check_lengths(model, contexts, "--contexts", headroom=decode_tokens * repeats + 1)
     groups = [("core", n, core) for n in contexts]
-    if not args.methods and not args.contexts:
+    if not settings.methods and not settings.contexts:
         others = [m for m in specs if m not in (FULL, "nexus")]
         groups.append(("others", contexts[0], ["kvcache", "rotating"] + others))  # rotating: the limit
     cells = []
@@ -239,4 +193,4 @@ def run(args) -> int:
                             rotate=p["rotate"])
         return {"budget": budget, "per_cache": res}
 
-    return run_experiment(store, cells, run_one, args)
+    return run_experiment(store, cells, run_one, control)

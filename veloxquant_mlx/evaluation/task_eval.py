@@ -11,26 +11,26 @@ fed). Each later turn of the follow-up task continues the same cache with the ne
 multi-token input, as ``serve`` continues a stored conversation.
 
 Under ``prompt_eviction="end"`` nothing is evicted before the prompt ends, so one full prefill per
-prompt is shared by the methods (:class:`.retrieval.FanOutCache`; ``--fanout`` bounds how many per
+prompt is shared by the methods (:class:`.fanout.FanOutCache`; ``--fanout`` bounds how many per
 pass). Caches whose prompt does not see the full cache's rows run a prefill of their own: kvzip
 (its reconstruction pass needs the model and the prompt), quantized rows and ``rotating``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
-import time
 
 from ..config import budget_for
 from ..registry import get_method
-from .outputs import check_lengths, check_out_dir, writes
-from .report_tasks import write_tasks_report
-from .results import (FULL, USER_OUT_DIR, ResultStore, cell_id, load_eval_model, machine_info, make_caches,
-                      method_specs, now, quiet_cache_warnings, run_experiment)
+from .fanout import run_shared_cells
+from .outputs import check_lengths, writes
+from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs, now,
+                      quiet_cache_warnings, run_experiment)
 from .task_prompts import split_question
 from .task_run import PREFILL_STEP, converse, greedy_until, number_done, run_prompt  # noqa: F401 (re-exported)
-from .tasks import TASKS, build
+from .tasks import build, get_task
 
 PLAIN_PATH_METHODS = ("kvzip",)  # registry methods that need their own prefill (see module doc)
 PRIORITY = {"tasks": ["followup", "niah_single", "niah_multikey"], "lengths": [2048]}
@@ -93,38 +93,60 @@ def _git(*args) -> str:
         return ""
 
 
-def run_meta(args, desc: str) -> dict:
+def run_meta(settings, desc: str) -> dict:
+    shared = bool(settings.shared_prefill and settings.prompt_eviction == "end")
     return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-            "command": " ".join(sys.argv), "date": now(), "model": desc, "densities": list(args.densities),
-            "prompt_eviction": args.prompt_eviction, "prefill_step": PREFILL_STEP,
-            "shared_prefill": bool(args.shared_prefill and args.prompt_eviction == "end"),
+            "command": " ".join(sys.argv), "date": now(), "model": desc, "densities": list(settings.densities),
+            "prompt_eviction": settings.prompt_eviction, "prefill_step": PREFILL_STEP, "shared_prefill": shared,
             "plain_path_methods": list(PLAIN_PATH_METHODS), "machine": machine_info()}
 
 
-def run(args) -> int:
+@dataclasses.dataclass(frozen=True)
+class TaskSettings:
+    """Which cells ``eval tasks`` runs: tasks x lengths x prompts x question variants x methods x
+    budgets (None: the priority set)."""
+
+    quick: bool = False
+    tasks: tuple | None = None  # registered task names (default PRIORITY["tasks"])
+    lengths: tuple | None = None  # target prompt tokens (default 2048; quick 1024)
+    densities: tuple = (0.2,)
+    budgets: tuple | None = None  # fixed token budgets beside the densities
+    questions: tuple | None = None  # "in" (default) and / or "out" (QUESTION)
+    methods: tuple | None = None  # labels (default: the priority set)
+    fanout: int | None = None  # at most this many methods share one prefill pass
+    n_prompts: int = 100  # prompts per task and length
+    start: int = 0  # first prompt index
+    n_facts: int = 3  # facts (= turns) of the follow-up task
+    seed: int = 0  # task generator seed
+    prompt_eviction: str = "end"
+    shared_prefill: bool = True
+
+
+def run(model, tokenizer, settings: TaskSettings, control, desc: str = "") -> int:
+    a = settings
     quiet_cache_warnings()
-    model, tokenizer, desc = load_eval_model(args.model, args.quick)
-    # --methods runs exactly those labels (e.g. only a new method, paired later with the full cache
+    # methods runs exactly those labels (e.g. only a new method, paired later with the full cache
     # of another run on the same seeded prompts); the default is the priority set.
-    specs = {s.name: s for s in method_specs(args.methods or [FULL, "nestedkv", "nexus", "nexus-prompt-topk",
-                                                                 "snapkv", "kvzip"])}
-    tasks = args.tasks or PRIORITY["tasks"]
-    lengths = args.lengths or ([1024] if args.quick else PRIORITY["lengths"])
+    specs = {s.name: s for s in method_specs(a.methods or [FULL, "nestedkv", "nexus", "nexus-prompt-topk",
+                                                              "snapkv", "kvzip"])}
+    tasks = list(a.tasks or PRIORITY["tasks"])
+    for t in tasks:
+        get_task(t)  # an unknown name fails here, naming the registered tasks
+    lengths = list(a.lengths or ([1024] if a.quick else PRIORITY["lengths"]))
     check_lengths(model, lengths, "--lengths")
-    questions = args.question or ["in"]
-    budgets = args.budgets or []
-    cells = make_cells(tasks, lengths, args.n_prompts, args.densities, list(specs), args.start, budgets, questions,
+    questions = list(a.questions or ["in"])
+    budgets = list(a.budgets or [])
+    cells = make_cells(tasks, lengths, a.n_prompts, list(a.densities), list(specs), a.start, budgets, questions,
                        full=[n for n, s in specs.items() if s.is_full])
-    store = ResultStore(f"{args.out_dir}/tasks.json", "tasks", write=writes(args))
-    store.update_meta(meta={**run_meta(args, desc), "quick": args.quick, "n_facts": args.n_facts,
-                            "seed": args.seed},
-                      grid={"tasks": tasks, "lengths": lengths, "n_prompts": args.n_prompts, "start": args.start,
-                            "densities": list(args.densities), "budgets": budgets, "questions": questions,
-                            "methods": list(specs), "n_cells": len(cells), "fanout": args.fanout})
+    store = ResultStore(f"{control.out_dir}/tasks.json", "tasks", write=writes(control))
+    store.update_meta(meta={**run_meta(a, desc), "quick": a.quick, "n_facts": a.n_facts, "seed": a.seed},
+                      grid={"tasks": tasks, "lengths": lengths, "n_prompts": a.n_prompts, "start": a.start,
+                            "densities": list(a.densities), "budgets": budgets, "questions": questions,
+                            "methods": list(specs), "n_cells": len(cells), "fanout": a.fanout})
     eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
                        | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
-    shared = args.shared_prefill and args.prompt_eviction == "end"
-    prompts, pending = {}, {}
+    shared = a.shared_prefill and a.prompt_eviction == "end"
+    prompts = {}
 
     def run_group(p):
         key = prompt_key(p)
@@ -133,7 +155,7 @@ def run(args) -> int:
         group = [(cid, q) for cid, q in group if store.claim(cid)]
         if key[:3] not in prompts:
             prompts.clear()
-            prompts[key[:3]] = build(tokenizer, p["task"], p["length"], p["index"], args.seed, args.n_facts)
+            prompts[key[:3]] = build(tokenizer, p["task"], p["length"], p["index"], a.seed, a.n_facts)
         inst, toks = prompts[key[:3]]
         ctx, qtoks = split_question(tokenizer, inst) if key[3] == "out" else (toks, None)
         named, budgets, recs = {}, {}, {}
@@ -141,12 +163,12 @@ def run(args) -> int:
             spec = specs[q["method"]]
             budgets[cid] = cell_budget(spec, q, len(toks))
             try:
-                named[cid] = (make_caches(model, spec, budgets[cid], seed=0, prompt_eviction=args.prompt_eviction),
+                named[cid] = (make_caches(model, spec, budgets[cid], seed=0, prompt_eviction=a.prompt_eviction),
                               needs_own_prefill(spec))
             except Exception as e:
                 recs[cid] = {"error": f"{type(e).__name__}: {e}"}
-        res = run_prompt(model, tokenizer, inst, ctx, named, shared, eos, question_tokens=qtoks, fanout=args.fanout,
-                         progress=not args.no_progress)
+        res = run_prompt(model, tokenizer, inst, ctx, named, shared, eos, question_tokens=qtoks, fanout=a.fanout,
+                         progress=control.progress)
         for cid, q in group:
             r = recs.get(cid) or res.get(cid, {"error": "not run"})
             if "turns" in r:
@@ -159,64 +181,6 @@ def run(args) -> int:
     def run_one(p):
         my = cell_id(exp="tasks", **{f: p[f] for f in ("task", "length", "index", "density", "method",
                                                         "budget_tokens", "question") if f in p})
-        if my not in pending:
-            t = time.perf_counter()
-            recs = run_group(p)
-            share = (time.perf_counter() - t) / max(len(recs), 1)
-            for cid, r in recs.items():
-                r["cell_s"] = round(share, 3)
-                r["finished"] = now()
-                if cid != my:
-                    store.put(cid, r)
-                else:
-                    pending[my] = r
-        return dict(pending.pop(my, {"error": "claimed by another worker"}))
+        return run_shared_cells(store, my, lambda: run_group(p), missing={"error": "claimed by another worker"})
 
-    return run_experiment(store, cells, run_one, args)
-
-
-def add_args(p, common):
-    """The ``eval tasks`` arguments (``common``: the eval family's shared options)."""
-    common(p)
-    p.set_defaults(out_dir=f"{USER_OUT_DIR}/tasks")
-    p.add_argument("--tasks", nargs="+", choices=TASKS, default=None,
-                   help=f"default: the priority set {' '.join(PRIORITY['tasks'])}")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="target prompt tokens (default 2048)")
-    p.add_argument("--densities", type=float, nargs="+", default=[0.2])
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="fixed token budgets beside the densities")
-    p.add_argument("--question", nargs="+", choices=QUESTION, default=None,
-                   help="'in': the question is inside what is compressed (default); 'out': the context is "
-                        "compressed alone, then the question is asked (kvpress's default)")
-    p.add_argument("--fanout", type=int, default=None,
-                   help="at most this many methods share one prefill pass (bounds the uncompressed copies "
-                        "alive at once; default: all)")
-    p.add_argument("--n-prompts", type=int, default=100, help="prompts per task and length")
-    p.add_argument("--start", type=int, default=0, help="first prompt index")
-    p.add_argument("--n-facts", type=int, default=3, help="facts (= turns) of the follow-up task, 2-4")
-    p.add_argument("--seed", type=int, default=0, help="task generator seed")
-    p.add_argument("--prompt-eviction", choices=["end", "stream"], default="end")
-    p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
-                   help="one prefill per method instead of one shared prefill per prompt (same result)")
-    p.add_argument("--no-report", action="store_true", help="do not regenerate the tasks report after the run")
-
-
-def cli_run(args) -> int:
-    """``eval tasks``: run the cells, then regenerate the tasks report next to the JSON."""
-    check_out_dir(args)
-    rc = run(args)
-    if not args.no_report and writes(args):
-        print(f"wrote {write_tasks_report(args.out_dir)}")
-    return rc
-
-
-def cli_report(args) -> int:
-    """``eval tasks-report``: tables and figures from one or several runs' folders."""
-    print(f"wrote {write_tasks_report(args.out_dir, args.md, args.inputs or [args.out_dir])}")
-    return 0
-
-
-def add_report_args(p):
-    p.add_argument("--inputs", nargs="+", default=None, help="folders holding tasks.json (default: --out-dir)")
-    p.add_argument("--out-dir", default=f"{USER_OUT_DIR}/tasks", help="where the figures go")
-    p.add_argument("--md", default=None, help="markdown path (default <out-dir>/tasks.md)")
-    p.set_defaults(func=cli_report)
+    return run_experiment(store, cells, run_one, control)

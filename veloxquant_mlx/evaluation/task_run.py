@@ -3,7 +3,7 @@
 :func:`run_prompt` feeds the first prompt to every cache list, then holds the conversation: turn 1
 from the prompt's first new token, every later turn continuing the same caches. Cache lists that can
 share the prompt's forward (``prompt_eviction="end"``: nothing is evicted before the prompt ends)
-get it through :class:`.retrieval.FanOutCache`, at most ``fanout`` lists per pass; each list then
+get it through :class:`.fanout.FanOutCache`, at most ``fanout`` lists per pass; each list then
 takes the prompt's last token alone (its compression runs there) before the next pass starts, so at
 most ``fanout`` + 1 uncompressed copies of the prompt's rows are alive at once. With the question
 left out (kvpress's default), the prompt is the context alone and the question follows as the next
@@ -16,16 +16,16 @@ import re
 import time
 
 from ..caches.accounting import kv_report
-from .retrieval import FanOutCache, _arrays
-from .speed import feed_prompt, greedy_continue, last_prompt_step
-from .task_prompts import continuation, reply_text, score
+from .fanout import shared_pass
+from ..decode import greedy, last_prompt_step, prefill
+from .task_prompts import continuation, reply_text
+from .tasks import get_task
 
 PREFILL_STEP = 2048  # mlx_lm.generate's default prefill_step_size
 
 
 def _first_token(model, x, caches):
-    feed_prompt(model, x, caches, PREFILL_STEP)
-    return last_prompt_step(model, x, caches)
+    return prefill(model, x, caches, PREFILL_STEP)
 
 
 def number_done(text: str) -> bool:
@@ -34,11 +34,11 @@ def number_done(text: str) -> bool:
 
 
 def greedy_until(model, tokenizer, caches, y, max_new_tokens: int, eos_ids=(), stop_after_number=False) -> list:
-    """Greedy decoding from the first new token ``y`` (an mx scalar) by ``speed.greedy_continue``,
+    """Greedy decoding from the first new token ``y`` (an mx scalar) by :func:`veloxquant_mlx.decode.greedy`,
     also stopping once a "number" turn's first number is complete (only that number is scored; the
     reply ends there, as a short answer does)."""
     stop = (lambda ids: number_done(tokenizer.decode(ids))) if stop_after_number else None
-    return greedy_continue(model, caches, y, max_new_tokens, eos_ids, stop=stop)
+    return greedy(model, caches, y, max_new_tokens, eos_ids, stop=stop)
 
 
 def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
@@ -46,6 +46,7 @@ def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
     through the same caches. Returns one record per turn."""
     import mlx.core as mx
 
+    score = get_task(inst.task).score
     turns, replies, last_token = [], [], None  # last_token: the previous turn's last generated token
     for k, turn in enumerate(inst.turns):
         if k > 0:
@@ -77,20 +78,14 @@ def _shared_pass(model, x, group: dict, out: dict) -> float:
     """One forward of ``x`` (all but its last token) feeding every cache list of ``group``; a plain
     ``KVCache`` list of the group (the full cache's row) serves as the pass's own cache instead of a
     copy beside it. Errors go to ``out``. Returns the pass's seconds."""
-    import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     own = next((n for n, c in group.items() if _plain_kvcache(c)), None)
     primary = group[own] if own is not None else make_prompt_cache(model)
-    subs = {n: c for n, c in group.items() if n != own}
-    fans = [FanOutCache(primary[i], {n: c[i] for n, c in subs.items()}) for i in range(len(primary))]
-    t0 = time.perf_counter()
-    feed_prompt(model, x, fans, PREFILL_STEP)
-    mx.eval(_arrays([f.state for f in fans]))
-    for f in fans:
-        for n, e in f.errors.items():
-            out.setdefault(n, {"error": e})
-    return time.perf_counter() - t0
+    seconds, errors = shared_pass(model, x, primary, {n: c for n, c in group.items() if n != own}, PREFILL_STEP)
+    for n, e in errors.items():
+        out.setdefault(n, {"error": e})
+    return seconds
 
 
 def run_prompt(model, tokenizer, inst, tokens, named: dict, shared: bool, eos_ids=(), question_tokens=None,
