@@ -24,24 +24,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
-from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from _common import FIGURES, provenance
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.caches.shard import HeadShard  # noqa: E402
-from veloxquant_mlx.distributed import traffic  # noqa: E402
-from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.shard import HeadShard
+from veloxquant_mlx.distributed import traffic
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "figures", "distributed")
+OUT = FIGURES / "distributed"
 SHAPE = dict(hidden_size=512, num_hidden_layers=2, intermediate_size=1024, num_attention_heads=16,
              num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=256, max_position_embeddings=8192)
 
@@ -219,13 +217,14 @@ def main():
     ap.add_argument("--prefill-step-size", type=int, default=256)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--projection-prompt", type=int, default=8192)
+    ap.add_argument("--out-dir", default=str(OUT))
     args = ap.parse_args()
     group = mx.distributed.init()
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)
     if group.size() == 1:  # one process: the closed-shape projection for a Llama-3-8B-like model
         doc = projection(prompt_len=args.projection_prompt)
-        doc["provenance"] = provenance(command_line(), ["full", *CASES])
-        with open(os.path.join(OUT, "projection_llama3_8b_like.json"), "w") as f:
+        doc["provenance"] = provenance(["full", *CASES])
+        with open(os.path.join(args.out_dir, "projection_llama3_8b_like.json"), "w") as f:
             json.dump(doc, f, indent=1)
         for name, m in doc["methods"].items():
             print(f"{name:15s} decode {m['decode_bytes_per_token']:8.0f} B/token = {100 * m['decode_ratio']:.3f} % of "
@@ -255,8 +254,8 @@ def main():
                          **SHAPE, "prompt_tokens": args.prompt, "decode_tokens": args.decode,
                          "budget": args.budget, "prefill_step_size": args.prefill_step_size,
                          "prompt_eviction": "end (default)"},
-               "measured": results, "provenance": provenance(command_line(), ["full", *args.cases])}
-        with open(os.path.join(OUT, "bench_distributed.json"), "w") as f:
+               "measured": results, "provenance": provenance(["full", *args.cases])}
+        with open(os.path.join(args.out_dir, "bench_distributed.json"), "w") as f:
             json.dump(doc, f, indent=1)
 
 

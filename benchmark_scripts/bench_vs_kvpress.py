@@ -32,12 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("VELOXQUANT_BENCH_CACHE", Path.home() / ".cache" / "veloxquant-bench"))
-VENV = CACHE / "kvpress-venv"
-HF_DIR = CACHE / "smollm2-135m-hf"
+from _common import BENCH_CACHE, ROOT, peer_venv, provenance
+
+VENV = BENCH_CACHE / "kvpress-venv"
+HF_DIR = BENCH_CACHE / "smollm2-135m-hf"
 PINS = ["kvpress==0.5.5", "transformers==4.57.6", "torch==2.14.1", "gguf==0.19.0"]
-DEPTHS = [0.02, 0.1, 0.22, 0.3, 0.42, 0.54, 0.62, 0.74, 0.82, 0.94]  # issue 21's 20 prompts (x2 haystacks)
+DEPTHS = [0.02, 0.1, 0.22, 0.3, 0.42, 0.54, 0.62, 0.74, 0.82, 0.94]  # the comparison's 20 prompts (x2 haystacks)
 KEY = "67767"
 # (our eval label, kvpress press class, its keyword arguments beyond compression_ratio)
 PAIRS = [("full", "none", {}), ("snapkv", "SnapKVPress", {}), ("h2o", "ObservedAttentionPress", {}),
@@ -101,21 +101,9 @@ def convert(gguf: Path) -> None:
 
 
 # -- this project's side -------------------------------------------------------------------------
-def ensure_venv() -> Path:
-    py = VENV / "bin" / "python"
-    marker = VENV / ".bench-ready"
-    if not marker.exists():
-        print(f"setting up {VENV} ({' '.join(PINS)}) ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *PINS], check=True)
-        marker.write_text(" ".join(PINS))
-    return py
-
-
 def ensure_hf_model(py: Path) -> None:
     if (HF_DIR / "config.json").exists():
         return
-    sys.path.insert(0, str(ROOT))
     from veloxquant_mlx.models import find_bundled_gguf
 
     subprocess.run([str(py), __file__, "--convert", str(find_bundled_gguf())], check=True)
@@ -167,11 +155,9 @@ def main() -> int:
     labels = args.ours if args.ours is not None else [o for o, _, _ in PAIRS if o and o != "full"]
     presses = args.presses if args.presses is not None else [p for _, p, _ in PAIRS if p]
 
-    py = ensure_venv()
+    py = peer_venv(VENV, PINS)
     ensure_hf_model(py)
-    sys.path.insert(0, str(ROOT))
     from veloxquant_mlx.evaluation.passkey import extract_digits
-    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.results import load_eval_model
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired
@@ -219,7 +205,7 @@ def main() -> int:
               "depths": args.depths, "key": KEY, "max_new_tokens": args.max_new_tokens, "kvpress_pins": PINS},
               "ours": ours, "kvpress": theirs, "table": table,
               "kvpress_outputs": json.loads(raw.read_text()),  # the worker's tokens and seconds per press and prompt
-              "provenance": provenance(command_line(), [o for o in labels if o])}
+              "provenance": provenance([o for o in labels if o])}
     (args.out_dir / "compare.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from _common import ROOT
 
-from veloxquant_mlx.evaluation import planted as P  # noqa: E402
-from veloxquant_mlx.evaluation.provenance import command_line, provenance  # noqa: E402
+from veloxquant_mlx.evaluation import planted as P
+from veloxquant_mlx.evaluation.provenance import command_line, provenance
 
 DOC_HEADER = """# Benchmarks
 
@@ -106,7 +103,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced sizes and 2 seeds (< 1 minute)")
     ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0-4 full, 0-1 quick)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "figures", "planted"), help="output folder")
+    ap.add_argument("--out", default=str(ROOT / "figures" / "planted"), help="output folder")
     ap.add_argument("--only", nargs="+", choices=P.FAMILIES, help="scenario families to run")
     ap.add_argument("--docs", default=None,
                     help="markdown file whose table block to regenerate (default: docs/benchmarks.md for "
@@ -149,7 +146,7 @@ def main(argv=None) -> int:
             print(f"wrote {p}")
     docs = args.docs
     if docs is None and not args.quick and not args.only:
-        docs = os.path.join(ROOT, "docs", "benchmarks.md")
+        docs = str(ROOT / "docs" / "benchmarks.md")
     if docs and docs != "none":
         P.update_markdown(docs, P.round_floats(results), header=DOC_HEADER)
         print(f"updated {docs}")

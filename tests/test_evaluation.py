@@ -352,7 +352,7 @@ def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
     assert (cut["n"], cut["cut"], cut["nocut"]) == (12, (0, 2), (10, 10))
     assert cut["cut_mean"] == pytest.approx(1 / 12) and cut["cut_any"] == pytest.approx(2 / 12)
     assert (tmp_path / "passkey_accuracy_ci.png").exists()
-    # The reservoir-n study (benchmark_scripts/nexus_seed_n.py) gets its own table when present.
+    # The reservoir-n study (figures/eval/nexus_seed_n.json) gets its own table when present.
     per = {n: {"p_whole_mean_over_layers": p, "layers_keeping_whole_frac_sd_over_seeds": 0.05}
            for n, p in (("1", 0.47), ("topk", 0.7))}
     (tmp_path / "nexus_seed_n.json").write_text(json.dumps({"seeds": 10, "prompts": {"grass:0.5": {"per_n": per}}}))

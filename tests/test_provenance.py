@@ -137,15 +137,13 @@ def test_generated_report_names_its_source_and_says_when_it_is_stale(tmp_path, f
 
 
 def test_stamp_keeps_what_an_older_provenance_recorded():
-    import stamp_figure
-
     new = {"commit": "bbbbbbbbbbbb", "command": "c", "date": "d", "fingerprint": {"h2o": "x"}, "note": "stamped"}
     old = {"commit": "aaaaaaaaaaaa", "dirty": True, "blas": "OpenBLAS", "note": "4K: round 1", "fingerprint": {}}
-    out = stamp_figure.merged(old, new)
+    out = check_figures.merged(old, new)
     assert out["fingerprint"] == {"h2o": "x"} and out["commit"] == "bbbbbbbbbbbb" and out["blas"] == "OpenBLAS"
     assert out["recorded_commit"] == "aaaaaaaaaaaa" and out["recorded_dirty"] is True and "dirty" not in out
     assert "4K: round 1" in out["note"] and out["note"].startswith("stamped")
-    assert stamp_figure.merged(None, new) == new
+    assert check_figures.merged(None, new) == new
 
 
 def test_labels_that_pin_options_get_their_own_key(fresh_cache):
@@ -162,25 +160,3 @@ def test_labels_that_pin_options_get_their_own_key(fresh_cache):
     assert P.method_fingerprint("nexus[prompt_top_k=True]") == P.method_fingerprint("nexus")
     with pytest.raises(ValueError):
         P.method_fingerprint("nexus[no_such_option=1]")
-
-
-def test_relabel_keeps_old_nexus_cells_true(fresh_cache):
-    """Cells of the old default move to 'nexus-reservoir' (suffixes kept), and the provenance is
-    re-keyed only when the stored hash is today's hash of the pinned setting."""
-    import relabel_nexus_default as R
-
-    assert R.renamed("nexus", False) == "nexus-reservoir"
-    assert R.renamed("nexus-4bit-g32", False) == "nexus-reservoir-4bit-g32"
-    assert R.renamed("nexus-topk", False) is None and R.renamed("nestedkv-4bit", False) is None
-    assert R.renamed("nexus-prompt-topk-8bit", True) == "nexus-8bit"
-    data = {"cells": {"exp=tasks|task=t|method=nexus": {"method": "nexus"},
-                      "exp=p|method=nexus-4bit|seed=0": {"method": "nexus-4bit"}},
-            "grid": {"methods": ["nexus", "full"]}}
-    assert R.rename_cells(data, False) == 2
-    assert set(data["cells"]) == {"exp=tasks|task=t|method=nexus-reservoir", "exp=p|method=nexus-reservoir-4bit|seed=0"}
-    assert data["grid"]["methods"] == ["nexus-reservoir", "full"]
-    old = P.method_fingerprint("nexus[prompt_top_k=False]")
-    prov = R.rekey({"fingerprint": {"nexus": old, "full": "x"}}, {"nexus-reservoir", "full"})
-    assert prov["fingerprint"] == {"full": "x", "nexus[prompt_top_k=False]": old} and "re-keyed" in prov["note"]
-    with pytest.raises(SystemExit):  # a hash from other code: re-run instead
-        R.rekey({"fingerprint": {"nexus": "0" * 12}}, {"nexus-reservoir"})

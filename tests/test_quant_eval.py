@@ -67,12 +67,11 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
-    import eval_quant_passkey as E
-    import quant_passkey_report as Q
+    import bench_quality as Q
 
     assert (Q.fp_label("nexus-4bit-g32"), Q.storage("nexus-4bit-g32"), Q.fp_label("full-8bit")) == \
         ("nexus", "4bit-g32", "full")
-    stages = E.plan(["full", "nexus"], "nestedkv", [0.1, 0.5], [0.1])
+    stages = Q.plan(["full", "nexus"], "nestedkv", [0.1, 0.5], [0.1])
     assert stages[0]["methods"] == ["full", "full-8bit", "full-4bit", "nexus", "nexus-8bit", "nexus-4bit"]
     assert stages[1]["densities"] == [0.1, 0.5] and stages[1]["methods"][2] == "nestedkv-4bit"
     cells = []

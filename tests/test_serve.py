@@ -510,9 +510,9 @@ def test_bundled_model_under_concurrent_mixed_load_answers_all_and_hands_memory_
     """16 clients at once on loopback, prompts of 45-1,500 tokens, 16 new tokens each: every request is
     answered, and the server's RSS a few seconds after the load is within 25 % of its idle figure."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
-    import bench_serve_load as bench
+    import bench_serving as bench
 
-    args = bench.parse_args(["--timeout", "900", "--settle", "3"])
+    args = bench.load_parse_args(["--timeout", "900", "--settle", "3"])
     srv = bench.Server("nexus", "--method nexus --budget 410", args, tmp_path)
     try:
         srv.wait_up(args.start_timeout)

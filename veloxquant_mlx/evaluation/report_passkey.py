@@ -304,8 +304,9 @@ def _passkey_tables(data, lines, figs_dir, figures):
 
 
 def _seed_n_table(data, lines):
-    """benchmark_scripts/nexus_seed_n.py: how often the one-shot compression keeps a whole key
-    occurrence, per reservoir n, redrawn over many seeds on the recorded block weights."""
+    """The reservoir-n study (benchmark_scripts/nexus_seed_n.py at commit ff0fba9, removed): how often
+    the one-shot compression keeps a whole key occurrence, per reservoir n, redrawn over many seeds on
+    the recorded block weights."""
     if not data or not data.get("prompts"):
         return
     ns = list(next(iter(data["prompts"].values()))["per_n"])
@@ -314,7 +315,7 @@ def _seed_n_table(data, lines):
     lines.append("The one-shot compression's block weights of each prompt were recorded per layer and the "
                  "selection redrawn with every seed. Cells: mean over layers of P(the layer keeps a whole key "
                  "occurrence) ± the seed-to-seed sd of the fraction of layers that keep one "
-                 "(`benchmark_scripts/nexus_seed_n.py`; a proxy: no decoding).\n")
+                 "(`benchmark_scripts/nexus_seed_n.py` at commit ff0fba9, removed; a proxy: no decoding).\n")
     lines += md_table(["Prompt (1K)"] + ["top-K" if n == "topk" else f"n = {n}" for n in ns])
     for p, r in data["prompts"].items():
         cells = [f"{100 * r['per_n'][n]['p_whole_mean_over_layers']:.0f} ± "

@@ -56,7 +56,7 @@ class NexusOptions:
                                    "the per-head block distributions S_hat; 'vectors' averages the query and "
                                    "key vectors before one softmax (literal reading; measurably worse)")
 
-    # Our deviation, default since 2026-12-01 (docs/methods/nexus.md): better on both models, paired.
+    # Our deviation from the paper (docs/methods/nexus.md): better on both models, paired.
     prompt_top_k: bool = option(True, doc="deterministic top-K by w (the n→∞ limit) at the one-shot "
                                           "compression when the prompt ends, the reservoir (n_samples) for "
                                           "decode evictions: the survival argument (§4, Lemma 4.1) is about "

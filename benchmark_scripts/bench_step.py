@@ -1,4 +1,49 @@
-"""What one decode step costs beyond attention: the query tap, mask building, the step-state
+"""Decode-step costs on the CPU, one subcommand per question:
+
+* ``cost``: what one decode step costs beyond attention (the query tap, mask building, the step-state
+  dependency, the amortized eviction step, Python per layer), against ``RotatingKVCache(max_size=B)``
+  and ``KVCache``, on a wide random llama and the bundled SmolLM2 (figures/speed/step_cost.json;
+  ``--components``: figures/speed/step_components.json);
+* ``batch``: the cache-only cost of one batched decode step, ``BatchEvictionCache`` against mlx-lm's
+  ``BatchRotatingKVCache`` (printed);
+* ``nexus``: one Nexus eviction step against one decode step's attention (figures/bench_nexus_step.json).
+
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py cost [--components] [...]
+    python benchmark_scripts/bench_step.py cost --table figures/speed/step_cost.json   # markdown
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py batch --batch 8 --layers 30
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py nexus [--markdown JSON]
+
+``python benchmark_scripts/bench_step.py SUBCOMMAND --help`` describes each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from _common import FIGURES, blas_info, budget, provenance, tiny_llama
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.batch import BatchEvictionCache
+from veloxquant_mlx.caches.storage import PAD_POSITION
+from veloxquant_mlx.methods.nexus.cache import NexusKVCache
+from veloxquant_mlx.ops import gather_rows
+
+
+# ================================================================================================
+# cost: What one decode step costs beyond attention: the query tap, mask building, the step-state
+# ================================================================================================
+COST_DOC = """What one decode step costs beyond attention: the query tap, mask building, the step-state
 dependency, the amortized eviction step and Python per layer, against the limit
 ``RotatingKVCache(max_size=B)`` (a plain window of the same B rows) and ``KVCache``.
 
@@ -20,40 +65,22 @@ Rounds run every configuration once, order reversed every other round; ratios ar
 round (paired) and summarized as median [min, max] over rounds. Times are this process's CPU
 time (all threads), which a shared machine disturbs far less than wall time (also recorded). Run with OpenBLAS preloaded:
 
-  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py
-  python benchmark_scripts/bench_step_cost.py --table figures/speed/step_cost.json   # markdown
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py cost
+  python benchmark_scripts/bench_step.py cost --table figures/speed/step_cost.json   # markdown
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import statistics
-import sys
-import time
-from pathlib import Path
-
-import mlx.core as mx
-import numpy as np
-from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig  # noqa: E402
-from veloxquant_mlx.caches.storage import PAD_POSITION  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("full", "no_depends", "no_evict", "no_mask", "no_tap")
 
 
+def budget_for_step(density: float, context: int) -> int:
+    """The budget at ``density`` of ``context``, at least 64 rows (tiny contexts still evict)."""
+    return budget(density, context, minimum=64)
+
+
 def wide_model():
-    mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                           vocab_size=256, max_position_embeddings=65536, tie_word_embeddings=False)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    """Wide heads (2 layers, 16 query / 8 KV heads of 128, hidden 256): attention dominates a step."""
+    return tiny_llama(layers=2, heads=16, kv_heads=8, head_dim=128, hidden=256, vocab=256, seed=0,
+                      intermediate_size=512, max_position_embeddings=65536)
 
 
 def bundled_model():
@@ -153,7 +180,7 @@ def decode(model, caches, steps):
 
 
 def run_setting(model, name, T, density, methods, variants, rounds, steps, warmup):
-    budget = max(int(T * density), 64)
+    budget = budget_for_step(density, T)
     labels = ["rotating", "kvcache"] + [f"{m}:{v}" for m in methods for v in variants]
     for label in labels:  # warm-up (compiles, allocator)
         decode(model, make(model, label, T, budget), warmup)
@@ -309,13 +336,6 @@ def summarize(setting, methods, variants):
     return out
 
 
-def provenance(argv, labels):
-    """The project's provenance (commit, command, date, behaviour fingerprint of ``labels``)."""
-    from veloxquant_mlx.evaluation.provenance import provenance as project_provenance
-
-    return project_provenance("python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step_cost.py "
-                              + " ".join(argv), labels)
-
 
 def table(path) -> str:
     """Markdown tables of a result file (what docs/performance.md quotes)."""
@@ -343,12 +363,13 @@ def table(path) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def cost_main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--table"]:
         print(table(argv[1]))
-        return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+        return 0
+    ap = argparse.ArgumentParser(prog="bench_step.py cost", description=COST_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="2048,8192,32768", help="wide-model contexts")
     ap.add_argument("--bundled-contexts", default="2048", help="bundled SmolLM2 contexts ('' to skip)")
     ap.add_argument("--density", type=float, default=0.2)
@@ -362,19 +383,18 @@ def main(argv=None):
     ap.add_argument("--components", action="store_true",
                     help="time each piece of one layer's step on its own instead of whole decode steps")
     a = ap.parse_args(argv)
-    a.out = a.out or str(ROOT / "figures/speed" / ("step_components.json" if a.components else "step_cost.json"))
+    a.out = a.out or str(FIGURES / "speed" / ("step_components.json" if a.components else "step_cost.json"))
     methods = [m for m in a.methods.split(",") if m]
     variants = [v for v in a.variants.split(",") if v]
     if "full" not in variants:
         variants.insert(0, "full")
-    from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.evaluation.results import machine_info
 
-    result = {"provenance": provenance(argv, ["full"] + methods), "machine": machine_info(), "blas": blas_info(),
+    result = {"provenance": provenance(["full"] + methods), "machine": machine_info(), "blas": blas_info(),
               "settings": {"density": a.density, "rounds": a.rounds, "steps": a.steps, "methods": methods,
                            "variants": variants, "prompt_eviction": "end (state synthesized, no prefill)"},
               "runs": []}
-    plan = [("wide", int(t)) for t in a.contexts.split(",") if t] + \
+    plan = [("wide", int(t)) for t in a.contexts.split(",") if t] +\
            [("bundled", int(t)) for t in a.bundled_contexts.split(",") if t]
     models = {}
     for name, T in plan:
@@ -382,7 +402,7 @@ def main(argv=None):
             models[name] = wide_model() if name == "wide" else bundled_model()
         print(f"{name} T={T}", flush=True)
         if a.components:
-            budget = max(int(T * a.density), 64)
+            budget = budget_for_step(a.density, T)
             comp = components(models[name], T, budget, methods)
             result["runs"].append({"model": name, "context": T, "budget": budget, "per_layer_vs_attention": comp})
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +420,245 @@ def main(argv=None):
                   + "  ".join(f"{k[5:-17]} {row[k]['median']:+.3f}" for k in row if k.startswith("cost_"))
                   + f"  py/layer +{row['python_us_per_layer_over_rotating']['median']:.0f}us", flush=True)
     print("wrote", a.out)
+    return 0
+
+
+# ================================================================================================
+# batch: Cache-only cost of one batched decode step: BatchEvictionCache against mlx-lm's BatchRotatingKVCache.
+# ================================================================================================
+BATCH_DOC = """Cache-only cost of one batched decode step: BatchEvictionCache against mlx-lm's BatchRotatingKVCache.
+
+B rows, L layers with SmolLM2-135M's attention shapes (3 KV heads, 9 query heads, head_dim 64), each row
+holding a compressed 2K prompt (``--budget`` rows): per step and layer, ``update_and_fetch``, the query
+tap's work (``observe_queries``, the layer mask, the step-state dependency) and mlx-lm's attention.
+No model weights, so the cache's own cost shows. CPU time per step (process time, robust to other
+jobs on a shared machine), the two caches stepped alternately; min and median over ``--steps``.
+
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_step.py batch --batch 8 --layers 30
+    ... --no-state-dependency   # ablation: skip the rows' step-state dependency (not a valid mode)
+"""
+
+H, batch_HQ, batch_D = 3, 9, 64
+
+
+def ours(args):
+    cfg = KVCacheConfig(method=args.method, budget=args.budget, prompt_eviction="end")
+    layers = []
+    for layer in range(args.layers):
+        rows = []
+        for _ in range(args.batch):
+            c = cfg.cache_class(cfg, layer, args.layers)
+            c.tap_active = True
+            k = mx.random.normal((1, H, args.context - 1, batch_D))
+            c.update_and_fetch(k, k)
+            c.observe_queries(mx.repeat(k[:, :, -16:], batch_HQ // H, axis=1), batch_D ** -0.5)
+            x = mx.random.normal((1, H, 1, batch_D))  # the prompt's last token: the one-shot compression
+            c.update_and_fetch(x, x)
+            c.observe_queries(mx.repeat(x, batch_HQ // H, axis=1), batch_D ** -0.5)
+            mx.eval(c.state)
+            rows.append(c)
+        layers.append(BatchEvictionCache.merge(rows))
+    return layers
+
+
+def rotating(args):
+    layers = []
+    for _ in range(args.layers):
+        rows = []
+        for _ in range(args.batch):
+            r = RotatingKVCache(max_size=args.budget)
+            k = mx.random.normal((1, H, args.context, batch_D))
+            r.update_and_fetch(k, k)
+            rows.append(r)
+        layers.append(RotatingKVCache.merge(rows))
+    return layers
+
+
+def step(layers, args, tap: bool) -> float:
+    t = time.process_time()
+    x = mx.random.normal((args.batch, H, 1, batch_D))
+    q = mx.random.normal((args.batch, batch_HQ, 1, batch_D))
+    outs = []
+    for c in layers:
+        k, v = c.update_and_fetch(x, x)
+        if tap:
+            c.observe_queries(q, batch_D ** -0.5)
+            o = scaled_dot_product_attention(q, k, v, cache=c, scale=batch_D ** -0.5, mask=c.attention_mask(None, q))
+            if not args.no_state_dependency:
+                o = mx.depends(o, c.step_state())
+        else:
+            o = scaled_dot_product_attention(q, k, v, cache=c, scale=batch_D ** -0.5, mask=None)
+        outs.append(o)
+    mx.eval(outs)
+    return (time.process_time() - t) * 1e3
+
+
+def batch_main(argv=None):
+    p = argparse.ArgumentParser(prog="bench_step.py batch", description=BATCH_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--budget", type=int, default=410)
+    p.add_argument("--method", default="nexus")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--no-state-dependency", action="store_true")
+    args = p.parse_args(argv)
+    a_layers, b_layers = ours(args), rotating(args)
+    a, b = [], []
+    for _ in range(args.steps):  # alternating: both see the same machine load
+        a.append(step(a_layers, args, True))
+        b.append(step(b_layers, args, False))
+    print(f"B={args.batch} L={args.layers} {args.method} budget {args.budget}: CPU ms/step ours min {min(a):.1f} "
+          f"median {statistics.median(a):.1f}; BatchRotatingKVCache min {min(b):.1f} median {statistics.median(b):.1f}; "
+          f"speed vs rotating: {min(b) / min(a):.2f} (min), {statistics.median(b) / statistics.median(a):.2f} (median)")
+    return 0
+
+
+# ================================================================================================
+# nexus: Cost of one Nexus eviction step vs one decode-step attention (CPU, SmolLM2-like shapes).
+# ================================================================================================
+NEXUS_DOC = """Cost of one Nexus eviction step vs one decode-step attention (CPU, SmolLM2-like shapes).
+
+One eviction step = scoring (Eq. 1-5) + selection (Eq. 6, top-K) over the stored rows, timed as
+``cache.select_rows()``; "+gather" also gathers the kept keys/values (what ``_evict`` then does).
+It runs once every b = block_size decoded tokens, so its amortized cost per token is step / b,
+reported as a percentage of one decode step's attention (``mx.fast.scaled_dot_product_attention``,
+1 query, over the same number of kept keys). Target: <= 10 %.
+
+Run with an optimized BLAS (MLX's Linux CPU wheel ships a slow reference BLAS):
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \
+        python benchmark_scripts/bench_step.py nexus
+
+Writes figures/bench_nexus_step.json (records whether OpenBLAS was preloaded).
+"""
+
+B, nexus_HQ, HKV, nexus_D = 1, 9, 3, 64  # SmolLM2-135M attention shapes
+
+
+def median_time(fn, repeats, warmup=3):
+    for _ in range(warmup):
+        mx.eval(fn())
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench(tokens: int, per_head: bool, repeats: int) -> dict:
+    b = 32
+    cfg = KVCacheConfig(method="nexus", budget=tokens, nexus_per_head=per_head)
+    cache = NexusKVCache(cfg)
+    rows = tokens + b + 1  # the step fires once rows exceed budget + b
+    mx.random.seed(0)
+    k = mx.random.normal((B, HKV, rows, nexus_D))
+    v = mx.random.normal((B, HKV, rows, nexus_D))
+    q = mx.random.normal((B, nexus_HQ, cfg.options.window, nexus_D))
+    mx.eval(k, v, q)
+    cache.update_and_fetch(k, v)  # no eviction yet: it runs after the queries arrive
+    cache.scale = nexus_D ** -0.5
+    cache.on_queries(q)
+    mx.eval(cache.state)
+
+    t_select = median_time(cache.select_rows, repeats)
+
+    def select_gather():  # what NexusKVCache._evict does: one flat mx.take of whole rows
+        idx = cache.select_rows()
+        return gather_rows(cache.keys, idx), gather_rows(cache.values, idx)
+
+    def select_gather_base():  # the base class's take_along_axis gather, for comparison
+        idx = cache.select_rows()
+        return gather_rows(cache.stored("keys"), idx), gather_rows(cache.stored("values"), idx)
+
+    t_step = median_time(select_gather, repeats)
+    t_step_base = median_time(select_gather_base, max(repeats // 3, 3))
+
+    kk, vv = k[:, :, :tokens], v[:, :, :tokens]
+    q1 = mx.random.normal((B, nexus_HQ, 1, nexus_D))
+    mx.eval(kk, vv, q1)
+    t_attn = median_time(lambda: mx.fast.scaled_dot_product_attention(q1, kk, vv, scale=nexus_D ** -0.5), repeats)
+    return {
+        "stored_tokens": tokens, "per_head": per_head, "block_size": b,
+        "select_ms": 1e3 * t_select, "select_gather_ms": 1e3 * t_step, "decode_attention_ms": 1e3 * t_attn,
+        "amortized_select_pct_of_attention": 100 * t_select / b / t_attn,
+        "amortized_select_gather_pct_of_attention": 100 * t_step / b / t_attn,
+        "select_base_gather_ms": 1e3 * t_step_base,
+        "amortized_select_base_gather_pct_of_attention": 100 * t_step_base / b / t_attn,
+    }
+
+
+def markdown(path) -> str:
+    """The docs table (docs/methods/nexus.md) of a written JSON, between its generated markers."""
+    d = json.load(open(path))
+    prov = d.get("provenance", {})
+    rows = ["<!-- bench_nexus_step:begin (generated by benchmark_scripts/bench_step.py nexus --markdown) -->",
+            f"From `figures/bench_nexus_step.json` ({prov.get('date', '?')[:10]}, commit {prov.get('commit', '?')}; "
+            f"OpenBLAS preloaded: {d['blas'].get('openblas_preloaded')}; median of {d['repeats']}):", "",
+            "| stored tokens | per_head | step | +gather | attention | amortized step | amortized +gather |",
+            "|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        rows.append(f"| {r['stored_tokens'] // 1024}K | {r['per_head']} | {r['select_ms']:.1f} ms | "
+                    f"{r['select_gather_ms']:.1f} ms | {r['decode_attention_ms']:.2f} ms | "
+                    f"{r['amortized_select_pct_of_attention']:.1f} % | "
+                    f"{r['amortized_select_gather_pct_of_attention']:.1f} % |")
+    pct = [r["amortized_select_pct_of_attention"] for r in d["results"]]
+    rows += ["", f"Amortized step: {min(pct):.1f}–{max(pct):.1f} % of a decode step's attention "
+             f"(target ≤ {d['target_pct']:.0f} %).", "<!-- bench_nexus_step:end -->"]
+    return "\n".join(rows)
+
+
+def nexus_main(argv=None):
+    ap = argparse.ArgumentParser(prog="bench_step.py nexus", description=NEXUS_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--markdown", metavar="JSON", help="print the docs table of a written JSON and exit")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--out", default=str(FIGURES / "bench_nexus_step.json"))
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
+    blas = blas_info()
+    results = []
+    for per_head in (False, True):
+        for t in args.tokens:
+            r = bench(t, per_head, args.repeats)
+            results.append(r)
+            print(f"per_head={per_head!s:5} N={t:6d}  step {r['select_ms']:7.3f} ms (+gather "
+                  f"{r['select_gather_ms']:7.3f})  attention {r['decode_attention_ms']:6.3f} ms  "
+                  f"amortized {r['amortized_select_pct_of_attention']:5.1f}% "
+                  f"(+gather {r['amortized_select_gather_pct_of_attention']:5.1f}%; base gather "
+                  f"{r['amortized_select_base_gather_pct_of_attention']:5.1f}%)", flush=True)
+    out = {
+        "benchmark": "nexus eviction step vs decode attention",
+        "shapes": {"B": B, "H_q": nexus_HQ, "H_kv": HKV, "D": nexus_D, "dtype": "float32", "window": 16, "walk_depth": 3,
+                   "n_samples": 5},
+        "timing": "median of repeats after 3 warm-ups, mx.eval around each call",
+        "repeats": args.repeats, "target_pct": 10.0, "blas": blas,
+        "mlx_version": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "results": results,
+    }
+    out["provenance"] = provenance(["nexus"])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print("wrote", os.path.abspath(args.out), "| openblas preloaded:", blas.get("openblas_preloaded"))
+    return 0
+
+
+SUBCOMMANDS = {"cost": cost_main, "batch": batch_main, "nexus": nexus_main}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

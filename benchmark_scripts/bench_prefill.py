@@ -1,4 +1,120 @@
-"""KVzip's cost (issue 21, deliverable 3): prefill with the reconstruction pass vs a plain prefill.
+"""Prefill costs on the bundled SmolLM2-135M, one subcommand per question:
+
+* ``fused``: H2O with one attention pass (the layer's output from the scoring pass's own weights)
+  against two (scoring pass + mlx-lm's fused kernel), and against mlx-lm's KVCache, prefill and decode
+  (figures/speed/fused_scoring.json);
+* ``kvzip``: KVzip's prefill with its reconstruction pass against a plain prefill, time and peak
+  memory, and the pass's peak per reconstruction chunk (figures/kvzip/prefill_cost.json).
+
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_prefill.py fused --contexts 2048,4096
+    python benchmark_scripts/bench_prefill.py kvzip [--quick]
+
+``python benchmark_scripts/bench_prefill.py SUBCOMMAND --help`` describes each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from _common import FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.decode import greedy, prefill
+from veloxquant_mlx.evaluation.speed import _prompt
+
+
+# ================================================================================================
+# fused: H2O with one attention pass (the layer's output from the scoring pass's own weights) against two
+# ================================================================================================
+FUSED_DOC = """H2O with one attention pass (the layer's output from the scoring pass's own weights) against two
+(scoring pass + mlx-lm's fused kernel), and against mlx-lm's KVCache, on the bundled SmolLM2.
+
+Prefill: the prompt fed as ``mlx_lm.generate`` does (chunks of 2048, state evaluated after each, the
+last token alone: H2O's one-shot compression runs there). Decode: ``--decode`` greedy tokens after it.
+Rounds run every cache once, order reversed every other round; ratios are paired within a round and
+use this process's CPU time (a shared machine disturbs wall time far more; wall is recorded too).
+
+  python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_prefill.py fused --contexts 2048,4096
+"""
+
+
+CACHES = ("kvcache", "h2o-fused", "h2o-separate")
+
+
+def make(model, label, budget):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if label == "kvcache":
+        return make_prompt_cache(model)
+    mode = label.split("-")[1]
+    return KVCacheBuilder.for_model(model, KVCacheConfig(method="h2o", budget=budget, h2o_attention_pass=mode))
+
+
+
+def fused_main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="bench_prefill.py fused", description=FUSED_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="2048,4096")
+    ap.add_argument("--density", type=float, default=0.2)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(FIGURES / "speed" / "fused_scoring.json"))
+    a = ap.parse_args(argv)
+    from veloxquant_mlx.evaluation.results import machine_info
+    from veloxquant_mlx.models import load_model
+
+    model, tok = load_model(None)
+    result = {"provenance": provenance(["full", "h2o"]),
+              "machine": machine_info(), "blas": blas_info(), "model": "bundled SmolLM2-135M (fp32)",
+              "settings": {"density": a.density, "decode_tokens": a.decode, "rounds": a.rounds,
+                           "prefill_step": 2048, "prompt_eviction": "end"}, "runs": []}
+    for T in [int(t) for t in a.contexts.split(",") if t]:
+        x = mx.array(_prompt(tok, T))
+        rows = budget(a.density, T)
+        rec = {c: {"prefill_cpu_s": [], "prefill_wall_s": [], "decode_cpu_s": [], "decode_wall_s": []}
+               for c in CACHES}
+        for c in CACHES:  # warm-up on a short prompt (allocator, compiled graphs)
+            prefill(model, x[:512], make(model, c, 128), 2048)
+        for r in range(a.rounds):
+            for c in (CACHES if r % 2 == 0 else CACHES[::-1]):
+                caches = make(model, c, rows)
+                y, pc, pw = cpu_timed(lambda: prefill(model, x, caches, 2048))
+                _, dc, dw = cpu_timed(lambda: greedy(model, caches, y, a.decode + 1))
+                for k, v in (("prefill_cpu_s", pc), ("prefill_wall_s", pw), ("decode_cpu_s", dc),
+                             ("decode_wall_s", dw)):
+                    rec[c][k].append(round(v, 4))
+            print(f"T={T} round {r + 1}: " + "  ".join(f"{c} prefill {rec[c]['prefill_cpu_s'][-1]:.2f}s"
+                                                    for c in CACHES), flush=True)
+
+        def ratio(num, den, key):  # paired speed ratio: time of den / time of num, per round
+            xs = [d / n for n, d in zip(rec[num][key], rec[den][key])]
+            return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
+
+        summary = {f"{what}_speed_{c}_vs_kvcache": ratio(c, "kvcache", f"{what}_cpu_s")
+                   for what in ("prefill", "decode") for c in CACHES[1:]}
+        summary |= {f"{what}_speed_fused_vs_separate": ratio("h2o-fused", "h2o-separate", f"{what}_cpu_s")
+                    for what in ("prefill", "decode")}
+        result["runs"].append({"context": T, "budget": rows, "times": rec, "summary": summary})
+        print(json.dumps(summary), flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    print("wrote", a.out)
+    return 0
+
+
+# ================================================================================================
+# kvzip: KVzip's cost: prefill with the reconstruction pass vs a plain prefill.
+# ================================================================================================
+KVZIP_DOC = """KVzip's cost: prefill with the reconstruction pass vs a plain prefill.
 
 On the bundled SmolLM2-135M (``veloxquant_mlx.models.load_model()``, fp32), prose prompts of 1K, 2K
 and 4K tokens are fed exactly as ``mlx_lm.generate`` feeds them (all but the last token in chunks of
@@ -15,28 +131,16 @@ the whole prefill and for the prompt's last step alone (where the pass runs), pl
 context, the pass's peak for several reconstruction chunk sizes (is the extra memory bounded by the
 chunk?). OpenBLAS is preloaded (1 thread) unless ``--no-fast-blas``.
 
-    python benchmark_scripts/bench_kvzip_prefill.py               # -> figures/kvzip/prefill_cost.json
-    python benchmark_scripts/bench_kvzip_prefill.py --quick       # tiny random model, harness check
+    python benchmark_scripts/bench_prefill.py kvzip               # -> figures/kvzip/prefill_cost.json
+    python benchmark_scripts/bench_prefill.py kvzip --quick       # tiny random model, harness check
 """
 
-from __future__ import annotations
-
-import argparse
-import gc
-import json
-import os
-import statistics
-import sys
-import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 MIB = 1024 * 1024
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def kvzip_parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="bench_prefill.py kvzip", description=KVZIP_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--density", type=float, default=0.2)
@@ -51,7 +155,7 @@ def parse_args(argv=None):
                    help="skip 'pass-forward': plain prefill + the pass's forward with mlx-lm's attention, no scoring")
     p.add_argument("--no-fast-blas", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
-    p.add_argument("--out", default=str(ROOT / "figures" / "kvzip" / "prefill_cost.json"))
+    p.add_argument("--out", default=str(FIGURES / "kvzip" / "prefill_cost.json"))
     return p.parse_args(argv)
 
 
@@ -84,18 +188,11 @@ def feed(model, tokens, caches, step):
             "kv_bytes_after": sum(c.nbytes for c in caches)}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if not args.no_fast_blas:
-        from veloxquant_mlx.platform.blas import reexec_with_openblas
-
-        reexec_with_openblas(num_threads=1)  # returns when already preloaded or when none is installed
-    import mlx.core as mx
+def kvzip_main(argv=None):
+    args = kvzip_parse_args(argv)
+    preload_blas(num_threads=1, skip=args.no_fast_blas)
     from mlx_lm.models.cache import make_prompt_cache
 
-    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-    from veloxquant_mlx.platform.blas import blas_info
-    from veloxquant_mlx.evaluation.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import prose_text
     from veloxquant_mlx.evaluation.results import load_eval_model
 
@@ -112,7 +209,7 @@ def main(argv=None):
 
     def kvzip_caches(n, chunk=chunk_default, name="kvzip"):
         mode = name[6:-1] if name.startswith("kvzip[") else "auto"
-        cfg = KVCacheConfig("kvzip", budget=max(int(round(args.density * n)), 16), kvzip_chunk=chunk,
+        cfg = KVCacheConfig("kvzip", budget=budget(args.density, n, minimum=16), kvzip_chunk=chunk,
                             kvzip_pass_attention=mode)
         return KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
 
@@ -121,7 +218,7 @@ def main(argv=None):
         reconstruction input (repeat prompt + context, one chunk) over that cache. What any pass costs
         at least with this attention (exact shapes when the context fits one chunk)."""
         from veloxquant_mlx.methods.kvzip.cache import KVzipOptions
-        from veloxquant_mlx.methods.kvzip.model_pass import PassPrompt, chunk_parts
+        from veloxquant_mlx.model_pass import PassPrompt, chunk_parts
 
         caches = make_prompt_cache(model)
         r = feed(model, tokens, caches, step)
@@ -142,7 +239,7 @@ def main(argv=None):
         out = {"experiment": "kvzip prefill cost", "model": desc, "density": args.density,
                "prefill_step_size": step, "reconstruction_chunk": chunk_default, "rows": rows,
                "chunk_peaks_at": sweep_at, "chunk_peaks": chunk_peaks,
-               "provenance": {**provenance(command_line(), labels=["full", "kvzip"]),
+               "provenance": {**provenance(["full", "kvzip"]),
                               "load_average_at_end": os.getloadavg(), "mlx": mx.__version__, **blas_info()}}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
@@ -164,7 +261,7 @@ def main(argv=None):
                 if name != "plain":
                     assert all(c.zip_passes == 1 for c in caches if hasattr(c, "zip_passes"))
         med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
-        row = {"context": n, "budget": max(int(round(args.density * n)), 16), "rounds": args.rounds,
+        row = {"context": n, "budget": budget(args.density, n, minimum=16), "rounds": args.rounds,
                "runs": runs, "median": med,
                "ratio_total": med[names[0]]["total_s"] / med["plain"]["total_s"],
                "pass_extra_s": med[names[0]]["last_step_s"] - med["plain"]["last_step_s"]}
@@ -190,6 +287,17 @@ def main(argv=None):
         write(n)
     print(f"wrote {path}")
     return 0
+
+
+SUBCOMMANDS = {"fused": fused_main, "kvzip": kvzip_main}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,159 @@
+"""What the benchmark scripts share: the repository's paths, tiny random models, the density -> budget
+rule, a figure's provenance, the BLAS preload, timing helpers and the peer packages' venvs.
+
+Scripts run as ``python benchmark_scripts/<name>.py`` and import this file as a sibling module (the
+script's folder is on the import path by Python's own rule); the package itself is installed with
+``pip install -e .``. Only the standard library is imported at the top: the peer workers of
+bench_vs_kvpress / bench_vs_origin import this file inside venvs that lack this package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "figures"
+MIB = 1024 * 1024
+BENCH_CACHE = Path(os.environ.get("VELOXQUANT_BENCH_CACHE", Path.home() / ".cache" / "veloxquant-bench")).expanduser()
+
+__all__ = ["ROOT", "FIGURES", "MIB", "BENCH_CACHE", "budget", "tiny_llama", "tiny_tokenizer", "stamp",
+           "provenance", "command_line", "resumed", "commit", "write_json", "machine", "preload_blas",
+           "blas_info", "median", "cpu_timed", "peer_venv"]
+
+
+
+def commit() -> str:
+    from veloxquant_mlx.evaluation.provenance import commit as head
+
+    return head()
+
+
+def command_line() -> str:
+    from veloxquant_mlx.evaluation.provenance import command_line as line
+
+    return line()
+
+
+def resumed(old, new) -> dict:
+    from veloxquant_mlx.evaluation.provenance import resumed as merge
+
+    return merge(old, new)
+
+
+def budget(density: float, n_tokens: int, minimum: int = 1) -> int:
+    """Rows kept per KV head: the package's one density -> budget rule (``config.budget_for``)."""
+    from veloxquant_mlx.config import budget_for
+
+    return budget_for(density, n_tokens, minimum)
+
+
+def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, hidden: int | None = None,
+               vocab: int = 128, seed: int = 0, dtype=None, **args):
+    """A random mlx-lm llama (no weights to load; numbers on it measure shapes, not quality).
+    ``hidden`` defaults to heads x head_dim; ``args`` override other ``ModelArgs`` fields."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    fields = dict(model_type="llama", hidden_size=hidden or heads * head_dim, num_hidden_layers=layers,
+                  intermediate_size=128, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  rms_norm_eps=1e-5, vocab_size=vocab, max_position_embeddings=1 << 17, tie_word_embeddings=False)
+    if hidden is not None and hidden != heads * head_dim:
+        fields["head_dim"] = head_dim
+    model = llama.Model(llama.ModelArgs(**{**fields, **args}))
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_tokenizer():
+    """The evaluation's byte tokenizer (one token per UTF-8 byte), for ``--quick`` runs."""
+    from veloxquant_mlx.evaluation.eval_model import ByteTokenizer
+
+    return ByteTokenizer()
+
+
+def provenance(labels=None, regime: str = "end", command: str | None = None) -> dict:
+    """A figure's ``"provenance"``: commit, command (this run's by default), date, behaviour fingerprint
+    of every label it holds."""
+    from veloxquant_mlx.evaluation.provenance import provenance as record
+
+    return record(command or command_line(), labels, regime)
+
+
+def stamp(result: dict, labels=None, regime: str = "end", note: str | None = None) -> dict:
+    """Set ``result["provenance"]``; a resumed figure keeps the old one when the fingerprints agree."""
+    new = provenance(labels, regime)
+    old = result.get("provenance")
+    result["provenance"] = resumed(old if isinstance(old, dict) else None, new) if old else new
+    if note:
+        result["provenance"]["note"] = note
+    return result
+
+
+def write_json(path, data, indent: int = 1) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent, sort_keys=False) + "\n")
+    return path
+
+
+def machine() -> dict:
+    """The machine a figure ran on (timings are only comparable within one run)."""
+    import mlx.core as mx
+
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas_info()}
+
+
+def preload_blas(num_threads: int | None = 1, skip: bool = False) -> None:
+    """Re-exec this script with the OpenBLAS preload (MLX's Linux CPU wheel ships a slow reference BLAS);
+    returns at once when it is already preloaded, when none is installed, or when ``skip``."""
+    if skip:
+        return
+    from veloxquant_mlx.platform.blas import reexec_with_openblas
+
+    reexec_with_openblas(num_threads=num_threads)
+
+
+def blas_info(measure: bool = False) -> dict:
+    from veloxquant_mlx.platform.blas import blas_info as info
+
+    return info(measure=measure)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def cpu_timed(fn):
+    """(fn(), process seconds, wall seconds): process time is robust to other jobs on a shared machine."""
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.process_time() - c, time.perf_counter() - w
+
+
+def peer_venv(venv: Path, requirements, marker: str | None = None) -> Path:
+    """The python of ``venv`` (made once with ``pip install`` of ``requirements``), for packages that must
+    not enter this interpreter (another ``veloxquant_mlx``, torch). ``marker`` (default: the requirements)
+    is what the venv was made for; another one re-installs."""
+    venv = Path(venv).expanduser()
+    py = venv / "bin" / "python"
+    ready = venv / ".bench-ready"
+    want = " ".join(map(str, requirements)) if marker is None else marker
+    if py.exists() and ready.exists() and ready.read_text() == want:
+        return py
+    print(f"setting up {venv} ({want}) ...", file=sys.stderr, flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *map(str, requirements)], check=True)
+    ready.write_text(want)
+    return py

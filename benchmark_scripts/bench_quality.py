@@ -1,0 +1,521 @@
+"""Quality benchmarks beyond the evaluation's own grids, one subcommand per question:
+
+* ``quant-passkey``: passkey with quantized kept rows, 20 % at fp / 8-bit / 4-bit paired on the same
+  prompts, plus the equal-memory curve (runs ``eval passkey`` with its own stages);
+* ``quant-report``: the tables and the equal-memory curve of those cells, each label paired against the
+  same method with fp rows (figures/eval/quant/passkey_quant_summary.json and a PNG);
+* ``two-models``: every method's passkey accuracy on SmolLM2 and Gemma 3 side by side, with Nexus's
+  paired comparison (figures/eval/passkey_two_models.png);
+* ``recall``: recallable eviction on the follow-up task, paired against the same method without
+  recall (figures/recall/*.json).
+
+    python benchmark_scripts/bench_quality.py quant-passkey --model bundled --out-dir figures/eval/quant ...
+    python benchmark_scripts/bench_quality.py quant-report --run SmolLM2-135M figures/eval/quant/passkey_paired.json ...
+    python benchmark_scripts/bench_quality.py two-models [--density 0.2]
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall --prompts 6 --length 1536
+
+``python benchmark_scripts/bench_quality.py SUBCOMMAND --help`` describes each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import _common
+from _common import FIGURES, preload_blas, provenance
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.accounting import kv_report
+from veloxquant_mlx.caches.quant import model_caches
+from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
+from veloxquant_mlx.evaluation.report_passkey import _passkey_index
+from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
+from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson
+from veloxquant_mlx.evaluation.task_run import run_prompt
+from veloxquant_mlx.evaluation.tasks import build
+
+
+# ================================================================================================
+# quant: Passkey with quantized kept rows 20 % at fp / 8-bit / 4-bit, paired on the same prompts,
+# ================================================================================================
+QUANT_DOC = """Passkey with quantized kept rows 20 % at fp / 8-bit / 4-bit, paired on the same prompts,
+plus the equal-memory curve (one method at several densities at each row storage).
+
+Two stages on the published 1K grid (grass and text haystacks, depths 0.02..0.98, 3 keys):
+  A  20 %: full, nexus, nestedkv, snapkv, each as fp, -8bit and -4bit rows (full-*bit: mlx-lm's own
+     QuantizedKVCache, no eviction);
+  B  (--curve) the curve method at --curve-densities, fp / -8bit / -4bit.
+Every prompt gets one shared prefill pass per row storage (fp, 8-bit, 4-bit); --spread order keeps
+a run cut short by --time-budget balanced over depths and haystacks. Resumable: rerun to add prompts.
+
+  python -m veloxquant_mlx --fast-blas eval passkey ...   (the CLI, one stage)
+  python benchmark_scripts/bench_quality.py quant-passkey --model bundled --out-dir figures/eval/quant       --out-name passkey_paired.json --curve nestedkv --time-budget 1800
+  python benchmark_scripts/bench_quality.py quant-passkey --model bundled --out-dir figures/eval/quant       --out-name passkey_g32.json --methods full nexus nestedkv --bits=-4bit-g32 --dequantized-prefill
+  (a suffix that starts with "-" needs the = form)
+"""
+
+BITS = ("", "-8bit", "-4bit")
+DEPTHS_25 = [round(0.02 + 0.04 * i, 2) for i in range(25)]
+DEPTHS_13 = [round(0.02 + 0.08 * i, 2) for i in range(13)]
+
+
+def plan(methods, curve, curve_densities, depths, bits=BITS):
+    base = {"contexts": [1024], "haystacks": ["grass", "text"], "regimes": ["prefill"], "depths": depths,
+            "n_keys": 3, "seeds": [0]}
+    stages = [{**base, "name": "A: 20%, fp / 8-bit / 4-bit", "densities": [0.2],
+               "methods": [m + b for m in methods for b in bits]}]
+    if curve:
+        stages.append({**base, "name": "B: equal-memory curve", "densities": list(curve_densities),
+                       "methods": [curve + b for b in bits]})
+    return stages
+
+
+def quant_main(argv=None) -> int:
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.eval import _md_path, run_harness
+    from veloxquant_mlx.evaluation.report import write_report
+
+    preload_blas(num_threads=None)
+    own = argparse.ArgumentParser(prog="bench_quality.py quant-passkey", description=QUANT_DOC,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    own.add_argument("--methods", nargs="+", default=["full", "nexus", "nestedkv", "snapkv"])
+    own.add_argument("--bits", nargs="+", default=list(BITS), help="label suffixes: '' -8bit -4bit -4bit-g32 ...")
+    own.add_argument("--curve", default=None, help="method for the equal-memory curve (stage B)")
+    own.add_argument("--curve-densities", nargs="+", type=float, default=[0.1, 0.35, 0.5])
+    own.add_argument("--depths", choices=("25", "13"), default="25", help="the SmolLM2 (25) or Gemma (13) grid")
+    own.add_argument("--dequantized-prefill", action="store_true",
+                     help="quantized passes read the stored rows dequantized through float attention (faster on "
+                          "the CPU, not what a lone mlx_lm.generate run computes; cells say quant_prefill)")
+    a, rest = own.parse_known_args(argv)
+    stages = plan(a.methods, a.curve, a.curve_densities, DEPTHS_25 if a.depths == "25" else DEPTHS_13, a.bits)
+    labels = list(dict.fromkeys(m for st in stages for m in st["methods"]))
+    args = build_parser().parse_args(["eval", "passkey", "--spread", "--max-new-tokens", "8", *rest,
+                                      "--methods", *labels])
+    args.plan = tuple(stages)  # the passkey harness's settings take the stages as they are
+    args.dequantized_prefill = a.dequantized_prefill
+    rc = run_harness("passkey", args)
+    if not args.no_report:
+        write_report(args.out_dir, _md_path(args))
+    return rc
+
+
+# ================================================================================================
+# report: Passkey with quantized kept rows accuracy tables paired against the same method with
+# ================================================================================================
+REPORT_DOC = """Passkey with quantized kept rows accuracy tables paired against the same method with
+fp rows, and the equal-memory curve (accuracy against allocated KV bytes), from the cells that
+``bench_quality.py quant-passkey`` wrote.
+
+For each model: every label at 20 % over the prompts that all labels finished, Wilson 95 % intervals,
+and the exact McNemar test against the same method with fp rows (``nexus-4bit`` vs ``nexus``,
+``full-4bit`` vs ``full``) on those prompts. The curve: the curve method at each density and row
+storage plus the full caches, over the prompts every curve point finished; x = mean allocated KV
+bytes after the prompt and the 8 new tokens (``kv_report``'s allocated bytes: packed words, scales and
+biases as allocated, the methods' side state included). Writes a JSON with provenance and a PNG; prints
+markdown.
+
+    python benchmark_scripts/bench_quality.py quant-report         --run SmolLM2-135M figures/eval/quant/passkey_paired.json         --run Gemma-3-270M figures/eval/gemma3/passkey_quant.json         --curve nestedkv --out figures/eval/quant/passkey_quant_summary.json
+"""
+
+_STORAGE = re.compile(r"-(4|8)bit(-g\d+)?$")
+
+
+def fp_label(label: str) -> str:
+    """The same method with fp rows: ``nexus-4bit-g32`` -> ``nexus``."""
+    return _STORAGE.sub("", label)
+
+
+def storage(label: str) -> str:
+    m = _STORAGE.search(label)
+    return m.group(0)[1:] if m else "fp"
+
+
+def index(path: str):
+    """({(label, density): {prompt: correct}}, {(label, density): {prompt: kv bytes}}, data). ``path``
+    may join several result files with commas (e.g. a later group-size run on the same prompts)."""
+    parts = [json.loads(Path(p).read_text()) for p in path.split(",")]
+    data = {**parts[0], "cells": {k: v for d in parts for k, v in d["cells"].items()}}
+    res, densities, _ = _passkey_index(data)
+    columns = sorted({(k[3], k[4]) for k in res})
+    out = {}
+    for (regime, d, m, _, _) in res:
+        if regime == "prefill":
+            out[(m, d)] = _paired_outcomes(res, "prefill", d, m, columns)
+    nbytes = {}
+    for c in data["cells"].values():
+        if "error" not in c and c.get("seed", 0) == 0 and c.get("regime") == "prefill":
+            p = (c["haystack"], c["context"], c["depth"], c["key"])
+            for d in ([c["density"]] if c["density"] is not None else densities):
+                nbytes.setdefault((c["method"], d), {})[p] = c["kv_bytes_end"]
+    return out, nbytes, data
+
+
+def common(outs: dict, keys) -> list:
+    sets = [set(outs[k]) for k in keys if k in outs]
+    return sorted(set.intersection(*sets), key=repr) if sets else []
+
+
+def table(outs: dict, density: float, labels) -> dict:
+    keys = [(m, density) for m in labels if (m, density) in outs]
+    prompts = common(outs, keys)
+    rows = {}
+    for m, d in keys:
+        k = sum(outs[(m, d)][p] for p in prompts)
+        lo, hi = wilson(k, len(prompts))
+        row = {"correct": k, "n": len(prompts), "acc": k / max(len(prompts), 1), "wilson95": [lo, hi]}
+        base = (fp_label(m), d)
+        if base[0] != m and base in outs:
+            pr = paired({p: outs[base][p] for p in prompts}, {p: outs[(m, d)][p] for p in prompts})
+            row["vs_fp"] = {"label": base[0], "only_fp": pr["only_a"], "only_quant": pr["only_b"], "p": pr["p"]}
+        g64 = (re.sub(r"-g\d+$", "", m), d)
+        if g64[0] != m and g64 in outs:  # a group-size label against the default groups of 64
+            pr = paired({p: outs[g64][p] for p in prompts}, {p: outs[(m, d)][p] for p in prompts})
+            row["vs_g64"] = {"label": g64[0], "only_g64": pr["only_a"], "only_this": pr["only_b"], "p": pr["p"]}
+        rows[m] = row
+    return {"n_prompts": len(prompts), "rows": rows}
+
+
+def curve(outs: dict, nbytes: dict, method: str, bits, full_labels, densities) -> dict:
+    keys = [(method + b, d) for b in bits for d in densities] + [(f, 0.2) for f in full_labels]
+    keys = [k for k in keys if k in outs]
+    prompts = common(outs, keys)
+    full_bytes = sum(nbytes[("full", 0.2)][p] for p in prompts) / max(len(prompts), 1)
+    points = []
+    for m, d in keys:
+        k = sum(outs[(m, d)][p] for p in prompts)
+        b = sum(nbytes[(m, d)][p] for p in prompts) / max(len(prompts), 1)
+        lo, hi = wilson(k, len(prompts))
+        points.append({"label": m, "storage": storage(m), "density": None if m.startswith("full") else d,
+                       "correct": k, "n": len(prompts), "acc": k / max(len(prompts), 1), "wilson95": [lo, hi],
+                       "kv_bytes": b, "kv_vs_kvcache": b / full_bytes if full_bytes else None})
+    return {"method": method, "n_prompts": len(prompts), "kvcache_bytes": full_bytes, "points": points}
+
+
+def plot(c: dict, title: str, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"fp": "C0", "8bit": "C1", "4bit": "C2"}
+    for st in ("fp", "8bit", "4bit"):
+        for full in (False, True):
+            pts = [p for p in c["points"] if p["storage"] == st and p["label"].startswith("full") == full]
+            if not pts:
+                continue
+            pts.sort(key=lambda p: p["kv_bytes"])
+            x = [p["kv_bytes"] / 2 ** 20 for p in pts]
+            y = [100 * p["acc"] for p in pts]
+            err = [[100 * (p["acc"] - p["wilson95"][0]) for p in pts], [100 * (p["wilson95"][1] - p["acc"]) for p in pts]]
+            name = (f"full cache, {st} rows" if full else f"{c['method']}, {st} rows")
+            ax.errorbar(x, y, yerr=err, fmt="s" if full else "o-", color=colors[st], capsize=3,
+                        mfc="white" if full else colors[st], label=name)
+            if not full:
+                for xi, yi, p in zip(x, y, pts):
+                    ax.annotate(f"{int(round(100 * p['density']))}%", (xi, yi), textcoords="offset points",
+                                xytext=(4, -12), fontsize=7, color=colors[st])
+    ax.set_xscale("log")
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator([1, 2, 4, 8, 16, 32, 64]))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("allocated KV after prompt + 8 tokens (MiB, log)")
+    ax.set_ylabel("passkey accuracy (%), Wilson 95%")
+    ax.set_title(f"{title}: equal-memory curve, 1K passkey, {c['n_prompts']} prompts", fontsize=10)
+    ax.set_ylim(-3, 103)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def report_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_quality.py quant-report", description=REPORT_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", nargs=2, action="append", metavar=("MODEL", "JSON"), required=True)
+    ap.add_argument("--curve", default="nestedkv")
+    ap.add_argument("--out", default="figures/eval/quant/passkey_quant_summary.json")
+    ap.add_argument("--figure", default="figures/eval/quant/equal_memory_curve.png")
+    a = ap.parse_args(argv)
+    summary, labels = {"models": {}}, set()
+    for name, path in a.run:
+        outs, nbytes, data = index(path)
+        at20 = sorted({m for m, d in outs if d == 0.2}, key=lambda m: (fp_label(m) != "full", fp_label(m), storage(m)))
+        labels |= {m for m, _ in outs}
+        entry = {"source": path, "model": data["meta"].get("model"), "density_0.2": table(outs, 0.2, at20)}
+        densities = sorted({d for m, d in outs if fp_label(m) == a.curve})
+        if len(densities) > 1:
+            entry["curve"] = curve(outs, nbytes, a.curve, ("", "-8bit", "-4bit"),
+                                   ("full", "full-8bit", "full-4bit"), densities)
+            plot(entry["curve"], name, a.figure)
+            entry["figure"] = a.figure
+        summary["models"][name] = entry
+        t = entry["density_0.2"]
+        print(f"\n### {name}: 20 %, {t['n_prompts']} prompts (1K)\n")
+        print("| label | rows | accuracy % [Wilson 95 %] (k/n) | vs same method fp: only fp / only quantized, McNemar p |")
+        print("|---|---|---|---|")
+        for m, r in t["rows"].items():
+            v = r.get("vs_fp")
+            vs = f"{v['only_fp']} / {v['only_quant']}, p = {fmt_p(v['p'])}" if v else "–"
+            if "vs_g64" in r:
+                g = r["vs_g64"]
+                vs += f"; vs {g['label']}: {g['only_g64']} / {g['only_this']}, p = {fmt_p(g['p'])}"
+            print(f"| {m} | {storage(m)} | {fmt_ci(r['correct'], r['n'])} ({r['correct']}/{r['n']}) | {vs} |")
+        if "curve" in entry:
+            c = entry["curve"]
+            print(f"\n{name}: equal-memory curve, {c['n_prompts']} prompts, KVCache = {c['kvcache_bytes'] / 2**20:.2f} MiB\n")
+            print("| label | density | allocated KV MiB | x KVCache | accuracy % [Wilson 95 %] |")
+            print("|---|---|---|---|---|")
+            for p in sorted(c["points"], key=lambda p: p["kv_bytes"]):
+                d = "–" if p["density"] is None else f"{100 * p['density']:.0f} %"
+                print(f"| {p['label']} | {d} | {p['kv_bytes'] / 2**20:.2f} | {p['kv_vs_kvcache']:.3f} | "
+                      f"{fmt_ci(p['correct'], p['n'])} |")
+    summary["provenance"] = provenance(sorted(labels))
+    summary["provenance"]["note"] = ("fingerprints run fp rows only; -8bit / -4bit labels are these methods "
+                                     "with kv_bits (tests/test_quantized.py pins the quantized path)")
+    Path(a.out).write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+# ================================================================================================
+# models: Passkey accuracy of every method on two models side by side, with Wilson 95% intervals, and
+# ================================================================================================
+MODELS_DOC = """Passkey accuracy of every method on two models side by side, with Wilson 95% intervals, and
+Nexus's paired comparison (exact McNemar) against each method on each model.
+
+Reads the cells the evaluation wrote (``python -m veloxquant_mlx eval passkey``): by default
+``figures/eval/passkey.json`` (SmolLM2-135M, the bundled model) and ``figures/eval/gemma3/passkey.json``
+(Gemma 3 270M). Each model's numbers are over the prompts every plotted method finished on that model,
+prefill-only regime (``prompt_eviction="end"``). Writes ``figures/eval/passkey_two_models.png`` and
+prints a markdown table.
+
+    python benchmark_scripts/bench_quality.py two-models [--density 0.2] [--out figures/eval/passkey_two_models.png]
+"""
+
+DEFAULT_RUNS = (("SmolLM2-135M", "figures/eval/passkey.json"), ("Gemma-3-270M", "figures/eval/gemma3/passkey.json"))
+
+
+def outcomes(path: str, density: float) -> dict:
+    """method -> {prompt: correct} for the prefill-only cells at ``density`` (the full cache at any),
+    indexed as the report indexes them (seed 0, errors left out)."""
+    res, _, _ = _passkey_index(json.loads(Path(path).read_text()))
+    columns = sorted({(k[3], k[4]) for k in res})
+    methods = {k[2] for k in res if k[0] == "prefill" and k[1] == density}
+    return {m: _paired_outcomes(res, "prefill", density, m, columns) for m in methods}
+
+
+def common_prompts(res: dict, methods) -> list:
+    sets = [set(res[m]) for m in methods if m in res]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def models_main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_quality.py two-models", description=MODELS_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--density", type=float, default=0.2)
+    ap.add_argument("--out", default="figures/eval/passkey_two_models.png")
+    args = ap.parse_args(argv)
+    runs = [(name, outcomes(p, args.density)) for name, p in DEFAULT_RUNS if Path(p).exists()]
+    if not runs:
+        raise SystemExit("no passkey cells found: run `python -m veloxquant_mlx eval passkey` first")
+    # the methods run on every model, in a fixed order (full first, Nexus next)
+    shared = set.intersection(*(set(r) for _, r in runs))
+    order = ["full", "nexus"] + sorted(m for m in shared if m not in ("full", "nexus"))
+    methods = [m for m in order if m in shared]
+    table = {}
+    print("| Method | " + " | ".join(f"{n}: accuracy [95% CI] (k/n) | vs Nexus: only Nexus / only other, p"
+                                     for n, _ in runs) + " |")
+    print("|---|" + "---|---|" * len(runs))
+    for name, res in runs:
+        prompts = common_prompts(res, methods)
+        for m in methods:
+            k = sum(res[m][p] for p in prompts)
+            pr = paired({p: res["nexus"][p] for p in prompts}, {p: res[m][p] for p in prompts})
+            table[(name, m)] = (k, len(prompts), wilson(k, len(prompts)), pr)
+    for m in methods:
+        row = [m]
+        for name, _ in runs:
+            k, n, (lo, hi), pr = table[(name, m)]
+            row.append(f"{100 * k / n:.1f} [{100 * lo:.1f}–{100 * hi:.1f}] ({k}/{n})")
+            row.append("–" if m == "nexus" else f"{pr['only_a']} / {pr['only_b']}, p {fmt_p(pr['p'])}")
+        print("| " + " | ".join(row) + " |")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 0.45 * len(methods) + 1.4), sharey=True)
+    axes = axes if len(runs) > 1 else [axes]
+    for ax, (name, _) in zip(axes, runs):
+        ys = range(len(methods))
+        for y, m in zip(ys, methods):
+            k, n, (lo, hi), _ = table[(name, m)]
+            color = "black" if m == "full" else ("tab:red" if m.startswith("nexus") else "tab:blue")
+            ax.errorbar(100 * k / n, y, xerr=[[100 * (k / n - lo)], [100 * (hi - k / n)]], fmt="o", color=color,
+                        capsize=3)
+        n = table[(name, methods[0])][1]
+        ax.set_title(f"{name} ({n} prompts, {args.density:.0%} budget)")
+        ax.set_xlim(-2, 102)
+        ax.set_xlabel("passkey accuracy (%), Wilson 95% interval")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(methods)))
+    axes[0].set_yticklabels(methods)
+    axes[0].invert_yaxis()
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# ================================================================================================
+# recall: Recallable eviction on the follow-up task, paired against the same method without recall.
+# ================================================================================================
+RECALL_DOC = """Recallable eviction on the follow-up task, paired against the same method without recall.
+
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall --prompts 6 --length 1536 \
+        --density 0.2 --methods nexus snapkv --tiers none memory disk
+
+Each prompt is the ``followup`` task of ``veloxquant_mlx.evaluation.tasks`` with two facts: turn 1
+asks one, turn 2 the other, on the same cache (what ``serve``'s multi-turn reuse does). Every cache
+list sees the same prompt (one shared prefill under ``prompt_eviction="end"``, as ``eval tasks``
+runs it) and the same later turns. Per cell: each turn's correctness, the resident KV bytes after the
+prompt and after the last turn (``kv_report``, which counts the cold tier's resident part) with the
+byte split of ``byte_report``, and each later turn's prefill time (which includes the recall: the
+paired ratio against no recall is the recall's cost; OpenBLAS preloaded, ratios within one run only).
+Results are written after every prompt, and a re-run skips the prompts already in the file.
+"""
+
+def label(method: str, tier: str) -> str:
+    return method if tier == "none" else f"{method}-recall-{tier}"
+
+
+def cold_split(caches) -> dict:
+    keys = ("hot_bytes", "cold_resident_bytes", "cold_disk_bytes", "summary_bytes")
+    out = dict.fromkeys(keys, 0)
+    for c in caches:
+        r = c.byte_report() if hasattr(c, "byte_report") else {}
+        for k in keys:
+            out[k] += r.get(k, 0)
+    return out
+
+
+def summarize(data: dict) -> dict:
+    """Per label: prompts, turn-1 / turn-2 correct counts, all turns right; the paired turn-2 prefill
+    ratio (recall over the same method without it, median over prompts); mean resident bytes."""
+    rows = data["prompts"]
+    labels = sorted({n for r in rows for n in r["cells"]})
+    out = {}
+    for n in labels:
+        cells = [r["cells"][n] for r in rows if "turns" in r["cells"].get(n, {})]
+        if not cells:
+            continue
+        s = {"prompts": len(cells),
+             "turn_correct": [sum(c["turns"][k]["correct"] for c in cells) for k in range(len(cells[0]["turns"]))],
+             "all_turns": sum(all(t["correct"] for t in c["turns"]) for c in cells),
+             "resident_bytes_end": statistics.mean(c["resident_bytes_end"] for c in cells)}
+        base = n.split("-recall-")[0]
+        if base != n:
+            ratios = [r["cells"][n]["turns"][1]["turn_prefill_s"] / r["cells"][base]["turns"][1]["turn_prefill_s"]
+                      for r in rows if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})]
+            s["turn2_prefill_ratio_median"] = round(statistics.median(ratios), 3) if ratios else None
+            lost = sum(1 for r in rows if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})
+                       and any(b["correct"] and not a["correct"]
+                               for a, b in zip(r["cells"][n]["turns"], r["cells"][base]["turns"])))
+            s["turns_lost_vs_no_recall"] = lost
+        out[n] = s
+    return out
+
+
+def recall_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench_quality.py recall", description=RECALL_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bundled")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--length", type=int, default=1536)
+    p.add_argument("--density", type=float, default=0.2)
+    p.add_argument("--methods", nargs="+", default=["nexus", "snapkv"])
+    p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"], choices=["none", "memory", "disk"])
+    p.add_argument("--recall-bits", type=int, default=4)
+    p.add_argument("--recall-pages", type=int, default=8)
+    p.add_argument("--recall-page", type=int, default=32)
+    p.add_argument("--quantized-baseline", action="store_true",
+                   help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
+    p.add_argument("--out", default=str(FIGURES / "recall" / "followup_smollm2.json"))
+    args = p.parse_args(argv)
+    quiet_cache_warnings()
+    model, tokenizer, desc = load_eval_model(args.model)
+    eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
+                       | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
+    done = {r["index"] for r in data["prompts"]}
+    setting = {"model": desc, "task": "followup", "n_facts": 2, "length": args.length, "density": args.density,
+               "prompt_eviction": "end", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
+               "recall_pages": args.recall_pages, "methods": args.methods, "tiers": args.tiers,
+               "quantized_baseline": "QuantizedKVCache(bits=4, group_size=32)" if args.quantized_baseline else None,
+               "blas": "OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)"}
+    for index in range(args.start, args.start + args.prompts):
+        if index in done:
+            continue
+        from mlx_lm.models.cache import make_prompt_cache
+
+        inst, tokens = build(tokenizer, "followup", args.length, index, 0, 2)
+        budget = _common.budget(args.density, len(tokens))
+        named = {"full": (make_prompt_cache(model), False)}
+        if args.quantized_baseline:  # its prompt attends over its own 4-bit rows: its own prefill
+            named["full-4bit"] = (model_caches(model, 4, 32), True)
+        for m in args.methods:
+            for tier in args.tiers:
+                extra = {} if tier == "none" else {"recall": tier, "recall_bits": args.recall_bits,
+                                                   "recall_page": args.recall_page, "recall_pages": args.recall_pages}
+                named[label(m, tier)] = (KVCacheBuilder.for_model(model, KVCacheConfig(m, budget=budget, **extra)),
+                                         False)
+        held = {n: c for n, (c, _) in named.items()}  # run_prompt frees its references as it goes
+        t0 = time.perf_counter()
+        res = run_prompt(model, tokenizer, inst, tokens, named, shared=True, eos_ids=eos)
+        for n, r in res.items():
+            if "turns" in r:
+                r["resident_bytes_end"] = kv_report(held[n])["allocated_bytes"]
+                r.update(cold_split(held[n]))
+        del held
+        data["prompts"].append({"index": index, "prompt_tokens": len(tokens), "budget": budget,
+                                "expected": [list(t.expected) for t in inst.turns], "cells": res,
+                                "seconds": round(time.perf_counter() - t0, 1)})
+        data["prompts"].sort(key=lambda r: r["index"])
+        data["setting"] = setting
+        data["summary"] = summarize(data)
+        data["provenance"] = provenance(["full", *args.methods])
+        data["provenance"]["note"] = ("the fingerprints cover each method without recall; the recall code is at "
+                                      "the commit named")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        s = data["summary"]
+        print(f"prompt {index}: " + "; ".join(f"{n} {v['turn_correct']}" for n, v in s.items()), flush=True)
+    return 0
+
+
+SUBCOMMANDS = {"quant-passkey": quant_main, "quant-report": report_main, "two-models": models_main,
+               "recall": recall_main}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
