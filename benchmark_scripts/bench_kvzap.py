@@ -9,6 +9,7 @@ alternating between rounds; medians and per-round ratios are reported. OpenBLAS 
 unless ``--no-fast-blas``.
 
     python benchmark_scripts/bench_kvzap.py --contexts 2048 --rounds 3   # -> figures/kvzap/cost.json
+    python benchmark_scripts/bench_kvzap.py --needle-rank                # the passkey's rank under the scorer
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None):
@@ -34,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--no-kvzip", action="store_true", help="leave kvzip's prefill out (it is the slow one)")
     p.add_argument("--no-fast-blas", action="store_true")
+    p.add_argument("--needle-rank", action="store_true", help="instead: the share of (layer, head) pairs whose "
+                   "predicted score keeps each passkey token (1K, depth 0.02; 99 and 176 picks)")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzap" / "cost.json"))
     return p.parse_args(argv)
 
@@ -66,12 +68,45 @@ def decode(model, logits, caches, n):
     return (time.perf_counter() - t0) / n
 
 
+def needle_rank() -> int:
+    """``--needle-rank``: does the shipped SmolLM2 scorer rank the passkey high? (docs/methods/kvzap.md)"""
+    import numpy as np
+
+    from veloxquant_mlx.evaluation.kvzap_collect import hidden_states
+    from veloxquant_mlx.evaluation.needle import key_token_spans
+    from veloxquant_mlx.evaluation.retrieval import make_prompt
+    from veloxquant_mlx.methods.kvzap import SHIPPED_DIR, load_scorer
+    from veloxquant_mlx.models import load_model
+
+    model, tok = load_model()
+    weights = load_scorer(SHIPPED_DIR / "smollm2-135m.safetensors")[0]
+    for hay in ("grass", "text"):
+        toks, pos = make_prompt(tok, hay, 1024, 0.02, "67767")
+        needle = [p for s in key_token_spans(tok, toks, pos, "67767") for p in s]
+        xs = hidden_states(model, toks, sorted(weights))
+        free = np.arange(4, len(toks) - 102)
+        ranks = []
+        for i, (w, b) in weights.items():
+            pred = (xs[i] @ np.array(w) + np.array(b)).T
+            for h in range(pred.shape[0]):  # a report over a few heads, offline
+                order = free[np.argsort(-pred[h, free], kind="stable")]
+                where = {int(t): int(np.flatnonzero(order == t)[0]) for t in needle if 4 <= t < len(toks) - 102}
+                ranks.append(where)
+        for picks in (99, 176):
+            share = np.mean([np.mean([r < picks for r in where.values()]) for where in ranks])
+            print(f"{hay}: {len(toks)} tokens, needle tokens {needle}: kept by {share:.3f} of (layer, head) "
+                  f"pairs with {picks} picks", flush=True)
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not args.no_fast_blas:
         from veloxquant_mlx.platform.blas import reexec_with_openblas
 
         reexec_with_openblas(num_threads=1)
+    if args.needle_rank:
+        return needle_rank()
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
