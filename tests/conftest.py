@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,8 +37,28 @@ VOCAB = 128
 SMALL_BUDGET = 32  # the budget the methods' small= options are sized for
 
 
+# kvzap needs a scorer fitted for each model: the tiny models get theirs from the real fit code (KVzip+ scores
+# of random token windows, ridge regression), written to a session folder on kvzap's search path, so every
+# registry-driven test builds kvzap exactly as a user with a fitted scorer does.
+KVZAP_DIR = Path(tempfile.mkdtemp(prefix="vq-kvzap-scorers-"))
+os.environ["VELOXQUANT_KVZAP_PATH"] = str(KVZAP_DIR)
+
+
+def fit_tiny_scorer(model) -> Path:
+    """Fit (once per model identity) and store a kvzap scorer for a tiny test model."""
+    from veloxquant_mlx.evaluation.kvzap_collect import tiny_scorer
+
+    return tiny_scorer(model, KVZAP_DIR, tiny_tokenizer())
+
+
 def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                     **args):
+    model = _make_tiny_model(arch, seed, layers, heads, kv_heads, **args)
+    fit_tiny_scorer(model)
+    return model
+
+
+def _make_tiny_model(arch, seed, layers, heads, kv_heads, **args):
     """A tiny fp32 model with GQA (``heads`` query heads, ``kv_heads`` KV heads, head_dim 16; gemma3:
     head_dim 32 with sliding-window layers). ``args`` override fields of the architecture's ModelArgs."""
     mx.random.seed(seed)

@@ -28,7 +28,7 @@ from veloxquant_mlx.distributed import traffic
 from veloxquant_mlx.options import small_options
 from veloxquant_mlx.registry import get_method
 
-from conftest import forbid_host_sync, make_tiny_model
+from conftest import fit_tiny_scorer, forbid_host_sync, make_tiny_model
 
 VOCAB = 128
 PROMPT, DECODE, CHUNK = 64, 12, 32  # prompt chunks of 32: eviction during the prompt and in decode
@@ -47,6 +47,7 @@ def make_model(arch: str, seed: int = 0):
             intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
             vocab_size=VOCAB, max_position_embeddings=4096))
         mx.eval(model.parameters())
+        fit_tiny_scorer(model)  # kvzap's scorer for this model (conftest)
         return model
     return make_tiny_model(arch, seed=seed, heads=8, kv_heads=4)
 

@@ -15,7 +15,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, met
 from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.methods.streaming import StreamingKVCache
 
-from conftest import forbid_host_sync, greedy, random_prompt, small_config
+from conftest import fit_tiny_scorer, forbid_host_sync, greedy, random_prompt, small_config
 from test_batching import alone, batched, same_cache
 
 METHODS = sorted(methods())
@@ -34,6 +34,7 @@ def make_model(arch: str = "llama", seed: int = 0):
         model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", rope_theta=10000.0, tie_word_embeddings=True,
                                             **common))
     mx.eval(model.parameters())
+    fit_tiny_scorer(model)  # kvzap's scorer for this model (conftest)
     return model
 
 

@@ -11,7 +11,7 @@ from .config import KVCacheConfig
 from .caches.shard import HeadShard
 from .distributed import layer_span, resolve_group
 from .model_pass import install_model_pass, remove_model_pass
-from .tap import install_query_tap, remove_query_tap
+from .tap import install_hidden_tap, install_query_tap, remove_query_tap
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
@@ -65,6 +65,8 @@ class KVCacheBuilder:
         tapped = bool(install_query_tap(model))
         if getattr(cls, "needs_model_pass", False):
             install_model_pass(model, tokenizer)
+        if getattr(cls, "needs_hidden_states", False):
+            install_hidden_tap(model)
         if config.kv_bits is not None and not tapped:
             raise ValueError(
                 f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
@@ -88,6 +90,9 @@ class KVCacheBuilder:
                 caches.append(ev)
             else:
                 caches.append(c)
+        attach = getattr(cls, "attach_model", None)  # a method that needs the model itself (e.g. its identity)
+        if attach is not None:
+            attach(model, [c for c in caches if isinstance(c, cls)])
         return caches
 
     @staticmethod
@@ -110,6 +115,8 @@ class KVCacheBuilder:
         install_query_tap(model)
         if getattr(config.cache_class, "needs_model_pass", False):
             install_model_pass(model, tokenizer)
+        if getattr(config.cache_class, "needs_hidden_states", False):
+            install_hidden_tap(model)
 
     @staticmethod
     def uninstall(model) -> None:

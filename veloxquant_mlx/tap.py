@@ -3,6 +3,9 @@
 in the model's own modules only, to a thin wrapper that hands the post-RoPE queries to
 ``cache.observe_queries`` (when the cache has it), lets the cache replace the mask for its own layer
 (ragged per-head storage), then calls the original. Other caches pass straight through.
+
+The hidden-state tap (below) hands each attention module's input ``x`` to its cache, for methods that
+score rows from the layer's hidden states.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def install_query_tap(model) -> list:
 
 
 def remove_query_tap(model) -> list:
-    """Restore the original function in the model's modules. Returns the modules restored."""
+    """Restore the original function in the model's modules (and remove the hidden-state tap). Returns
+    the modules restored."""
+    remove_hidden_tap(model)
     restored = []
     for name in _model_module_names(model):
         mod = sys.modules.get(name)
@@ -79,3 +84,64 @@ def remove_query_tap(model) -> list:
 def query_tap_installed(model) -> bool:
     return any(getattr(getattr(sys.modules.get(n), _TAP_NAME, None), "__veloxquant_tap__", False)
                for n in _model_module_names(model))
+
+
+# -- the hidden-state tap ----------------------------------------------------------------------------
+# A method that scores rows from the layer's input (``needs_hidden_states``) gets it from each attention
+# module: the module's class is swapped, per instance, for a subclass whose ``__call__`` hands ``x`` to
+# the cache passed in (when it has ``observe_attention_input``) before the original runs, so the cache
+# holds this step's hidden states when ``update_and_fetch`` stores the step's rows.
+_ATTENTION_NAMES = ("self_attn", "attention", "attn")
+_HIDDEN_SUBCLASSES: dict = {}
+
+
+def attention_modules(model) -> list:
+    """The attention module of every layer of ``model.layers`` (None where a layer has none)."""
+    out = []
+    for layer in getattr(model, "layers", None) or []:
+        out.append(next((getattr(layer, n) for n in _ATTENTION_NAMES if getattr(layer, n, None) is not None), None))
+    return out
+
+
+def _hidden_subclass(cls):
+    sub = _HIDDEN_SUBCLASSES.get(cls)
+    if sub is None:
+        def __call__(self, x, *args, **kwargs):
+            cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+            observe = getattr(cache, "observe_attention_input", None)
+            if observe is not None:
+                observe(x, self)
+            return cls.__call__(self, x, *args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__, "__veloxquant_hidden__": True,
+                                            "__veloxquant_base__": cls})
+        _HIDDEN_SUBCLASSES[cls] = sub
+    return sub
+
+
+def install_hidden_tap(model) -> int:
+    """Hand every attention module's input to its cache (``observe_attention_input(x, module)``).
+    Idempotent; returns how many modules carry the tap."""
+    n = 0
+    for attn in attention_modules(model):
+        if attn is None:
+            continue
+        if not getattr(type(attn), "__veloxquant_hidden__", False):
+            attn.__class__ = _hidden_subclass(type(attn))
+        n += 1
+    return n
+
+
+def remove_hidden_tap(model) -> int:
+    """Give every attention module its own class back. Returns how many were restored."""
+    n = 0
+    for attn in attention_modules(model):
+        if attn is not None and getattr(type(attn), "__veloxquant_hidden__", False):
+            attn.__class__ = type(attn).__veloxquant_base__
+            n += 1
+    return n
+
+
+def hidden_tap_installed(model) -> bool:
+    return any(getattr(type(a), "__veloxquant_hidden__", False) for a in attention_modules(model) if a is not None)

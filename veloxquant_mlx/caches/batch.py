@@ -225,6 +225,7 @@ class BatchEvictionCache(_BaseCache):
         if B != len(self.rows):
             raise ValueError(f"keys hold {B} sequences but the batch cache has {len(self.rows)} rows")
         spans = self._spans(S)
+        hidden, self._hidden = getattr(self, "_hidden", None), None
         held = []  # per row: rows stored before this step's tokens
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
             if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
@@ -233,6 +234,9 @@ class BatchEvictionCache(_BaseCache):
                 row._before_append(n)
             held.append(row._rows)
             if n:
+                if hidden is not None and hasattr(row, "observe_attention_input"):  # the row's own hidden states
+                    row.observe_attention_input(hidden[0] if (B == 1 and n == S) else hidden[0][i:i + 1, a:a + n],
+                                                hidden[1])
                 with input_span(i, a, n):  # a row reading its token ids reads its own slice
                     row._append(k, v)
         bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
@@ -245,6 +249,11 @@ class BatchEvictionCache(_BaseCache):
                 ragged = ragged or row.fetched_ragged
         self._step = (spans, list(self._kv.n), ragged)
         return self._kv.fetch()
+
+    def observe_attention_input(self, x: mx.array, module=None) -> None:
+        """The hidden-state tap (before update_and_fetch): held until update_and_fetch hands each row
+        that reads hidden states its own slice of the input (B, S, hidden)."""
+        self._hidden = (x, module)
 
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""

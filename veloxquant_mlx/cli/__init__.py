@@ -10,7 +10,7 @@ import sys
 
 from ..platform import blas
 from ..registry import methods
-from . import compress, demo, generate, serve
+from . import compress, demo, fit_kvzap, generate, serve
 from . import eval as eval_cmd
 from .args import CLIError, Parser
 
@@ -36,6 +36,7 @@ def build_parser():
     demo.add_parser(sub)
     eval_cmd.add_parser(sub)  # real-model evaluation
     serve.add_parser(sub)  # mlx_lm.server with eviction caches
+    fit_kvzap.add_parser(sub)  # a KVzap scorer for a model
     return p
 
 

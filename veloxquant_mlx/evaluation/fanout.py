@@ -66,6 +66,9 @@ class FanOutCache:
     def observe_queries(self, queries, scale=None):
         self._each("observe_queries", queries, scale)
 
+    def observe_attention_input(self, x, module=None):
+        self._each("observe_attention_input", x, module)  # the hidden-state tap, for caches that read it
+
     def attention_mask(self, mask, queries):
         return mask
 

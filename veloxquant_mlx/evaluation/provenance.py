@@ -124,11 +124,29 @@ def method_fingerprint(key: str) -> str:
             record = _run(model, make_prompt_cache(model), 2048)
         else:
             cfg = _config(method, setting, options)
+            if not isinstance(cfg, str) and getattr(cfg.cache_class, "needs_hidden_states", False):
+                cfg = _with_tiny_scorer(model, method, setting, options)
             record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
                                                            _SETTINGS[setting][1])
             KVCacheBuilder.uninstall(model)
     _cache[key] = _digest(record)
     return _cache[key]
+
+
+def _with_tiny_scorer(model, method, setting, options):
+    """A learned-scorer method (kvzap) on the fingerprint model: its scorer fitted by the real fit code on
+    fixed random windows, in a temporary folder (deterministic up to the BLAS's summation order)."""
+    import tempfile
+
+    from .kvzap_collect import tiny_scorer
+
+    global _SCORER_DIR
+    if _SCORER_DIR is None:
+        _SCORER_DIR = tempfile.mkdtemp(prefix="vq-fingerprint-scorer-")
+    return _config(method, setting, {"scorer": str(tiny_scorer(model, _SCORER_DIR)), **(options or {})})
+
+
+_SCORER_DIR = None
 
 
 def all_keys() -> list:

@@ -1,0 +1,177 @@
+"""KVzap's cost: prefill with kvzap / kvzip / a plain KVCache, and decode with kvzap vs mlx-lm's
+RotatingKVCache(max_size=budget), side by side in one run.
+
+On the bundled SmolLM2-135M (fp32, its shipped scorer), a prose prompt of each context is fed exactly as
+``mlx_lm.generate`` feeds it (all but the last token in chunks of 2048, the last token alone, then
+``mx.eval`` of the caches' state). Decode: ``--decode`` greedy tokens after that prefill, timed alone
+(per token), kvzap at the same budget as the rotating cache. Every round runs every variant, the order
+alternating between rounds; medians and per-round ratios are reported. OpenBLAS is preloaded (1 thread)
+unless ``--no-fast-blas``.
+
+    python benchmark_scripts/bench_kvzap.py --contexts 2048 --rounds 3   # -> figures/kvzap/cost.json
+    python benchmark_scripts/bench_kvzap.py --needle-rank                # the passkey's rank under the scorer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--density", type=float, default=0.2)
+    p.add_argument("--decode", type=int, default=64, help="decode tokens timed after the prefill")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--no-kvzip", action="store_true", help="leave kvzip's prefill out (it is the slow one)")
+    p.add_argument("--no-fast-blas", action="store_true")
+    p.add_argument("--needle-rank", action="store_true", help="instead: the share of (layer, head) pairs whose "
+                   "predicted score keeps each passkey token (1K, depth 0.02; 99 and 176 picks)")
+    p.add_argument("--out", default=str(ROOT / "figures" / "kvzap" / "cost.json"))
+    return p.parse_args(argv)
+
+
+def prefill(model, tokens, caches, step):
+    import mlx.core as mx
+
+    x = mx.array(tokens)[None]
+    n = x.shape[1]
+    t0 = time.perf_counter()
+    for s in range(0, n - 1, step):
+        model(x[:, s:min(s + step, n - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    logits = model(x[:, n - 1:], cache=caches)
+    mx.eval(logits, [c.state for c in caches])
+    return time.perf_counter() - t0, logits
+
+
+def decode(model, logits, caches, n):
+    import mlx.core as mx
+
+    tok = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(tok)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = model(tok, cache=caches)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.async_eval(tok)
+    mx.eval(tok)
+    return (time.perf_counter() - t0) / n
+
+
+def needle_rank() -> int:
+    """``--needle-rank``: does the shipped SmolLM2 scorer rank the passkey high? (docs/methods/kvzap.md)"""
+    import numpy as np
+
+    from veloxquant_mlx.evaluation.kvzap_collect import hidden_states
+    from veloxquant_mlx.evaluation.needle import key_token_spans
+    from veloxquant_mlx.evaluation.retrieval import make_prompt
+    from veloxquant_mlx.methods.kvzap import SHIPPED_DIR, load_scorer
+    from veloxquant_mlx.models import load_model
+
+    model, tok = load_model()
+    weights = load_scorer(SHIPPED_DIR / "smollm2-135m.safetensors")[0]
+    for hay in ("grass", "text"):
+        toks, pos = make_prompt(tok, hay, 1024, 0.02, "67767")
+        needle = [p for s in key_token_spans(tok, toks, pos, "67767") for p in s]
+        xs = hidden_states(model, toks, sorted(weights))
+        free = np.arange(4, len(toks) - 102)
+        ranks = []
+        for i, (w, b) in weights.items():
+            pred = (xs[i] @ np.array(w) + np.array(b)).T
+            for h in range(pred.shape[0]):  # a report over a few heads, offline
+                order = free[np.argsort(-pred[h, free], kind="stable")]
+                where = {int(t): int(np.flatnonzero(order == t)[0]) for t in needle if 4 <= t < len(toks) - 102}
+                ranks.append(where)
+        for picks in (99, 176):
+            share = np.mean([np.mean([r < picks for r in where.values()]) for where in ranks])
+            print(f"{hay}: {len(toks)} tokens, needle tokens {needle}: kept by {share:.3f} of (layer, head) "
+                  f"pairs with {picks} picks", flush=True)
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.no_fast_blas:
+        from veloxquant_mlx.platform.blas import reexec_with_openblas
+
+        reexec_with_openblas(num_threads=1)
+    if args.needle_rank:
+        return needle_rank()
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.platform.blas import blas_info
+    from veloxquant_mlx.config import budget_for
+    from veloxquant_mlx.evaluation.provenance import command_line, provenance
+    from veloxquant_mlx.evaluation.retrieval import prose_text
+    from veloxquant_mlx.evaluation.results import load_eval_model
+
+    model, tokenizer, desc = load_eval_model("bundled", quick=False)
+    all_tokens = list(tokenizer.encode(prose_text(seed=0)))
+    rows = []
+    out = Path(args.out)
+    names = ["plain", "kvzap", "rotating"] + ([] if args.no_kvzip else ["kvzip"])
+
+    def summarize(n, budget, pre, dec, rounds):
+        """The row of one context from the rounds so far, written at once: a run cut short keeps them."""
+        med = {k: statistics.median(v) for k, v in pre.items()}
+        row = {"context": n, "budget": budget, "rounds": rounds, "decode_tokens": args.decode,
+               "prefill_s": pre, "decode_s_per_token": dec,
+               "prefill_ratio_vs_plain": {k: med[k] / med["plain"] for k in med if k != "plain"},
+               "prefill_ratio_by_round": {k: [a / b for a, b in zip(pre[k], pre["plain"])] for k in pre if k != "plain"},
+               # tokens per second kvzap / rotating: >= 1 means kvzap decodes at least as fast
+               "decode_speed_vs_rotating": statistics.median(dec["rotating"]) / statistics.median(dec["kvzap"]),
+               "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])]}
+        done = [x for x in rows if x["context"] != n] + [row]
+        rows[:] = done
+        print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; kvzap decode speed / "
+              f"rotating {row['decode_speed_vs_rotating']:.3f}", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"experiment": "kvzap cost", "model": desc, "density": args.density,
+                                   "rows": rows, "provenance": {**provenance(command_line(), labels=["full", *(k for k in names if k in ("kvzap", "kvzip"))]),
+                                   "load_average_at_end": os.getloadavg(), "mlx": mx.__version__,
+                                   **blas_info()}}, indent=1))
+
+    for n in args.contexts:
+        if len(all_tokens) < n:
+            raise SystemExit(f"prose gives {len(all_tokens)} tokens, need {n}")
+        tokens, budget = all_tokens[:n], budget_for(args.density, n)
+
+        def build(name):
+            if name == "plain":
+                return make_prompt_cache(model)
+            if name == "rotating":
+                return [RotatingKVCache(max_size=budget, keep=4) if type(c) is KVCache else c
+                        for c in make_prompt_cache(model)]
+            return KVCacheBuilder.for_model(model, KVCacheConfig(name, budget=budget), tokenizer=tokenizer)
+
+        pre = {k: [] for k in names}
+        dec = {k: [] for k in ("kvzap", "rotating")}
+        prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)  # warm-up
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                caches = build(name)
+                s, logits = prefill(model, tokens, caches, args.prefill_step_size)
+                pre[name].append(s)
+                if name in dec:
+                    dec[name].append(decode(model, logits, caches, args.decode))
+            print(f"{n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in pre.items()) + "; decode "
+                  + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms/tok" for k, v in dec.items()), flush=True)
+            summarize(n, budget, pre, dec, r + 1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""KVzap (method="kvzap"): rows scored from their hidden states by a fitted linear scorer.
+
+The contract matrix, batching, save/load and the two-rank run pick the method up from the registry
+(the tiny models get scorers from the real fit in conftest); this file checks what is KVzap's own: the
+hidden-state tap, the score of every prompt and decode row, the selection by that score, the scorer
+file's identity checks, and the ridge fit.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
+from veloxquant_mlx.evaluation.kvzap_collect import hidden_states, split_windows, windows
+from veloxquant_mlx.methods.kvzap import (KVzapCache, find_scorer, load_scorer, model_identity,
+                                          read_scorer_metadata, save_scorer)
+from veloxquant_mlx.methods.kvzap_fit import keep_overlap, r2, ridge, spearman
+from veloxquant_mlx.tap import hidden_tap_installed, remove_query_tap
+
+from conftest import fit_tiny_scorer, forbid_host_sync, make_tiny_model, random_prompt
+
+
+def kvzap(budget=32, **kw):
+    return KVCacheConfig("kvzap", budget=budget, n_sink=kw.pop("n_sink", 4), recent=kw.pop("recent", 4), **kw)
+
+
+def feed(model, caches, prompt, decode=0, step=16):
+    """The prompt as mlx_lm.generate feeds it (chunks, then the last token alone), then greedy decode."""
+    toks = list(prompt)
+    for i in range(0, len(prompt) - 1, step):
+        model(mx.array([prompt[i:min(i + step, len(prompt) - 1)]]), cache=caches)
+    logits = model(mx.array([prompt[-1:]]), cache=caches)
+    for _ in range(decode):
+        tok = int(mx.argmax(logits[:, -1], axis=-1).item())
+        toks.append(tok)
+        logits = model(mx.array([[tok]]), cache=caches)
+    return toks
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama")
+
+
+def predicted(model, path, tokens):
+    """{layer: (H, n)} the scorer's prediction for every token, from a plain forward's hidden states."""
+    weights = load_scorer(path)[0]
+    xs = hidden_states(model, tokens, sorted(weights))
+    return {i: (xs[i] @ np.array(w) + np.array(b)).T for i, (w, b) in weights.items()}
+
+
+def test_hidden_tap_hands_each_attention_its_input(model):
+    KVCacheBuilder.for_model(model, kvzap())
+    assert hidden_tap_installed(model)
+    ids = mx.array([random_prompt(12, seed=1)])
+    x = hidden_states(model, ids[0].tolist(), [0, 1])
+    h0 = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+    assert np.allclose(x[0], np.array(h0[0]), atol=1e-5)
+    remove_query_tap(model)
+    assert not hidden_tap_installed(model)
+    assert type(model.model.layers[0].self_attn).__name__ == "Attention"
+
+
+def test_every_prompt_and_decode_row_carries_its_predicted_score(model):
+    path = fit_tiny_scorer(model)
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=200))  # nothing evicted: every row stays
+    toks = feed(model, caches, random_prompt(40, seed=2), decode=6)
+    pred = predicted(model, path, toks)
+    for i, c in enumerate(caches):
+        assert c.offset == len(toks) and c.evictions == 0
+        assert np.allclose(np.array(c.stored("zap_score"))[0], pred[i], atol=1e-4)
+
+
+def test_prompt_end_keeps_the_top_scored_rows_and_decode_evicts(model):
+    path = fit_tiny_scorer(model)
+    prompt = random_prompt(70, seed=3)
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=24))
+    feed(model, caches, prompt)
+    pred = predicted(model, path, prompt)
+    for i, c in enumerate(caches):
+        assert c.evictions == 1 and c.size() <= 24 + c.slack + 1
+        pos = np.array(c.stored("positions"))[0]
+        for h in range(pos.shape[0]):
+            free = np.arange(4, len(prompt) - 4)  # not a sink, not in the recent window
+            best = free[np.argsort(-pred[i][h, free], kind="stable")[:24 - 8]]
+            kept = sorted(set(pos[h].tolist()) - set(range(4)) - set(range(len(prompt) - 4, len(prompt))))
+            assert kept == sorted(best.tolist()), (i, h)
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=24))
+    feed(model, caches, prompt, decode=60)
+    assert all(c.evictions >= 2 and c.size() <= c.evict_threshold() for c in caches)
+
+
+def test_scoring_forces_no_host_sync(model):
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=24))
+    prompt = mx.array([random_prompt(70, seed=4)])
+    with forbid_host_sync():
+        for s in range(0, 69, 16):
+            model(prompt[:, s:min(s + 16, 69)], cache=caches)
+        out = model(prompt[:, 69:], cache=caches)
+        for _ in range(40):
+            out = model(mx.argmax(out[:, -1:], axis=-1), cache=caches)
+    assert caches[0].evictions >= 2
+
+
+def test_scorer_of_another_model_is_a_clear_error(model, tmp_path):
+    other = make_tiny_model("llama", seed=7)  # same shapes, other weights
+    path = fit_tiny_scorer(other)
+    assert model_identity(other) != model_identity(model)
+    with pytest.raises(ValueError, match=r"fitted for llama L=2 d=64 .*not this model \(llama L=2 d=64"):
+        KVCacheBuilder.for_model(model, kvzap(kvzap_scorer=str(path)))
+    bigger = make_tiny_model("llama", layers=3)
+    with pytest.raises(ValueError, match="L=3"):
+        KVCacheBuilder.for_model(bigger, kvzap(kvzap_scorer=str(fit_tiny_scorer(model))))
+
+
+def test_missing_or_bad_scorer_says_how_to_fit_one(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("VELOXQUANT_KVZAP_PATH", str(tmp_path))
+    with pytest.raises(ValueError, match="fit-kvzap --model NAME --out FILE"):
+        KVCacheBuilder.for_model(model, kvzap())
+    bogus = tmp_path / "x.safetensors"
+    mx.save_safetensors(str(bogus), {"a": mx.zeros(2)})
+    with pytest.raises(ValueError, match="is not a kvzap scorer"):
+        KVCacheBuilder.for_model(model, kvzap(kvzap_scorer=str(bogus)))
+    with pytest.raises(ValueError, match="is not a file"):
+        KVCacheBuilder.for_model(model, kvzap(kvzap_scorer=str(tmp_path / "none.safetensors")))
+
+
+def test_scorer_is_found_by_identity_and_spelled_in_a_spec(model):
+    path = fit_tiny_scorer(model)
+    assert find_scorer(model_identity(model)) == path
+    cfg = KVCacheConfig.parse(f"kvzap:scorer={path}", budget=32)
+    assert cfg.options.scorer == str(path) and cfg == kvzap(kvzap_scorer=str(path), n_sink=cfg.n_sink,
+                                                             recent=cfg.recent)
+    assert KVCacheConfig.parse(str(cfg)) == cfg  # the spec round-trips a path
+    meta = read_scorer_metadata(path)
+    assert meta["identity"] == model_identity(model) and meta["layers"] == [0, 1]
+    assert {"commit", "command", "date", "text", "tokens"} <= set(meta["provenance"])
+    assert {"r2", "spearman", "keep_overlap_0.2"} <= set(meta["quality"]["mean"])
+
+
+def test_save_load_carries_the_scorer_and_refuses_a_changed_one(model, tmp_path):
+    src = fit_tiny_scorer(model)
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(src.read_bytes())
+    a = KVCacheBuilder.for_model(model, kvzap(kvzap_scorer=str(path)))
+    feed(model, a, random_prompt(50, seed=5), decode=3)
+    save_prompt_cache(tmp_path / "c.safetensors", a)
+    b = load_prompt_cache(tmp_path / "c.safetensors")
+    assert b[0].scorer_file == a[0].scorer_file
+    weights, meta, _ = load_scorer(path)
+    w = {i: (np.array(x) + 1.0, np.array(y)) for i, (x, y) in weights.items()}
+    save_scorer(path, w, meta["identity"], meta["fit"], meta["provenance"], meta["quality"])
+    with pytest.raises(ValueError, match="changed since this cache was saved"):
+        load_prompt_cache(tmp_path / "c.safetensors")
+
+
+def test_tensor_parallel_slices_the_scorer_columns(model):
+    class Shard:  # the HeadShard layout of rank 1 of 2 (caches.shard), without a process group
+        size, rank = 2, 1
+
+        def total_heads(self, n):
+            return 2 * n
+
+        def local(self, x, n, axis=1):
+            return mx.take(x, mx.arange(n, 2 * n), axis=axis)
+
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=200))
+    c = caches[0]
+    c.dist = Shard()
+    w, b = c._layer_weights(1)
+    assert np.array_equal(np.array(w), np.array(c._weights[0])[:, 1:]) and np.array_equal(np.array(b), np.array(c._weights[1])[1:])
+
+
+def test_generate_step_runs_kvzap(model):
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=24, kvzap_evict_every=4))
+    out = [t for t, _ in zip((int(t) for t, _ in generate_step(mx.array(random_prompt(60, seed=6)), model,
+                                                                prompt_cache=caches)), range(30))]
+    assert len(out) == 30 and caches[0].evictions >= 2
+
+
+def test_ridge_recovers_a_planted_linear_map():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 12))
+    w, b = rng.normal(size=(12, 3)), rng.normal(size=3)
+    y = x @ w + b + 0.01 * rng.normal(size=(2000, 3))
+    fw, fb = ridge(x, y, 1e-6)
+    assert np.allclose(fw, w, atol=0.01) and np.allclose(fb, b, atol=0.01)
+    assert r2(x @ fw + fb, y) > 0.999 and r2(np.zeros_like(y) + y.mean(axis=0), y) == pytest.approx(0.0)
+    assert spearman(y[:, 0], y[:, 0]) == pytest.approx(1.0) and spearman(-y[:, 0], y[:, 0]) == pytest.approx(-1.0)
+    assert keep_overlap(y[:, 0], y[:, 0], 0.2) == 1.0 and keep_overlap(-y[:, 0], y[:, 0], 0.2) == 0.0
+
+
+def test_fit_windows_split_train_validation_held_out():
+    wins = windows(list(range(100)), 10, 8)
+    assert len(wins) == 8 and wins[1] == list(range(10, 20))
+    tr, va, te = split_windows(wins)
+    assert (len(tr), len(va), len(te)) == (6, 1, 1) and te[0] == list(range(70, 80))
+    with pytest.raises(Exception, match="at least 3"):
+        split_windows(wins[:2])
+
+
+def test_default_recent_is_the_papers_window_capped_at_half_the_budget():
+    assert KVCacheConfig("kvzap", budget=1000).recent == 128
+    assert KVCacheConfig("kvzap", budget=100).recent == 50
+    assert KVzapCache.needs_hidden_states and not KVzapCache.prefill_only
+    assert not getattr(KVzapCache, "needs_model_pass", False)  # scored from the forward itself: no extra pass
+
+
+def test_fit_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
+    from veloxquant_mlx.cli import main
+
+    assert main(["fit-kvzap", "--out", str(tmp_path / "no" / "such" / "f.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["fit-kvzap", "--out", str(tmp_path / "f.safetensors"), "--texts", "2"]) == 2
+    assert "--texts must be >= 3" in capsys.readouterr().err
+
+
+def test_the_evaluations_shared_prefill_hands_kvzap_its_hidden_states(model):
+    from veloxquant_mlx.evaluation.retrieval import shared_prefill_generate
+
+    prompt = random_prompt(70, seed=8)
+    out = shared_prefill_generate(model, prompt, {"kvzap": KVCacheBuilder.for_model(model, kvzap(budget=24))}, 6)
+    alone = KVCacheBuilder.for_model(model, kvzap(budget=24))
+    toks = feed(model, alone, prompt, decode=6)
+    assert "error" not in out["kvzap"] and out["kvzap"]["tokens"][:6] == toks[len(prompt):]
+
+
+def test_fitting_leaves_the_model_as_it_came():
+    from veloxquant_mlx.model_pass import model_pass_installed
+    from veloxquant_mlx.tap import query_tap_installed
+
+    m = make_tiny_model("llama", seed=11)  # conftest fits its scorer
+    assert not model_pass_installed(m) and not hidden_tap_installed(m) and not query_tap_installed(m)

@@ -1,0 +1,55 @@
+"""``python -m veloxquant_mlx fit-kvzap --model NAME --out FILE``: fit a KVzap scorer for one model.
+
+The data and the fit live in ``evaluation/kvzap_collect.py`` (KVzip+ scores and hidden states of text
+windows) and ``methods/kvzap_fit.py`` (the ridge regression).
+
+The default text ships with Python: the docstrings of a fixed list of standard-library modules (and
+of their public functions and classes); ``--text FILE`` fits on a file instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .args import CLIError, load_model_for_cli
+
+
+def cmd_fit_kvzap(args):
+    if args.context < 16:
+        raise CLIError(f"--context must be >= 16 tokens, got {args.context}")
+    if args.texts < 3:
+        raise CLIError(f"--texts must be >= 3 (train, validation, held-out), got {args.texts}")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise CLIError(f"--out {args.out!r}: folder {out_dir!r} does not exist")
+    from ..evaluation.kvzap_collect import STDLIB_MODULES, fit_scorer, stdlib_text, windows
+    from ..evaluation.provenance import command_line
+
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            text, source = f.read(), f"file {os.path.basename(args.text)}"
+    else:
+        text = stdlib_text()
+        source = (f"Python {sys.version.split()[0]} standard-library docstrings "
+                  f"({', '.join(STDLIB_MODULES)})")
+    model, tokenizer = load_model_for_cli(args.model)
+    ids = list(tokenizer.encode(text))
+    wins = windows(ids, args.context, args.texts)
+    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True, command=command_line())
+    print(f"wrote {args.out}: {len(meta['layers'])} layers, {meta['provenance']['tokens']} tokens")
+    print(f"held-out fit (mean over layers): {meta['quality']['mean']}")
+    return 0
+
+
+def add_parser(sub):
+    p = sub.add_parser("fit-kvzap", help="fit a KVzap scorer (log KVzip+ scores from hidden states) for a model",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="bundled", help="'bundled', 'gemma3-270m', a .gguf path, or an mlx-lm "
+                   "model path (default: bundled)")
+    p.add_argument("--out", required=True, help="the scorer .safetensors to write (required)")
+    p.add_argument("--text", default=None, help="UTF-8 text to fit on (default: Python's own docstrings)")
+    p.add_argument("--context", type=int, default=1024, help="tokens per text window (default 1024)")
+    p.add_argument("--texts", type=int, default=40, help="text windows: 70%% train, 10%% validation, the rest "
+                   "held out (default 40)")
+    p.set_defaults(func=cmd_fit_kvzap)
