@@ -75,7 +75,7 @@ def needle_rank() -> int:
     from veloxquant_mlx.evaluation.kvzap_collect import hidden_states
     from veloxquant_mlx.evaluation.needle import key_token_spans
     from veloxquant_mlx.evaluation.retrieval import make_prompt
-    from veloxquant_mlx.methods.kvzap import SHIPPED_DIR, load_scorer
+    from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR, load_scorer
     from veloxquant_mlx.models import load_model
 
     model, tok = load_model()

@@ -13,9 +13,9 @@ from mlx_lm.generate import generate_step
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.evaluation.kvzap_collect import hidden_states, split_windows, windows
-from veloxquant_mlx.methods.kvzap import (KVzapCache, find_scorer, load_scorer, model_identity,
+from veloxquant_mlx.methods.kvzap.cache import (KVzapCache, find_scorer, load_scorer, model_identity,
                                           read_scorer_metadata, save_scorer)
-from veloxquant_mlx.methods.kvzap_fit import keep_overlap, r2, ridge, spearman
+from veloxquant_mlx.methods.kvzap.fit import keep_overlap, r2, ridge, spearman
 from veloxquant_mlx.tap import hidden_tap_installed, remove_query_tap
 
 from conftest import fit_tiny_scorer, forbid_host_sync, make_tiny_model, random_prompt

@@ -1,7 +1,7 @@
 """``python -m veloxquant_mlx fit-kvzap --model NAME --out FILE``: fit a KVzap scorer for one model.
 
 The data and the fit live in ``evaluation/kvzap_collect.py`` (KVzip+ scores and hidden states of text
-windows) and ``methods/kvzap_fit.py`` (the ridge regression).
+windows) and ``methods/kvzap/fit.py`` (the ridge regression).
 
 The default text ships with Python: the docstrings of a fixed list of standard-library modules (and
 of their public functions and classes); ``--text FILE`` fits on a file instead.

@@ -5,7 +5,7 @@ Per text window, this project's KVzip with ``normalize="plus"`` (KVzip+) scores 
 is fed as ``mlx_lm.generate`` feeds a prompt, with a budget one row short of it, so the reconstruction
 pass runs and scores every row; the one row per head it evicts is left out of the targets), and the
 same prompt forward hands every full-attention layer's input to the hidden-state tap, which records it.
-Then ``methods/kvzap_fit.py`` fits ridge regression per layer on log-scores, picks the ridge strength
+Then ``methods/kvzap/fit.py`` fits ridge regression per layer on log-scores, picks the ridge strength
 on a validation split and reports the fit on held-out windows. The windows are consecutive slices of
 the text: train, then validation, then held-out, so held-out text is text the fit never saw.
 """
@@ -130,7 +130,7 @@ def collect(model, tokenizer, wins: list, bar=None) -> dict:
     """{layer: [(x, log-target y) per window]}, rows with every head's score known only."""
     import numpy as np
 
-    from ..methods.kvzap_fit import log_targets
+    from ..methods.kvzap.fit import log_targets
 
     data: dict = {}
     for ids in wins:
@@ -146,8 +146,8 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
                command: str | None = None) -> dict:
     """Fit and write a scorer for ``model`` on token windows ``wins``; returns the file's metadata.
     ``command``: what the provenance records as the command (default: this process's argv)."""
-    from ..methods.kvzap import model_identity, read_scorer_metadata, save_scorer
-    from ..methods.kvzap_fit import fit_layers, summarize
+    from ..methods.kvzap.cache import model_identity, read_scorer_metadata, save_scorer
+    from ..methods.kvzap.fit import fit_layers, summarize
 
     train, val, test = split_windows(wins)
     commit = _commit()  # the code that runs the fit (read now: a commit made while it runs is not it)
@@ -205,7 +205,7 @@ def tiny_scorer(model, folder, tokenizer=None, seed: int = 1000):
 
     import numpy as np
 
-    from ..methods.kvzap import model_identity
+    from ..methods.kvzap.cache import model_identity
 
     ident = model_identity(model)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import budget_for
+from ...config import budget_for
 
 LOG_FLOOR = 1e-7  # scores below this (underflowed probabilities) are clipped before the log
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean feature variance

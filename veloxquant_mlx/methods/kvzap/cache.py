@@ -11,7 +11,7 @@ The hidden states reach the cache through the hidden-state tap (``veloxquant_mlx
 builder installs for ``needs_hidden_states``. The builder also calls :meth:`KVzapCache.attach_model`,
 which finds the scorer (the ``scorer`` option, else a fitted file whose model identity matches, see
 :func:`find_scorer`) and checks that it was fitted for this model. ``python -m veloxquant_mlx fit-kvzap``
-fits one (``methods/kvzap_fit.py`` holds the regression).
+fits one (``methods/kvzap/fit.py`` holds the regression).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..caches.base import EvictionCache
-from ..options import option
-from ..registry import register
+from ...caches.base import EvictionCache
+from ...options import option
+from ...registry import register
 
 SCORER_FORMAT = "veloxquant-kvzap-scorer/1"
-SHIPPED_DIR = Path(__file__).resolve().parent / "kvzap_scorers"
+SHIPPED_DIR = Path(__file__).resolve().parent / "scorers"
 # Extra folders searched for fitted scorers by identity (os.pathsep-separated), before the shipped ones.
 SCORER_PATH_ENV = "VELOXQUANT_KVZAP_PATH"
 # Sec. 3 (pruning rule): a sliding window of the most recent tokens is always kept, w = 128.
