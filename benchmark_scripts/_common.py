@@ -157,3 +157,12 @@ def peer_venv(venv: Path, requirements, marker: str | None = None) -> Path:
     subprocess.run([str(py), "-m", "pip", "install", "-q", *map(str, requirements)], check=True)
     ready.write_text(want)
     return py
+
+
+def run_subcommands(doc: str, subcommands: dict, argv=None) -> int:
+    """``script.py NAME [args...]``: run ``subcommands[NAME](args)``; the script's docstring otherwise."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in subcommands:
+        print(doc, file=sys.stderr)
+        return 2
+    return subcommands[argv[0]](argv[1:]) or 0

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import _common
-from _common import FIGURES, MIB, blas_info, preload_blas, provenance, resumed, tiny_llama
+from _common import FIGURES, MIB, blas_info, preload_blas, provenance, resumed, tiny_llama, run_subcommands
 
 
 # ================================================================================================
@@ -950,11 +950,7 @@ SUBCOMMANDS = {"eviction": eviction_main, "quant": quant_main}
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
+    return run_subcommands(__doc__, SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from _common import FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance
+from _common import FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance, run_subcommands
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.decode import greedy, prefill
 from veloxquant_mlx.evaluation.speed import _prompt
@@ -293,11 +293,7 @@ SUBCOMMANDS = {"fused": fused_main, "kvzip": kvzip_main}
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
+    return run_subcommands(__doc__, SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":

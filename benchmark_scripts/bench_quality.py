@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import _common
-from _common import FIGURES, preload_blas, provenance
+from _common import FIGURES, preload_blas, provenance, run_subcommands
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.accounting import kv_report
 from veloxquant_mlx.caches.quant import model_caches
@@ -518,11 +518,7 @@ SUBCOMMANDS = {"quant-passkey": quant_main, "quant-report": report_main, "two-mo
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
+    return run_subcommands(__doc__, SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _common
-from _common import FIGURES, ROOT, blas_info, preload_blas, provenance, tiny_llama, tiny_tokenizer
+from _common import FIGURES, ROOT, blas_info, preload_blas, provenance, tiny_llama, tiny_tokenizer, run_subcommands
 
 OUT = FIGURES / "serving"
 
@@ -584,11 +584,7 @@ SUBCOMMANDS = {"batch": batch_main, "load": load_main}
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
+    return run_subcommands(__doc__, SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from _common import FIGURES, blas_info, budget, provenance, tiny_llama
+from _common import FIGURES, blas_info, budget, provenance, tiny_llama, run_subcommands
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.caches.storage import PAD_POSITION
@@ -653,11 +653,7 @@ SUBCOMMANDS = {"cost": cost_main, "batch": batch_main, "nexus": nexus_main}
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        print(__doc__, file=sys.stderr)
-        return 2
-    return SUBCOMMANDS[argv[0]](argv[1:]) or 0
+    return run_subcommands(__doc__, SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":
