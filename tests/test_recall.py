@@ -114,6 +114,18 @@ def config_allocation(method):
 NEEDLE = 40
 
 
+def needle_keys():
+    """(rng, (H, Hq, N), u, keys): small random keys of 2 KV heads x 100 rows with the strong key
+    ``u`` at row ``NEEDLE``; ``rng`` continues from there for the caller's later draws."""
+    rng = np.random.default_rng(0)
+    H, Hq, N = 2, 4, 100
+    keys = rng.normal(size=(1, H, N, D)).astype(np.float32) * 0.1
+    u = np.zeros(D, np.float32)
+    u[:4] = 3.0
+    keys[:, :, NEEDLE] = u
+    return rng, (H, Hq, N), u, mx.array(keys)
+
+
 def _needle_run(tier, tmp_path=None, budget=32, attend=False):
     """The prompt's queries point away from the needle row (position 40), so SnapKV evicts it at the
     prompt's end; the follow-up's queries point at its key, so the recall must offer it back and
@@ -122,13 +134,7 @@ def _needle_run(tier, tmp_path=None, budget=32, attend=False):
     if tier is not None:
         kw.update(recall_page=8, recall_pages=2)
     cache = make_cache("snapkv", small=True, budget=budget, recall=tier, **kw)
-    rng = np.random.default_rng(0)
-    H, Hq, N = 2, 4, 100
-    keys = rng.normal(size=(1, H, N, D)).astype(np.float32) * 0.1
-    u = np.zeros(D, np.float32)
-    u[:4] = 3.0
-    keys[:, :, NEEDLE] = u
-    keys = mx.array(keys)
+    rng, (H, Hq, N), u, keys = needle_keys()
     values = keys * 2 + 1
     q_off = rng.normal(size=(1, Hq, N, D)).astype(np.float32) * 0.1
     q_off[..., :4] = -1.0  # q . needle = -12: the prompt never attends to it

@@ -10,7 +10,7 @@ import pytest
 from veloxquant_mlx import KVCacheConfig, methods
 
 from conftest import forbid_host_sync, make_cache
-from test_recall import D, NEEDLE, _uniform, assert_nothing_lost, hot_positions
+from test_recall import D, NEEDLE, _uniform, needle_keys, assert_nothing_lost, hot_positions
 
 
 def test_config_validates_and_round_trips_recall_every():
@@ -32,13 +32,7 @@ def _decode_needle(every, steps=8):
     decode queries point at its key (no new multi-token input, so only ``recall_every`` can recall)."""
     cache = make_cache("snapkv", small=True, budget=32, recall="memory", recall_page=8, recall_pages=2,
                        recall_every=every)
-    rng = np.random.default_rng(0)
-    H, Hq, N = 2, 4, 100
-    keys = rng.normal(size=(1, H, N, D)).astype(np.float32) * 0.1
-    u = np.zeros(D, np.float32)
-    u[:4] = 3.0
-    keys[:, :, NEEDLE] = u
-    keys = mx.array(keys)
+    rng, (H, Hq, N), u, keys = needle_keys()
     q_off = rng.normal(size=(1, Hq, N, D)).astype(np.float32) * 0.1
     q_off[..., :4] = -1.0
     q_off = mx.array(q_off)
