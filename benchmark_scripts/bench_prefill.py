@@ -4,10 +4,14 @@
   against two (scoring pass + mlx-lm's fused kernel), and against mlx-lm's KVCache, prefill and decode
   (figures/speed/fused_scoring.json);
 * ``kvzip``: KVzip's prefill with its reconstruction pass against a plain prefill, time and peak
-  memory, and the pass's peak per reconstruction chunk (figures/kvzip/prefill_cost.json).
+  memory, and the pass's peak per reconstruction chunk (figures/kvzip/prefill_cost.json);
+* ``attention``: where one prefill chunk's time goes on this backend at long context: the layer's
+  weight matmuls against its attention, and the attention's softmax exponentials against numpy's
+  (figures/speed/prefill_attention_<shape>.json). Shapes only, no model load.
 
     python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_prefill.py fused --contexts 2048,4096
     python benchmark_scripts/bench_prefill.py kvzip [--quick]
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_prefill.py attention --contexts 2048 8192 16384
 
 ``python benchmark_scripts/bench_prefill.py SUBCOMMAND --help`` describes each one.
 """
@@ -25,7 +29,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from _common import FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance, run_subcommands
+from _common import (FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance, run_subcommands, stamp,
+                     write_json)
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.decode import greedy, prefill
 from veloxquant_mlx.evaluation.speed import _prompt
@@ -289,7 +294,69 @@ def kvzip_main(argv=None):
     return 0
 
 
-SUBCOMMANDS = {"fused": fused_main, "kvzip": kvzip_main}
+# ================================================================================================
+# attention: where a long prefill's time goes (weights against attention, exp against numpy's)
+# ================================================================================================
+# (query heads, KV heads, head_dim, layers, hidden, intermediate) of the models the long-context runs use
+SHAPES = {"smollm2-135m": (9, 3, 64, 30, 576, 1536), "qwen2.5-coder-1.5b": (12, 2, 128, 28, 1536, 8960)}
+
+
+def attention_main(argv=None):
+    import numpy as np
+
+    ap = argparse.ArgumentParser(prog="bench_prefill.py attention", description=(
+        "One prefill chunk of one layer, as mlx-lm runs it: the last chunk of a prompt of N tokens against "
+        "all N keys (mx.fast.scaled_dot_product_attention, causal), split into its score matmul, its softmax "
+        "and the softmax's exponentials alone, beside the layer's weight matmuls for the same chunk and "
+        "numpy's exp over as many elements. CPU seconds, median of --repeats."))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-coder-1.5b")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill step (mlx_lm.generate's default 2048)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None, help="default figures/speed/prefill_attention_<shape>.json")
+    args = ap.parse_args(argv)
+    n_q, n_kv, d, layers, hidden, inter = SHAPES[args.shape]
+
+    def cpu(fn):
+        mx.eval(fn())  # warm
+        return statistics.median(cpu_timed(lambda: mx.eval(fn()))[1] for _ in range(args.repeats))
+
+    c = args.chunk
+    x = mx.random.normal((c, hidden))
+    w = {name: mx.random.normal(shape) * 0.02 for name, shape in {
+        "qkv": (hidden, (n_q + 2 * n_kv) * d), "o": (n_q * d, hidden), "up_gate": (hidden, 2 * inter),
+        "down": (inter, hidden)}.items()}
+    h = mx.random.normal((c, n_q * d))
+    g = mx.random.normal((c, inter))
+    weights_s = cpu(lambda: [x @ w["qkv"], h @ w["o"], x @ w["up_gate"], g @ w["down"]])
+    rows = []
+    for n in args.contexts:
+        q = mx.random.normal((1, n_q, c, d))
+        k, v = mx.random.normal((1, n_kv, n, d)), mx.random.normal((1, n_kv, n, d))
+        qg = q.reshape(n_kv, n_q // n_kv * c, d)
+        scores = qg @ k[0].swapaxes(-1, -2)
+        mx.eval(q, k, v, scores)
+        sdpa_s = cpu(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask="causal"))
+        row = {"context": n, "chunk": c, "attention_s": sdpa_s, "score_matmul_s": cpu(lambda: qg @ k[0].swapaxes(-1, -2)),
+               "softmax_s": cpu(lambda: mx.softmax(scores, axis=-1)), "exp_s": cpu(lambda: mx.exp(scores)),
+               "weights_s": weights_s, "exp_elements": scores.size}
+        a = np.asarray(scores)
+        row["numpy_exp_s"] = statistics.median(cpu_timed(lambda: np.exp(a))[1] for _ in range(args.repeats))
+        row["attention_share"] = sdpa_s / (sdpa_s + weights_s)
+        row["ns_per_exp"] = {"mlx": 1e9 * row["exp_s"] / scores.size, "numpy": 1e9 * row["numpy_exp_s"] / scores.size}
+        rows.append(row)
+        print(f"{args.shape} chunk {c} vs {n} keys, one layer: attention {sdpa_s:.2f} s (softmax {row['softmax_s']:.2f}, "
+              f"exp {row['exp_s']:.2f}; numpy exp {row['numpy_exp_s']:.2f}), weights {weights_s:.2f} s -> attention "
+              f"{100 * row['attention_share']:.0f} % of the chunk", flush=True)
+    out = {"experiment": "prefill_attention", "shape": dict(zip(
+        ("query_heads", "kv_heads", "head_dim", "layers", "hidden", "intermediate"), SHAPES[args.shape]), name=args.shape),
+        "device": str(mx.default_device()), "blas": blas_info(), "rows": rows}
+    path = write_json(args.out or FIGURES / "speed" / f"prefill_attention_{args.shape}.json", stamp(out, labels=[]))
+    print(f"wrote {path}")
+    return 0
+
+
+SUBCOMMANDS = {"fused": fused_main, "kvzip": kvzip_main, "attention": attention_main}
 
 
 def main(argv=None) -> int:
