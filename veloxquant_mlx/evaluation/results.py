@@ -108,13 +108,12 @@ class ResultStore:
             self._write(data)
             return True
 
-    def fingerprint_keys(self, data: dict, planned=()) -> list:
-        """The fingerprint keys the file's cells (and the ``planned`` cells' parameters) depend on: each
-        cell's label (and the labels of a speed cell's caches) with the setting it ran and the method
-        options the label pins."""
+    def fingerprint_keys(self, data: dict) -> list:
+        """The fingerprint keys the file's cells depend on: each cell's label (and the labels of a
+        speed cell's caches) with the setting it ran and the method options the label pins."""
         from .provenance import key_of
 
-        cells = [c for c in [*data["cells"].values(), *planned] if isinstance(c, dict)]
+        cells = [c for c in data["cells"].values() if isinstance(c, dict)]
         # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
         stream = {"decode": True, None: self.experiment == "perplexity"}
         runs = {(c["method"], "stream" if stream.get(c.get("regime"), False) else "end") for c in cells if "method" in c}
@@ -122,14 +121,13 @@ class ResultStore:
         options = {label: pinned_options(label) for label in {label for label, _ in runs}}  # once per label
         return sorted({key_of(label, regime, options[label]) for label, regime in runs})
 
-    def stamp(self, planned=()):
-        """Provenance for the methods of every cell in the file and of the ``planned`` cells' parameters
-        (stale when it extends cells of other code)."""
+    def stamp(self):
+        """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
         from .provenance import command_line, provenance, resumed
 
         with self._locked():
             data = self.load()
-            new = provenance(command_line(), self.fingerprint_keys(data, planned) or None)
+            new = provenance(command_line(), self.fingerprint_keys(data) or None)
             data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
             self._write(data)
 
@@ -225,7 +223,6 @@ def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
         print(f"{store.experiment}: {len(mine)} cells planned in {store.path}, {sum(c in done for c in mine)} "
               f"finished, {sum(c not in done for c in mine)} to run; --max-cells 0: nothing written")
         return 0
-    store.stamp([params for _, params in cells])  # before the first cell: a run cut short keeps its provenance
     res = run_cells(store, cells, run_one, shard=control.shard, time_budget=control.time_budget,
                     max_cells=control.max_cells, desc=store.experiment, progress=control.progress,
                     # a partial file (committed mid-run, or a killed run) carries provenance too
