@@ -188,6 +188,15 @@ def test_run_cells_records_errors_and_resumes(tmp_path):
     assert R.run_cells(store, cells, run_one, progress=False)["ran"] == 1
 
 
+def test_run_cells_calls_after_cell_once_per_stored_cell(tmp_path):
+    # run_experiment stamps provenance through this hook, so a partial file carries it too
+    store = R.ResultStore(tmp_path / "y.json", "t")
+    seen = []
+    R.run_cells(store, [(f"c{i}", {"i": i}) for i in range(3)], lambda p: {"v": p["i"]}, progress=False,
+                after_cell=lambda: seen.append(sorted(store.load()["cells"])))
+    assert seen == [["c0"], ["c0", "c1"], ["c0", "c1", "c2"]]
+
+
 def test_cli_quick_end_to_end(tmp_path):
     out, md = str(tmp_path / "eval"), str(tmp_path / "results.md")
     common = ["--quick", "--out-dir", out, "--results-md", md, "--no-progress"]

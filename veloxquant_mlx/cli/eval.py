@@ -212,6 +212,9 @@ def add_parser(subparsers):
     sp.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens (default 32; quick 8)")
     sp.add_argument("--repeats", type=int, default=3)
     sp.add_argument("--prefill-step", type=int, default=256)
+    sp.add_argument("--shared-prefill", action="store_true",
+                    help="per context one prompt pass shared by every cache that compresses at the prompt's end "
+                         "(rotating, quantized and own-prefill methods prefill alone); prefill tok/s is the shared pass's")
 
     for p, name in ((pk, "passkey"), (pp, "perplexity"), (sp, "speed")):
         p.add_argument("--results-md", default=None,

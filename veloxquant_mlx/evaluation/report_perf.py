@@ -189,6 +189,12 @@ def _speed_tables(data, lines, figs_dir, figures):
                  "and the other live caches excluded; `mx.reset_peak_memory()` before each); decode peak Δ = the "
                  "same over each decode round (largest round); process peak = `mx.get_peak_memory()` itself "
                  "during that cache's prefill (weights and the caches measured before it in the run included).\n")
+    if data.get("meta", {}).get("shared_prefill"):
+        lines.append("Shared prefill (`--shared-prefill`): per context ONE prompt pass fed every cache that "
+                     "compresses once at the prompt's end (each then took the last prompt id alone and "
+                     "compressed); `rotating`, quantized rows and own-prefill methods prefilled alone. The "
+                     "prefill tok/s and prefill peak of the shared caches are that one pass's, the same number "
+                     "in each row.\n")
     lines.append("**Decode throughput (Table 4 shape) and KV memory (Table 5 shape): "
                  f"{', '.join(caches)}**\n")
     _speed_block(med, lines, ctxs, caches)

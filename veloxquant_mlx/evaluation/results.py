@@ -166,12 +166,12 @@ def now() -> str:
 
 
 def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_budget: float | None = None,
-              max_cells: int | None = None, desc: str = "", progress: bool = True) -> dict:
+              max_cells: int | None = None, desc: str = "", progress: bool = True, after_cell=None) -> dict:
     """Run every unfinished cell of this shard (in list order = priority order), storing each.
 
     ``cells`` is a list of (cell_id, params) pairs; ``run_one(params)`` returns the record; an
     exception becomes ``{"error": ...}`` for that cell. Stops starting new cells after
-    ``time_budget`` seconds. Returns counts.
+    ``time_budget`` seconds. ``after_cell()`` runs after each stored cell. Returns counts.
     """
     from tqdm import tqdm
 
@@ -204,6 +204,8 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
             errors += 1
         rec = {**params, **rec, "cell_s": round(time.perf_counter() - c0, 3), "finished": now()}
         store.put(cid, rec)
+        if after_cell is not None:
+            after_cell()
         ran += 1
         bar.update(1)
         bar.set_postfix_str(cid[-60:])
@@ -225,7 +227,9 @@ def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
         return 0
     store.stamp([params for _, params in cells])  # before the first cell: a run cut short keeps its provenance
     res = run_cells(store, cells, run_one, shard=control.shard, time_budget=control.time_budget,
-                    max_cells=control.max_cells, desc=store.experiment, progress=control.progress)
+                    max_cells=control.max_cells, desc=store.experiment, progress=control.progress,
+                    # a partial file (committed mid-run, or a killed run) carries provenance too
+                    after_cell=store.stamp)
     store.update_meta(run={"finished": now(), "shard": list(control.shard), **res})
     store.stamp()
     print(f"{store.experiment}: {res}")

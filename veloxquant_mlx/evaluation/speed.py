@@ -15,10 +15,12 @@ import time
 from ..caches.accounting import kv_report
 from ..config import budget_for
 from ..decode import decode_steps, feed_prompt, greedy, last_prompt_step, prefill  # noqa: F401 (re-exported)
+from .fanout import shared_pass
 from .passkey import prose_text
 from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs,
                       quiet_cache_warnings, run_experiment)
+from .task_eval import needs_own_prefill
 
 
 greedy_continue = greedy  # the name the benchmark scripts import
@@ -67,20 +69,28 @@ def _make(model, name, specs, budget):
     return make_caches(model, specs[name], budget)
 
 
-def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, prefill_step, rotate=0) -> dict:
+def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, prefill_step, rotate=0,
+                  shared: bool = False) -> dict:
     """Paired, interleaved measurement of several caches on one prompt.
 
     Each cache is prefilled once (its prefill tok/s and prefill peak memory over the baseline), and
     all caches are kept alive; then ``repeats`` rounds each decode ``decode_tokens`` more tokens on
     every cache in a rotated order, so the decode tok/s of the caches are measured side by side and
-    the KV bytes are seen growing (or not) with the decode length."""
+    the KV bytes are seen growing (or not) with the decode length. With ``shared`` the caches that
+    compress once at the prompt's end share one prompt pass (:func:`_shared_prefill`); the others
+    (rotating, quantized, own-prefill methods) prefill alone."""
     import mlx.core as mx
 
     order = names[rotate % len(names):] + names[:rotate % len(names)]
     live, out = {}, {}
     n = len(tokens)
     x = mx.array(tokens)
-    for name in order:
+    alone = order
+    if shared:
+        sharers = [m for m in order if m == "kvcache" or (m in specs and not needs_own_prefill(specs[m]))]
+        alone = [m for m in order if m not in sharers]
+        _shared_prefill(model, x, sharers, specs, budget, prefill_step, live, out)
+    for name in alone:
         rec = out[name] = {}
         try:
             mx.clear_cache()
@@ -132,8 +142,52 @@ def measure_group(model, tokens, names, specs, budget, decode_tokens, repeats, p
             rec["kv_kept_bytes_end"] = segs[-1]["kv_kept_bytes"]
             rec["decode_tokens_total"] = decode_tokens * len(segs)
             rec["decode_peak_memory_bytes"] = max(s["decode_peak_bytes"] for s in segs)
+    for name, (_, y) in live.items():  # after timing: the last decoded token, to compare runs
+        out[name]["last_token"] = int(y.item())
     live.clear()
     return out
+
+
+def _shared_prefill(model, x, names, specs, budget, prefill_step, live, out):
+    """One prompt pass (:func:`.fanout.shared_pass`) into every cache of ``names``, ``kvcache``'s being
+    the one attention reads; then each cache takes the last prompt id alone (it compresses there).
+    Prefill time, CPU time and peak memory are the shared pass's, the same in every record."""
+    import mlx.core as mx
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    made = {}
+    for name in names:
+        try:
+            made[name] = _make(model, name, specs, budget)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    primary = made.pop("kvcache", None) or make_prompt_cache(model)
+    t0, c0 = time.perf_counter(), time.process_time()
+    _, errors = shared_pass(model, x, primary, made, prefill_step)
+    if "kvcache" in names and "kvcache" not in out:
+        made = {"kvcache": primary, **made}
+    firsts = {}
+    for name, caches in made.items():
+        if name in errors:
+            out[name] = {"error": errors[name]}
+            continue
+        try:
+            firsts[name] = last_prompt_step(model, x, caches)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    peak = mx.get_peak_memory()
+    for name, y in firsts.items():
+        kv = kv_report(made[name])
+        out[name] = dict(prefill_s=dt, prefill_tps=x.shape[0] / dt, prefill_cpu_s=dc, prefill_shared=True,
+                         peak_memory_bytes=peak - base, process_peak_bytes=peak, active_before_bytes=base,
+                         kv_bytes_after_prefill=kv["allocated_bytes"], kv_kept_bytes_after_prefill=kv["kept_bytes"],
+                         segments=[])
+        live[name] = [made[name], y]
 
 
 CORE = ["kvcache", "rotating", "nexus"]
@@ -150,6 +204,7 @@ class SpeedSettings:
     decode_tokens: int | None = None  # per round (default 32; quick 8)
     repeats: int = 3
     prefill_step: int = 256
+    shared_prefill: bool = False  # one prompt pass per context for the caches that compress at its end
 
 
 def run(model, tokenizer, settings: SpeedSettings, control, desc: str = "") -> int:
@@ -181,7 +236,8 @@ def run(model, tokenizer, settings: SpeedSettings, control, desc: str = "") -> i
             "design": "per context: every cache prefilled once, all kept alive, then `repeats` interleaved "
                       "rounds of `decode_tokens` decode steps per cache (rotated order); decode tok/s = "
                       "median over rounds, prefill tok/s = one sample", "n_cells": len(cells)}
-    store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick}, grid=grid)
+    store.update_meta(meta={"model": desc, "machine": machine_info(), "quick": quick,
+                            "shared_prefill": settings.shared_prefill}, grid=grid)
     prompts = {}
 
     def run_one(p):
@@ -190,7 +246,7 @@ def run(model, tokenizer, settings: SpeedSettings, control, desc: str = "") -> i
             prompts[n] = _prompt(tokenizer, n)
         budget = budget_for(density, n)
         res = measure_group(model, prompts[n], p["caches"], specs, budget, decode_tokens, repeats, prefill_step,
-                            rotate=p["rotate"])
+                            rotate=p["rotate"], shared=settings.shared_prefill)
         return {"budget": budget, "per_cache": res}
 
     return run_experiment(store, cells, run_one, control)
