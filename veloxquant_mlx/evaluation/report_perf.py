@@ -111,7 +111,7 @@ def _speed_block(med, lines, ctxs, caches, with_peak=True):
     tag = " (CPU time)" if _cpu_timed(med, ctxs) else ""
     lim_cols = [f"{_ctx_label(n)} ×limit{tag}" for n in ctxs] if has_limit else []
     lines += md_table(["Cache"] + [f"{_ctx_label(n)} decode tok/s" for n in ctxs] +
-                      [f"{_ctx_label(n)} ×KVCache" for n in ctxs] + lim_cols +
+                      [f"{_ctx_label(n)} ×KVCache{tag}" for n in ctxs] + lim_cols +
                       ["prefill tok/s " + " / ".join(_ctx_label(n) for n in ctxs)])
     for c in caches:
         tps, rel, lim, pre = [], [], [], []
@@ -120,7 +120,7 @@ def _speed_block(med, lines, ctxs, caches, with_peak=True):
             base = med.get(("kvcache", n))
             if m and "decode_tps" in m:
                 tps.append(f"{m['decode_tps']:.1f}")
-                rel.append(f"{m['decode_tps'] / base['decode_tps']:.2f}×" if base and "decode_tps" in base else "–")
+                rel.append(_ratio_cell(limit_ratios(m, base)) if base and "decode_tps" in base else "–")
                 lim.append(_ratio_cell(limit_ratios(m, med.get(("rotating", n)))))
                 pre.append(f"{m['prefill_tps']:.0f}")
             else:
@@ -180,9 +180,9 @@ def _speed_tables(data, lines, figs_dir, figures):
                  f"{g.get('repeats', 0) * seg if isinstance(seg, int) else '?'} decoded tokens per cache. "
                  f"Eviction budget = {g.get('density', 0.2):.0%} of the prompt; `rotating` = mlx-lm "
                  "RotatingKVCache(max_size=budget, keep=4), the limit: a cache of that many rows that does "
-                 "nothing else; ×limit = decode speed over `rotating`'s, paired per round: median [min–max] over "
+                 "nothing else; ×limit = decode speed over `rotating`'s (×KVCache: over `KVCache`'s), paired per round: median [min–max] over "
                  "rounds, by this process's CPU time when the run recorded it (tok/s columns: wall clock). "
-                 "Allocated KV = `sum(c.nbytes)` over all 30 layers: "
+                 "Allocated KV = `sum(c.nbytes)` over all layers: "
                  "every array the caches hold, capacity included (mlx-lm's caches by their own `nbytes`), after "
                  "prefill → at the end of decode; kept = K/V bytes of the kept rows only. Prefill peak Δ = "
                  "`mx.get_peak_memory()` during that cache's prefill minus the active memory before it (weights "
