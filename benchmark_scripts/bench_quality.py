@@ -385,13 +385,13 @@ RECALL_DOC = """Recallable eviction on the follow-up task, paired against the sa
     python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall --prompts 6 --length 1536 \
         --density 0.2 --methods nexus snapkv --tiers none memory disk
 
-Each prompt is the ``followup`` task of ``veloxquant_mlx.evaluation.tasks`` with two facts: turn 1
-asks one, turn 2 the other, on the same cache (what ``serve``'s multi-turn reuse does). Every cache
+Each prompt is the ``followup`` task of ``veloxquant_mlx.evaluation.tasks`` with ``--facts`` facts (2-4,
+default 2): turn 1 asks one, every later turn another, on the same cache (what ``serve``'s multi-turn reuse does). Every cache
 list sees the same prompt (one shared prefill under ``prompt_eviction="end"``, as ``eval tasks``
 runs it) and the same later turns. Per cell: each turn's correctness, the resident KV bytes after the
 prompt and after the last turn (``kv_report``, which counts the cold tier's resident part) with the
 byte split of ``byte_report``, and each later turn's prefill time (which includes the recall: the
-paired ratio against no recall is the recall's cost; OpenBLAS preloaded, ratios within one run only).
+paired ratio against no recall, per turn, is the recall's cost; OpenBLAS preloaded, ratios within one run only).
 Results are written after every prompt, and a re-run skips the prompts already in the file.
 """
 
@@ -428,6 +428,11 @@ def summarize(data: dict) -> dict:
             ratios = [r["cells"][n]["turns"][1]["turn_prefill_s"] / r["cells"][base]["turns"][1]["turn_prefill_s"]
                       for r in rows if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})]
             s["turn2_prefill_ratio_median"] = round(statistics.median(ratios), 3) if ratios else None
+            later = [a["turn_prefill_s"] / b["turn_prefill_s"] for r in rows
+                     if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})
+                     for a, b in zip(r["cells"][n]["turns"][1:], r["cells"][base]["turns"][1:])]
+            if len(later) > len(ratios):  # three or more turns: every later turn's ratio too
+                s["later_turns_prefill_ratio_median"] = round(statistics.median(later), 3)
             lost = sum(1 for r in rows if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})
                        and any(b["correct"] and not a["correct"]
                                for a, b in zip(r["cells"][n]["turns"], r["cells"][base]["turns"])))
@@ -443,6 +448,7 @@ def recall_main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--length", type=int, default=1536)
+    p.add_argument("--facts", type=int, default=2, choices=[2, 3, 4], help="facts = turns on one cache")
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--methods", nargs="+", default=["nexus", "snapkv"])
     p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"], choices=["none", "memory", "disk"])
@@ -455,25 +461,33 @@ def recall_main(argv=None) -> int:
                    help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
     p.add_argument("--out", default=str(FIGURES / "recall" / "followup_smollm2.json"))
     args = p.parse_args(argv)
-    quiet_cache_warnings()
-    model, tokenizer, desc = load_eval_model(args.model)
-    eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
-                       | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
     done = {r["index"] for r in data["prompts"]}
-    setting = {"model": desc, "task": "followup", "n_facts": 2, "length": args.length, "density": args.density,
+    setting = {"task": "followup", "n_facts": args.facts, "length": args.length, "density": args.density,
                "prompt_eviction": "end", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
                "recall_pages": args.recall_pages, "methods": args.methods, "tiers": args.tiers,
                "recall_every": args.recall_every,
                "quantized_baseline": "QuantizedKVCache(bits=4, group_size=32)" if args.quantized_baseline else None,
                "blas": "OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)"}
+    old = data.get("setting", {})
+    clash = sorted(k for k in setting.keys() & old.keys() - {"blas"} if setting[k] != old[k])
+    if clash:  # resuming would mix two settings' prompts in one file
+        raise SystemExit(f"{out} holds a run with another setting ({', '.join(f'{k}={old[k]!r}' for k in clash)}): "
+                         "name a new --out, or repeat that run's options to resume it")
+    quiet_cache_warnings()
+    model, tokenizer, desc = load_eval_model(args.model)
+    if old.get("model", desc) != desc:
+        raise SystemExit(f"{out} holds a run on another model ({old['model']}): name a new --out")
+    setting["model"] = desc
+    eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
+                       | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
     for index in range(args.start, args.start + args.prompts):
         if index in done:
             continue
         from mlx_lm.models.cache import make_prompt_cache
 
-        inst, tokens = build(tokenizer, "followup", args.length, index, 0, 2)
+        inst, tokens = build(tokenizer, "followup", args.length, index, 0, args.facts)
         budget = _common.budget(args.density, len(tokens))
         named = {"full": (make_prompt_cache(model), False)}
         if args.quantized_baseline:  # its prompt attends over its own 4-bit rows: its own prefill

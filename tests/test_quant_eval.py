@@ -123,3 +123,33 @@ def test_tasks_harness_runs_quantized_labels_alone():
     q4, f8, fp = R.method_specs(["nexus-4bit", "full-8bit", "nexus"])
     assert needs_own_prefill(q4) and needs_own_prefill(f8)
     assert not needs_own_prefill(fp)
+
+
+def _turns(correct, prefill_s):
+    return [{"correct": c, **({} if k == 0 else {"turn_prefill_s": s})}
+            for k, (c, s) in enumerate(zip(correct, prefill_s, strict=True))]
+
+
+def test_recall_summary_counts_every_turn_and_refuses_to_resume_another_setting(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+    import bench_quality as Q
+
+    rows = [{"index": i, "cells": {
+        "nexus": {"turns": _turns([True, False, True, False], [0, 1.0, 1.0, 2.0]), "resident_bytes_end": 10},
+        "nexus-recall-disk": {"turns": _turns([True, True, i == 0, False], [0, 1.5, 1.2, 2.2]),
+                              "resident_bytes_end": 12}}} for i in range(2)]
+    s = Q.summarize({"prompts": rows})
+    assert s["nexus"]["turn_correct"] == [2, 0, 2, 0] and s["nexus"]["all_turns"] == 0
+    rec = s["nexus-recall-disk"]
+    assert rec["turn_correct"] == [2, 2, 1, 0]
+    assert rec["turns_lost_vs_no_recall"] == 1  # prompt 1 lost turn 3
+    assert rec["turn2_prefill_ratio_median"] == 1.5
+    assert rec["later_turns_prefill_ratio_median"] == 1.2  # 1.5, 1.2, 1.1 on each prompt
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"prompts": rows, "setting": {"n_facts": 2, "length": 64, "density": 0.2}}))
+    with pytest.raises(SystemExit, match="n_facts=2"):
+        Q.recall_main(["--facts", "4", "--length", "64", "--prompts", "0", "--out", str(out)])

@@ -97,7 +97,8 @@ def figure(runs: dict, figs_dir, filename="recall_accuracy_vs_bytes.png") -> Pat
 
 def _title(path: Path, data: dict) -> str:
     s = data.get("setting", {})
-    return f"{path.stem}: {s.get('length')} tok, density {s.get('density')}"
+    turns = f", {s['n_facts']} turns" if s.get("n_facts") else ""
+    return f"{path.stem}: {s.get('length')} tok, density {s.get('density')}{turns}"
 
 
 def report(paths, figs_dir=None, link_from=".") -> str:
