@@ -155,16 +155,17 @@ def test_save_load_carries_the_scorer_and_refuses_a_changed_one(model, tmp_path)
         load_prompt_cache(tmp_path / "c.safetensors")
 
 
+class Shard:  # the HeadShard layout of rank 1 of 2 (caches.shard), without a process group
+    size, rank = 2, 1
+
+    def total_heads(self, n):
+        return 2 * n
+
+    def local(self, x, n, axis=1):
+        return mx.take(x, mx.arange(n, 2 * n), axis=axis)
+
+
 def test_tensor_parallel_slices_the_scorer_columns(model):
-    class Shard:  # the HeadShard layout of rank 1 of 2 (caches.shard), without a process group
-        size, rank = 2, 1
-
-        def total_heads(self, n):
-            return 2 * n
-
-        def local(self, x, n, axis=1):
-            return mx.take(x, mx.arange(n, 2 * n), axis=axis)
-
     caches = KVCacheBuilder.for_model(model, kvzap(budget=200))
     c = caches[0]
     c.dist = Shard()
@@ -204,7 +205,6 @@ def test_default_recent_is_the_papers_window_capped_at_half_the_budget():
     assert KVCacheConfig("kvzap", budget=1000).recent == 128
     assert KVCacheConfig("kvzap", budget=100).recent == 50
     assert KVzapCache.needs_hidden_states and not KVzapCache.prefill_only
-    assert not getattr(KVzapCache, "needs_model_pass", False)  # scored from the forward itself: no extra pass
 
 
 def test_fit_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
@@ -232,3 +232,106 @@ def test_fitting_leaves_the_model_as_it_came():
 
     m = make_tiny_model("llama", seed=11)  # conftest fits its scorer
     assert not model_pass_installed(m) and not hidden_tap_installed(m) and not query_tap_installed(m)
+
+
+def test_global_layers_rank_every_layers_predictions_once_and_keep_the_total(monkeypatch):
+    from veloxquant_mlx.model_pass import ModelPassDriver
+
+    def no_pass(*a, **k):
+        raise AssertionError("kvzap ran an extra model forward")
+
+    model = make_tiny_model("llama", layers=4)
+    path = fit_tiny_scorer(model)  # (the fit itself runs KVzip+'s passes)
+    monkeypatch.setattr(ModelPassDriver, "forward", no_pass)  # the ranking runs after the forward, no pass
+    n, budget, L = 90, 24, 4
+    prompt = random_prompt(n, seed=21)
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=budget, kvzap_layers="global"))
+    feed(model, caches, prompt)
+    pred = predicted(model, path, prompt)
+    H = caches[0].keys.shape[1]
+    free = np.arange(4, n - 4)  # not a sink, not in the recent window
+    flat = np.concatenate([pred[i][:, free].ravel() for i in range(L)])
+    thr = np.sort(flat)[::-1][L * H * (budget - 8) - 1]
+    want = [8 + int(round((pred[i][:, free] >= thr).sum() / H)) for i in range(L)]
+    shares = [c.layer_share for c in caches]
+    assert shares == want and len(set(shares)) > 1 and abs(sum(shares) - L * budget) <= L // 2
+    for i, c in enumerate(caches):  # each layer keeps its share: its heads' top predictions
+        pos = np.array(c.stored("positions"))[0]
+        assert c.size() == shares[i] and c.keep_rows() == shares[i] and c.budget == budget
+        for h in range(H):
+            best = free[np.argsort(-pred[i][h, free], kind="stable")[:shares[i] - 8]]
+            kept = sorted(set(pos[h].tolist()) - set(range(4)) - set(range(n - 4, n)))
+            assert kept == sorted(best.tolist()), (i, h)
+    each = KVCacheBuilder.for_model(model, kvzap(budget=budget))
+    feed(model, each, prompt)
+    assert [c.size() for c in each] == [budget] * L and all(c.layer_share is None for c in each)
+
+
+def test_global_layers_hold_their_shares_through_decode_save_and_load(model, tmp_path):
+    fit_tiny_scorer(model)
+    caches = KVCacheBuilder.for_model(model, kvzap(budget=24, kvzap_layers="global"))
+    feed(model, caches, random_prompt(80, seed=22), decode=50)
+    shares = [c.layer_share for c in caches]
+    assert all(s is not None for s in shares)
+    for c, s in zip(caches, shares):  # decode evicts each layer back to its own share, not the budget
+        assert c.evictions >= 2 and c.size() <= s + c.slack and c.evict_threshold() == s + c.slack
+    save_prompt_cache(tmp_path / "g.safetensors", caches)
+    assert [c.layer_share for c in load_prompt_cache(tmp_path / "g.safetensors")] == shares
+    with pytest.raises(ValueError, match="prompt_eviction='end'"):
+        KVCacheBuilder.for_model(model, kvzap(kvzap_layers="global", prompt_eviction="stream"))
+
+
+def test_mlp_fit_learns_what_a_linear_map_cannot():
+    from veloxquant_mlx.methods.kvzap.fit import fit_layers, fit_mlp_layers, mlp_predict
+
+    rng = np.random.default_rng(1)
+
+    def texts(n, k):
+        out = []
+        for _ in range(k):
+            x = rng.normal(size=(n, 8))
+            y = np.stack([np.abs(x[:, 0]) + x[:, 1], np.maximum(x[:, 2], 0) * 2.0], axis=1)  # not linear
+            out.append((x, y))
+        return {0: out}
+
+    train, val, test = texts(400, 6), texts(200, 1), texts(300, 2)
+    _, lin, _ = fit_layers(train, val, test)
+    weights, q, epochs = fit_mlp_layers(train, val, test, hidden=32, epochs=30, lr=5e-3, batch=64)
+    assert q[0]["r2"] > 0.95 > lin[0]["r2"] + 0.1 and 1 <= epochs[0] <= 30
+    w1, b1, w, b = weights[0]
+    assert w1.shape == (8, 32) and w.shape == (32, 2)
+    x, y = test[0][0]
+    assert np.mean((mlp_predict(x, *weights[0]) - y) ** 2) < 0.05 * y.var()
+
+
+def test_an_mlp_scorer_scores_rows_in_the_cache_and_a_refit_reuses_the_collected_windows(tmp_path, monkeypatch):
+    import veloxquant_mlx.evaluation.kvzap_collect as collect
+    from veloxquant_mlx.methods.kvzap.fit import mlp_predict
+    from conftest import tiny_tokenizer
+
+    m = make_tiny_model("llama", seed=12)
+    wins = [np.random.default_rng(s).integers(0, int(m.args.vocab_size), size=40).tolist() for s in range(5)]
+    path = tmp_path / "mlp.safetensors"
+    meta = collect.fit_scorer(m, tiny_tokenizer(), wins, path, "random ids", data_dir=tmp_path / "data",
+                              kind="mlp", mlp={"hidden": 16, "epochs": 3})
+    assert meta["fit"]["kind"] == "mlp" and meta["fit"]["hidden"] == 16 and len(list((tmp_path / "data").glob("*.npz"))) == 5
+
+    def no_pass(*a, **k):
+        raise AssertionError("the refit ran the model again")
+
+    monkeypatch.setattr(collect, "kvzip_plus_rows", no_pass)
+    collect.fit_scorer(m, tiny_tokenizer(), wins, tmp_path / "lin.safetensors", "random ids", data_dir=tmp_path / "data")
+    caches = KVCacheBuilder.for_model(m, kvzap(budget=200, kvzap_scorer=str(path)))
+    toks = feed(m, caches, random_prompt(30, seed=9), decode=4)
+    weights = load_scorer(path)[0]
+    xs = hidden_states(m, toks, sorted(weights))
+    for i, c in enumerate(caches):
+        assert len(weights[i]) == 4
+        assert np.allclose(np.array(c.stored("zap_score"))[0], mlp_predict(xs[i], *weights[i]).T, atol=1e-4)
+    c = KVCacheBuilder.for_model(m, kvzap(budget=200, kvzap_scorer=str(path)))[0]
+    c.dist = Shard()  # tensor parallel: the MLP's first layer is whole, its output columns this rank's
+    w1, b1, w, b = c._layer_weights(1)
+    assert np.array_equal(np.array(w1), np.array(weights[0][0])) and np.array_equal(np.array(b1), np.array(weights[0][1]))
+    assert np.array_equal(np.array(w), np.array(weights[0][2])[:, 1:]) and np.array_equal(np.array(b), np.array(weights[0][3])[1:])
+    with pytest.raises(ValueError, match=r"\(W, b\) or \(W1, b1, W, b\)"):
+        save_scorer(tmp_path / "bad.safetensors", {0: weights[0][:3]}, {}, {}, {}, {})

@@ -59,9 +59,8 @@ def compress_document(model, tokenizer, text: str, config, out: str, prefill_ste
             if bar is not None:
                 bar.update(min(s + prefill_step_size, n - 1) - bar.n)
         if bar is not None:  # the pass has no progress hook of its own: say what runs
-            bar.set_description_str("compressing at the prompt's end" + (
-                " (KVzip's reconstruction pass)" if any(getattr(c, "needs_model_pass", False) for c in caches)
-                else ""))
+            notes = sorted({getattr(c, "model_pass_note", "") for c in caches} - {""})
+            bar.set_description_str("compressing at the prompt's end" + (f" ({', '.join(notes)})" if notes else ""))
         model(x[:, n - 1:], cache=caches)  # the prompt's end: the compression (KVzip: its pass) runs here
         mx.eval([c.state for c in caches])
         if bar is not None:

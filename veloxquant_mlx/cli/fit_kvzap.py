@@ -18,25 +18,35 @@ from .args import CLIError, load_model_for_cli
 def cmd_fit_kvzap(args):
     if args.context < 16:
         raise CLIError(f"--context must be >= 16 tokens, got {args.context}")
+    if args.hidden < 1:
+        raise CLIError(f"--hidden must be >= 1, got {args.hidden}")
     if args.texts < 3:
         raise CLIError(f"--texts must be >= 3 (train, validation, held-out), got {args.texts}")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"--out {args.out!r}: folder {out_dir!r} does not exist")
-    from ..evaluation.kvzap_collect import STDLIB_MODULES, fit_scorer, stdlib_text, windows
+    from ..evaluation.kvzap_collect import (STDLIB_MODULES, fit_scorer, interleaved_windows, stdlib_sources,
+                                            stdlib_text, windows)
     from ..evaluation.provenance import command_line
 
     if args.text:
         with open(args.text, encoding="utf-8") as f:
-            text, source = f.read(), f"file {os.path.basename(args.text)}"
+            texts, source = [f.read()], f"file {os.path.basename(args.text)}"
+    elif args.corpus == "mixed":
+        named = stdlib_sources()
+        texts = [t for _, t in named]
+        source = (f"Python {sys.version.split()[0]} standard library, windows taken in turn from: "
+                  f"{', '.join(n for n, _ in named)} (modules {', '.join(STDLIB_MODULES)})")
     else:
-        text = stdlib_text()
+        texts = [stdlib_text()]
         source = (f"Python {sys.version.split()[0]} standard-library docstrings "
                   f"({', '.join(STDLIB_MODULES)})")
     model, tokenizer = load_model_for_cli(args.model)
-    ids = list(tokenizer.encode(text))
-    wins = windows(ids, args.context, args.texts)
-    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True, command=command_line())
+    token_lists = [list(tokenizer.encode(t)) for t in texts]
+    wins = (windows(token_lists[0], args.context, args.texts) if len(token_lists) == 1
+            else interleaved_windows(token_lists, args.context, args.texts))
+    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True, command=command_line(),
+                      data_dir=args.data_dir, kind=args.kind, mlp={"hidden": args.hidden})
     print(f"wrote {args.out}: {len(meta['layers'])} layers, {meta['provenance']['tokens']} tokens")
     print(f"held-out fit (mean over layers): {meta['quality']['mean']}")
     return 0
@@ -52,4 +62,12 @@ def add_parser(sub):
     p.add_argument("--context", type=int, default=1024, help="tokens per text window (default 1024)")
     p.add_argument("--texts", type=int, default=40, help="text windows: 70%% train, 10%% validation, the rest "
                    "held out (default 40)")
+    p.add_argument("--corpus", choices=("docstrings", "mixed"), default="docstrings",
+                   help="text shipped with Python to fit on (ignored with --text): docstrings, or mixed "
+                   "(docstrings, pydoc topics and standard-library source code, in turn) (default docstrings)")
+    p.add_argument("--data-dir", default=None, help="folder that keeps each window's collected scores and "
+                   "hidden states: a stopped fit resumes there, and a refit skips the model passes")
+    p.add_argument("--kind", choices=("linear", "mlp"), default="linear",
+                   help="the surrogate: linear (ridge, closed form) or mlp (2 layers, GELU) (default linear)")
+    p.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width (default 512)")
     p.set_defaults(func=cmd_fit_kvzap)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import inspect
+import itertools
 import os
 import subprocess
 import sys
@@ -41,6 +42,30 @@ def stdlib_text() -> str:
             if doc and getattr(obj, "__module__", "") == mod.__name__:
                 parts.append(f"{attr}: {doc}")
     return "\n\n".join(p for p in parts if p)
+
+
+def stdlib_sources() -> list:
+    """The texts of the ``mixed`` corpus, all shipped with Python: the docstrings above, the prose of
+    Python's own documentation topics (``pydoc_data.topics``: language reference text with examples),
+    and the source code of :data:`STDLIB_MODULES` (identifiers, numbers, literals)."""
+    import pydoc_data.topics
+
+    topics = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    code = []
+    for name in STDLIB_MODULES:
+        try:
+            code.append(inspect.getsource(importlib.import_module(name)))
+        except (OSError, TypeError):  # a built-in module has no source
+            continue
+    return [("docstrings", stdlib_text()), ("pydoc topics", topics), ("source code", "\n\n".join(code))]
+
+
+def interleaved_windows(token_lists: list, length: int, count: int) -> list:
+    """Windows of several texts taken in turn (one of each, then the next of each...), so the train,
+    validation and held-out splits each hold every kind of text."""
+    per = [windows(ids, length, count) for ids in token_lists]
+    out = [w for group in itertools.zip_longest(*per) for w in group if w is not None]
+    return out[:count]
 
 
 def windows(ids: list, length: int, count: int) -> list:
@@ -126,28 +151,85 @@ def hidden_states(model, ids: list, layers: list) -> dict:
     return {i: np.array(c.x[0].astype(mx.float32)) for i, c in caps.items()}
 
 
-def collect(model, tokenizer, wins: list, bar=None) -> dict:
-    """{layer: [(x, log-target y) per window]}, rows with every head's score known only."""
+COLLECT_VERSION = 1  # bump when kvzip_plus_rows changes what it returns: cached windows are then stale
+
+
+def collect(model, tokenizer, wins: list, bar=None, data_dir=None) -> dict:
+    """{layer: [(x, log-target y) per window]}, rows with every head's score known only. ``data_dir``:
+    each window's rows are saved there (keyed by the model's identity, the window's ids and this
+    collection's version) and read back on a later run, so a long fit resumes and refits are cheap."""
     import numpy as np
 
     from ..methods.kvzap.fit import log_targets
 
     data: dict = {}
     for ids in wins:
-        for layer, (x, y) in kvzip_plus_rows(model, tokenizer, ids).items():
-            ok = ~np.isnan(y).any(axis=1)
-            data.setdefault(layer, []).append((x[ok], log_targets(y[ok])))
+        rows = _cached_rows(model, ids, data_dir)
+        if rows is None:
+            rows = {}
+            for layer, (x, y) in kvzip_plus_rows(model, tokenizer, ids).items():
+                ok = ~np.isnan(y).any(axis=1)
+                rows[layer] = (x[ok], log_targets(y[ok]))
+            _save_rows(model, ids, data_dir, rows)
+        for layer, xy in rows.items():
+            data.setdefault(layer, []).append(xy)
         if bar is not None:
             bar.update(1)
     return data
 
 
+def _rows_file(model, ids: list, data_dir):
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from ..methods.kvzap.cache import model_identity
+
+    if data_dir is None:
+        return None
+    if id(model) not in _IDENTITY:
+        _IDENTITY[id(model)] = json.dumps(model_identity(model), sort_keys=True)
+    key = hashlib.sha256(f"{COLLECT_VERSION}|{_IDENTITY[id(model)]}|{ids}".encode()).hexdigest()[:24]
+    return Path(data_dir) / f"window-{key}.npz"
+
+
+_IDENTITY: dict = {}
+
+
+def _cached_rows(model, ids, data_dir):
+    import numpy as np
+
+    f = _rows_file(model, ids, data_dir)
+    if f is None or not f.is_file():
+        return None
+    with np.load(f) as z:
+        layers = sorted({int(k.split(".")[1]) for k in z.files})
+        return {i: (z[f"x.{i}"], z[f"y.{i}"]) for i in layers}
+
+
+def _save_rows(model, ids, data_dir, rows: dict) -> None:
+    import numpy as np
+
+    f = _rows_file(model, ids, data_dir)
+    if f is None:
+        return
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f.stem + ".tmp.npz")  # written whole, then renamed: a killed run leaves no half file
+    np.savez(tmp, **{f"{n}.{i}": a for i, xy in rows.items() for n, a in zip("xy", xy)})
+    os.replace(tmp, f)
+
+
 def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 0.2, progress: bool = False,
-               command: str | None = None) -> dict:
+               command: str | None = None, data_dir=None, kind: str = "linear", mlp: dict | None = None) -> dict:
     """Fit and write a scorer for ``model`` on token windows ``wins``; returns the file's metadata.
-    ``command``: what the provenance records as the command (default: this process's argv)."""
+    ``command``: what the provenance records as the command (default: this process's argv). ``kind``:
+    "linear" (ridge) or "mlp" (``mlp``: hidden, epochs, lr, batch; default ``MLP_DEFAULTS``)."""
     from ..methods.kvzap.cache import model_identity, read_scorer_metadata, save_scorer
-    from ..methods.kvzap.fit import fit_layers, summarize
+    from ..methods.kvzap.fit import MLP_DEFAULTS, fit_layers, fit_mlp_layers, summarize
+
+    if kind not in ("linear", "mlp"):
+        raise ValueError(f"kvzap scorer kind must be 'linear' or 'mlp', got {kind!r}")
+    mlp = {**MLP_DEFAULTS, **(mlp or {})}
 
     train, val, test = split_windows(wins)
     commit = _commit()  # the code that runs the fit (read now: a commit made while it runs is not it)
@@ -161,16 +243,22 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
 
     fresh = not (KVCacheBuilder.installed(model) or model_pass_installed(model))
     try:
-        parts = [collect(model, tokenizer, w, bar) for w in (train, val, test)]
+        parts = [collect(model, tokenizer, w, bar, data_dir) for w in (train, val, test)]
     finally:
         if bar is not None:
             bar.close()
         if fresh:  # leave the model as it came: no pass wrapper (with this tokenizer's prompt), no taps
             KVCacheBuilder.uninstall(model)
-    weights, quality, alphas = fit_layers(*parts, density=density)
-    fit = {"kind": "linear", "target": "log KVzip+ score (kvzip normalize='plus', layers='each')",
-           "regression": "ridge, closed form, strength chosen on the validation windows",
-           "alpha": {str(k): v for k, v in alphas.items()}, "context": len(wins[0]), "n_sink_left_out": 4}
+    fit = {"kind": kind, "target": "log KVzip+ score (kvzip normalize='plus', layers='each')",
+           "context": len(wins[0]), "n_sink_left_out": 4}
+    if kind == "linear":
+        weights, quality, alphas = fit_layers(*parts, density=density)
+        fit.update(regression="ridge, closed form, strength chosen on the validation windows",
+                   alpha={str(k): v for k, v in alphas.items()})
+    else:
+        weights, quality, epochs = fit_mlp_layers(*parts, density=density, **mlp)
+        fit.update(regression="2-layer MLP (GELU), Adam on squared error, the epoch with the lowest "
+                   "validation error kept", **mlp, best_epoch={str(k): v for k, v in epochs.items()})
     tokens = {"train": sum(map(len, train)), "validation": sum(map(len, val)), "held_out": sum(map(len, test))}
     prov = {"commit": commit, "command": command or " ".join(sys.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -103,3 +103,19 @@ def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_
     order = mx.argsort(mx.where(keep, rows, rows + R), axis=-1)[..., :K].astype(mx.int32)
     real = mx.take_along_axis(keep, order, axis=-1)
     return order, real
+
+
+def layer_winner_counts(scores: list, candidates: list, n_total: int) -> mx.array:
+    """(L,) int32: how many of the ``n_total`` best candidate rows over ALL layers each layer holds
+    (the paper's non-uniform budget across layers: one ranking of every layer's and head's rows).
+
+    scores / candidates: one (1, H_l, R_l) array per layer (candidates: rows that may be evicted)."""
+    flat = mx.concatenate([mx.where(c, s.astype(mx.float32), -mx.inf).reshape(-1)
+                           for s, c in zip(scores, candidates)])
+    rank = mx.argsort(mx.argsort(-flat))
+    win = (rank < n_total) & (flat > -mx.inf)
+    out, start = [], 0
+    for s in scores:  # one slice per layer (layers, not tokens)
+        out.append(win[start:start + s.size].sum())
+        start += s.size
+    return mx.stack(out).astype(mx.int32)

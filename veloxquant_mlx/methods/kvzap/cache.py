@@ -3,7 +3,8 @@
 A tiny per-layer surrogate, fitted offline, maps each token's hidden state (the attention module's
 input ``x``) to one score per KV head that predicts the log of its KVzip+ score (KVzip's max
 reconstruction attention, normalised by the query's hidden-state norm and scaled by ||W_o v||; the
-paper regresses log-scores). Linear here: ``s = x W + b`` with W (d_model, H_kv). Every incoming row
+paper regresses log-scores): linear, ``s = x W + b`` with W (d_model, H_kv), or the paper's 2-layer MLP,
+``s = gelu(x W1 + b1) W + b``. Every incoming row
 is scored as it is stored, in the prompt and in decode, so the method evicts during decode too; the
 prompt is compressed once at its end (``prompt_eviction="end"``) with no extra model pass.
 
@@ -24,8 +25,11 @@ import warnings
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
+from ...caches import forward
 from ...caches.base import EvictionCache
+from ...caches.layer_shares import global_layer_shares
 from ...options import option
 from ...registry import register
 
@@ -41,6 +45,11 @@ PAPER_WINDOW = 128
 class KVzapOptions:
     scorer: str = option("", doc="scorer file (safetensors from fit-kvzap); empty: the fitted file for this model")
     evict_every: int = option(32, low=1, small=4, doc="amortization slack: evict once this many extra rows exist")
+    # "each": every layer keeps ``budget`` rows per head. "global": at a prompt's end one ranking of every
+    # layer's predicted log KVzip+ scores decides each layer's share (KVzip's non-uniform layer budget,
+    # KVzip Sec. 3; the surrogates regress one target scale, so their predictions compare across layers),
+    # and decode keeps each layer at its share. The total stays layers x heads x budget.
+    layers: str = option("each", choices=("each", "global"), small="each", doc="budget across layers: each | global")
 
 
 # -- model identity ------------------------------------------------------------------------------------
@@ -88,11 +97,16 @@ def _describe(ident: dict) -> str:
 
 # -- scorer files ----------------------------------------------------------------------------------------
 def save_scorer(path, weights: dict, identity: dict, fit: dict, provenance: dict, quality: dict) -> None:
-    """Write a scorer: ``weights`` {layer index: (W (d_model, H_kv), b (H_kv,))} plus its metadata."""
+    """Write a scorer: ``weights`` {layer index: (W (d_model, H_kv), b (H_kv,))} for a linear one, or
+    (W1 (d_model, hidden), b1 (hidden,), W (hidden, H_kv), b (H_kv,)) for an MLP, plus its metadata.
+    The last two are always the output layer (the per-head columns tensor parallelism slices)."""
     arrays = {}
-    for i, (w, b) in sorted(weights.items()):
-        arrays[f"W.{i}"] = mx.array(w, dtype=mx.float32)
-        arrays[f"b.{i}"] = mx.array(b, dtype=mx.float32)
+    for i, params in sorted(weights.items()):
+        if len(params) not in (2, 4):
+            raise ValueError(f"layer {i}: a scorer layer is (W, b) or (W1, b1, W, b), got {len(params)} arrays")
+        names = ("W", "b") if len(params) == 2 else ("W1", "b1", "W", "b")
+        for name, a in zip(names, params):
+            arrays[f"{name}.{i}"] = mx.array(a, dtype=mx.float32)
     meta = {"format": SCORER_FORMAT, "identity": identity, "fit": fit, "provenance": provenance,
             "quality": quality, "layers": sorted(weights)}
     path = Path(path)
@@ -123,7 +137,8 @@ def load_scorer(path):
             raise ValueError(f"{str(path)!r} is not a kvzap scorer (format {raw.get('format')!r}, "
                              f"expected {SCORER_FORMAT!r}); fit one with `python -m veloxquant_mlx fit-kvzap`")
         meta = {k: json.loads(v) for k, v in raw.items()}
-        weights = {int(i): (arrays[f"W.{i}"], arrays[f"b.{i}"]) for i in meta["layers"]}
+        weights = {int(i): ((arrays[f"W1.{i}"], arrays[f"b1.{i}"]) if f"W1.{i}" in arrays else ())
+                   + (arrays[f"W.{i}"], arrays[f"b.{i}"]) for i in meta["layers"]}
         sha = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
         _LOADED[key] = (weights, meta, sha)
     return _LOADED[key]
@@ -152,17 +167,23 @@ def _score(x, w, b):
     return (x.astype(mx.float32) @ w + b).swapaxes(-1, -2)
 
 
-_score_compiled = mx.compile(_score, shapeless=True)
+def _score_mlp(x, w1, b1, w, b):
+    # the 2-layer MLP surrogate (paper Sec. 3): GELU between the two projections
+    return (nn.gelu(x.astype(mx.float32) @ w1 + b1) @ w + b).swapaxes(-1, -2)
+
+
+_score_compiled = {2: mx.compile(_score, shapeless=True), 4: mx.compile(_score_mlp, shapeless=True)}
 _warned: set = set()
 
 
 @register("kvzap")
 class KVzapCache(EvictionCache):
-    """KVzap: rows scored as they arrive by a fitted linear map of their hidden state (KVzip+ surrogate)."""
+    """KVzap: rows scored as they arrive by a fitted map (linear or MLP) of their hidden state (KVzip+ surrogate)."""
 
     Options = KVzapOptions
     needs_queries = False
     needs_hidden_states = True  # the builder installs the hidden-state tap (veloxquant_mlx.tap)
+    needs_model_pass = True  # layers="global": the prompt-end compression waits for every layer's scores
 
     @classmethod
     def default_recent(cls, budget, options):
@@ -175,6 +196,11 @@ class KVzapCache(EvictionCache):
         self._weights = None  # (W (d_model, H_kv of the whole model), b), set by attach_model / on load
         self._local = None  # the same, sliced to this rank's heads
         self.scorer_file = None  # (path, sha256) of the scorer in use
+        self.layer_share = None  # layers="global": this layer's rows per head since a prompt's end
+        self._share_due = False  # layers="global": compression deferred to after the forward
+        if self.options.layers == "global" and self.config.prompt_eviction != "end":
+            raise ValueError("kvzap layers='global' compresses at the prompt's end: it needs "
+                             f"prompt_eviction='end', not {self.config.prompt_eviction!r}")
 
     def extra_row_fields(self):
         return {"zap_score": 0.0}
@@ -217,13 +243,13 @@ class KVzapCache(EvictionCache):
 
     def _layer_weights(self, n_local: int):
         if self._local is None:
-            w, b = self._weights
+            *hidden, w, b = self._weights  # (an MLP's first layer is shared by every head)
             if w.shape[1] != (n_local if self.dist is None else self.dist.total_heads(n_local)):
                 raise ValueError(f"kvzap scorer has {w.shape[1]} KV heads for layer {self.layer_idx}, the "
                                  f"cache holds {n_local}")
             if self.dist is not None:  # tensor parallel: this rank's head columns
                 w, b = self.dist.local(w, n_local, axis=1), self.dist.local(b, n_local, axis=0)
-            self._local = (w, b)
+            self._local = (*hidden, w, b)
         return self._local
 
     def _append(self, keys, values):
@@ -237,7 +263,8 @@ class KVzapCache(EvictionCache):
             if x.shape[1] != S or x.shape[0] != keys.shape[0]:
                 raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows of "
                                  f"{keys.shape[0]} sequences")
-            s = _score_compiled(x, *self._layer_weights(keys.shape[1]))
+            params = self._layer_weights(keys.shape[1])
+            s = _score_compiled[len(params)](x, *params)
         self.row_extras["zap_score"][:, :, prev:prev + S] = s
 
     def _unscored(self, prev, S):
@@ -252,17 +279,58 @@ class KVzapCache(EvictionCache):
                           "recency instead", stacklevel=4)
         return self.positions[:, :, prev:prev + S].astype(mx.float32)
 
+    # -- layers="global": one ranking across layers at each prompt's end -------------------------------
+    def keep_rows(self) -> int:
+        t = self.prompt.target
+        if t is not None:
+            return t
+        return self.budget if self.layer_share is None else self.layer_share
+
+    def evict_threshold(self) -> int:
+        return max(self.keep_rows(), self._evict_floor) + self.slack
+
+    def _end_prompt(self):
+        if self.options.layers == "global" and self.offset > self.budget:
+            if forward.defer(self):  # after the forward, with every layer's rows: run_model_pass
+                self.prompt.ending = False
+                self._share_due = True
+                return
+            if "no pass" not in _warned:
+                _warned.add("no pass")
+                warnings.warn("kvzap layers='global' needs the caches built by KVCacheBuilder (its model "
+                              "wrapper runs the ranking after the forward): each layer keeps its own budget",
+                              stacklevel=4)
+        super()._end_prompt()
+
+    @classmethod
+    def run_model_pass(cls, driver, seq):
+        """After the forward whose prompt end every kvzap layer of this sequence deferred: one ranking
+        of all their rows, then each compresses to its share (no model pass runs)."""
+        due = [c for c, _ in seq if isinstance(c, cls) and c._share_due]
+        if not due:
+            return
+        shares = global_layer_shares(due, "zap_score", "kvzap")
+        for i, c in enumerate(due):
+            c._share_due = False
+            c.layer_share = None if shares is None else shares[i]
+            if c._rows > c.keep_rows():
+                with c.prompt.compressing_to(c.layer_share):
+                    c._evict()
+
     # -- save / load: the scorer travels by path and hash ----------------------------------------------
     @property
     def meta_state(self):
         meta = json.loads(EvictionCache.meta_state.fget(self))
         if self.scorer_file is not None:
             meta["kvzap"] = {"scorer": self.scorer_file[0], "sha256": self.scorer_file[1]}
+        if self.layer_share is not None:
+            meta["kvzap_layer_share"] = self.layer_share
         return json.dumps(meta, sort_keys=True)
 
     @meta_state.setter
     def meta_state(self, text):
         EvictionCache.meta_state.fset(self, text)
+        self.layer_share = json.loads(text).get("kvzap_layer_share")
         z = json.loads(text).get("kvzap")
         if z:
             self.use_scorer(z["scorer"])

@@ -84,21 +84,92 @@ def fit_layers(train: dict, val: dict, test: dict, density: float = 0.2):
         alpha = ALPHAS[int(np.argmin(errs))]
         w, b = ridge(np.concatenate([xt, xv]), np.concatenate([yt, yv]), alpha)
         weights[layer], alphas[layer] = (w.astype(np.float32), b.astype(np.float32)), alpha
-        quality[layer] = held_out_quality(test[layer], w, b, density)
+        quality[layer] = held_out_quality(test[layer], lambda x, w=w, b=b: x @ w + b, density)
     return weights, quality, alphas
 
 
-def held_out_quality(texts: list, w, b, density: float = 0.2) -> dict:
-    """R^2 over the pooled held-out rows; mean per-(text, head) Spearman and top-``density`` overlap."""
+def held_out_quality(texts: list, predict, density: float = 0.2) -> dict:
+    """R^2 over the pooled held-out rows; mean per-(text, head) Spearman and top-``density`` overlap.
+    ``predict``: (n, d) hidden states -> (n, H) predicted log-scores."""
     x, y = _stack(texts)
     rho, keep = [], []
     for xi, yi in texts:
-        p = xi @ w + b
+        p = predict(xi)
         for h in range(yi.shape[1]):  # host-side report over a handful of heads, not a hot path
             rho.append(spearman(p[:, h], yi[:, h]))
             keep.append(keep_overlap(p[:, h], yi[:, h], density))
-    return {"r2": round(r2(x @ w + b, y), 4), "spearman": round(float(np.nanmean(rho)), 4),
+    return {"r2": round(r2(predict(x), y), 4), "spearman": round(float(np.nanmean(rho)), 4),
             f"keep_overlap_{density:g}": round(float(np.mean(keep)), 4), "rows": int(len(y))}
+
+
+# The MLP surrogate (paper Sec. 3: a 2-layer MLP beside the linear one). Training defaults as the
+# authors' released training script: hidden width 512, 15 epochs, Adam at 5e-3, batches of 512 rows.
+MLP_DEFAULTS = {"hidden": 512, "epochs": 15, "lr": 5e-3, "batch": 512}
+
+
+def mlp_predict(x: np.ndarray, w1, b1, w, b) -> np.ndarray:
+    """Host-side MLP prediction ``gelu(x W1 + b1) W + b`` (the same function the cache compiles)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    h = nn.gelu(mx.array(x, dtype=mx.float32) @ mx.array(w1) + mx.array(b1))
+    return np.array(h @ mx.array(w) + mx.array(b)).astype(np.float64)
+
+
+def fit_mlp_layers(train: dict, val: dict, test: dict, density: float = 0.2, hidden: int = 512,
+                   epochs: int = 15, lr: float = 5e-3, batch: int = 512, seed: int = 0):
+    """Fit a 2-layer MLP per layer (MLX, Adam, mean squared error on log-targets). Inputs and targets are
+    standardized on the training rows for the optimizer and the scaling is folded back into the weights;
+    the epoch with the lowest validation error is kept. Returns ({layer: (W1, b1, W, b)}, {layer:
+    quality}, {layer: best epoch})."""
+    weights, quality, best_epochs = {}, {}, {}
+    for layer in sorted(train):
+        xt, yt = _stack(train[layer])
+        xv, yv = _stack(val[layer])
+        params, epoch = _train_mlp(xt, yt, xv, yv, hidden, epochs, lr, batch, seed + layer)
+        weights[layer], best_epochs[layer] = params, epoch
+        quality[layer] = held_out_quality(test[layer], lambda x, p=params: mlp_predict(x, *p), density)
+    return weights, quality, best_epochs
+
+
+def _train_mlp(xt, yt, xv, yv, hidden, epochs, lr, batch, seed):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    mu, sd = xt.mean(axis=0), xt.std(axis=0) + 1e-6
+    ym, ys = yt.mean(axis=0), yt.std(axis=0) + 1e-6
+    X, Y = mx.array(((xt - mu) / sd).astype(np.float32)), mx.array(((yt - ym) / ys).astype(np.float32))
+    Xv, Yv = mx.array(((xv - mu) / sd).astype(np.float32)), mx.array(((yv - ym) / ys).astype(np.float32))
+    mx.random.seed(seed)
+    net = nn.Sequential(nn.Linear(X.shape[1], hidden), nn.GELU(), nn.Linear(hidden, Y.shape[1]))
+    opt = optim.Adam(learning_rate=lr)
+
+    def loss(model, x, y):
+        return nn.losses.mse_loss(model(x), y)
+
+    step_grad = nn.value_and_grad(net, loss)
+
+    rng = np.random.default_rng(seed)
+    best, best_epoch, best_params = np.inf, 0, None
+    for epoch in range(1, epochs + 1):
+        order = mx.array(rng.permutation(X.shape[0]))
+        for s in range(0, X.shape[0], batch):  # minibatches of an offline fit, not a cache's hot path
+            idx = order[s:s + batch]
+            _, grads = step_grad(net, X[idx], Y[idx])
+            opt.update(net, grads)
+            mx.eval(net.parameters(), opt.state)
+        v = float(loss(net, Xv, Yv).item())
+        if v < best:
+            best, best_epoch = v, epoch
+            best_params = [np.array(a) for a in (net.layers[0].weight, net.layers[0].bias,
+                                                 net.layers[2].weight, net.layers[2].bias)]
+    w1, b1, w2, b2 = best_params  # mlx Linear weights are (out, in): transpose to x @ W
+    w1 = (w1.T / sd[:, None]).astype(np.float32)
+    b1 = (b1 - (mu / sd) @ (best_params[0].T)).astype(np.float32)
+    w = (w2.T * ys[None, :]).astype(np.float32)
+    b = (b2 * ys + ym).astype(np.float32)
+    return (w1, b1, w, b), best_epoch
 
 
 def _stack(texts: list):

@@ -72,6 +72,7 @@ class KVzipCache(EvictionCache):
     config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
     prefill_only = True
     needs_model_pass = True  # the builder installs veloxquant_mlx.model_pass for this method
+    model_pass_note = "KVzip's reconstruction pass"  # what `compress`'s progress bar says runs at the end
 
     @classmethod
     def run_model_pass(cls, driver, seq):

@@ -20,8 +20,7 @@ import warnings
 
 import mlx.core as mx
 
-from ...caches.storage import PAD_POSITION
-from .ops import layer_winner_counts
+from ...caches.layer_shares import global_layer_shares
 
 # The repeat prompts of the reconstruction input (paper Sec. 3, Fig. 2: "Repeat the previous
 # context"); later chunks quote the previous chunk's last tokens so the model knows where to resume.
@@ -112,7 +111,7 @@ def reconstruct(cls, driver, seq: list) -> None:
                     z.end_chunk()
     for z in zips:
         z.finish_pass()
-    shares = _global_shares(zips) if first.options.layers == "global" else None
+    shares = global_layer_shares(zips, "zip_score", "kvzip") if first.options.layers == "global" else None
     for i, z in enumerate(zips):
         z.compress(None if shares is None else shares[i])
 
@@ -172,33 +171,3 @@ def _hidden_hooks(model, seq, zip_ids):
         for attn, cls in hooked:
             attn.__class__ = cls
             object.__delattr__(attn, "_veloxquant_zip")
-
-
-_warned_global: set = set()
-
-
-def _global_shares(zips: list):
-    """Per-layer budgets from one ranking over every layer's rows (kvzip ``layers="global"``), or
-    None where that is not possible here (then every layer keeps its own budget)."""
-    first = zips[0]
-    why = None
-    if first.keys.shape[0] != 1:
-        why = "a batch of several sequences in one cache"
-    elif any(z.dist is not None for z in zips):
-        why = "tensor parallelism"
-    if why is not None:
-        if why not in _warned_global:
-            _warned_global.add(why)
-            warnings.warn(f"kvzip layers='global' is not supported with {why}: each layer keeps its own "
-                          "budget", stacklevel=6)
-        return None
-    F = first.n_sink + first.recent
-    scores, cands = [], []
-    for z in zips:
-        pos = z.stored("positions")
-        forced = (pos < z.n_sink) | (pos >= z.offset - z.recent)
-        scores.append(z.stored("zip_score"))
-        cands.append((pos != PAD_POSITION) & ~forced)
-    n_total = sum(z.keys.shape[1] for z in zips) * (first.budget - F)
-    counts = layer_winner_counts(scores, cands, n_total).tolist()  # the one host read of a global pass
-    return [F + int(round(c / z.keys.shape[1])) for c, z in zip(counts, zips)]

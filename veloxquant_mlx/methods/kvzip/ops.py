@@ -131,19 +131,3 @@ def window_max_scores(queries: mx.array, keys: mx.array, q_pos: mx.array, k_pos:
     """(B, H, N) max attention over the group and the window queries (the fallback without a model
     pass: the prompt's own last queries stand in for the reconstruction's)."""
     return window_attention_probs(queries, keys, q_pos, k_pos, scale).max(axis=(2, 3))
-
-
-def layer_winner_counts(scores: list, candidates: list, n_total: int) -> mx.array:
-    """(L,) int32: how many of the ``n_total`` best candidate rows over ALL layers each layer holds
-    (the paper's non-uniform budget across layers: one ranking of every layer's and head's rows).
-
-    scores / candidates: one (1, H_l, R_l) array per layer (candidates: rows that may be evicted)."""
-    flat = mx.concatenate([mx.where(c, s.astype(mx.float32), -mx.inf).reshape(-1)
-                           for s, c in zip(scores, candidates)])
-    rank = mx.argsort(mx.argsort(-flat))
-    win = (rank < n_total) & (flat > -mx.inf)
-    out, start = [], 0
-    for s in scores:  # one slice per layer (layers, not tokens)
-        out.append(win[start:start + s.size].sum())
-        start += s.size
-    return mx.stack(out).astype(mx.int32)
