@@ -34,8 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--no-kvzip", action="store_true", help="leave kvzip's prefill out (it is the slow one)")
     p.add_argument("--no-fast-blas", action="store_true")
-    p.add_argument("--needle-rank", action="store_true", help="instead: the share of (layer, head) pairs whose "
-                   "predicted score keeps each passkey token (1K, depth 0.02; 99 and 176 picks)")
+    p.add_argument("--needle-rank", action="store_true", help="instead: how each scorer's predictions track the "
+                   "true KVzip+ scores on passkey prompts (1K, depth 0.02): Spearman, and the needle's keep share")
+    p.add_argument("--scorer", nargs="*", default=[], help="--needle-rank: scorer files to compare (default: "
+                   "the shipped SmolLM2 scorer)")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzap" / "cost.json"))
     return p.parse_args(argv)
 
@@ -68,34 +70,60 @@ def decode(model, logits, caches, n):
     return (time.perf_counter() - t0) / n
 
 
-def needle_rank() -> int:
-    """``--needle-rank``: does the shipped SmolLM2 scorer rank the passkey high? (docs/methods/kvzap.md)"""
+def needle_rank(scorers: list) -> int:
+    """``--needle-rank``: does a scorer rank the passkey's tokens as KVzip+ itself does? Per haystack (1K,
+    depth 0.02), the true KVzip+ scores of every row (kvzip normalize="plus", per layer: the fit's target)
+    beside each scorer's predictions from the same forward's hidden states; printed per scorer: the mean
+    Spearman of prediction and truth over (layer, head) pairs, and the share of (layer, head) pairs whose
+    top 99 / 176 free rows hold each needle token, by prediction and by truth (docs/methods/kvzap.md)."""
     import numpy as np
 
-    from veloxquant_mlx.evaluation.kvzap_collect import hidden_states
+    from veloxquant_mlx.evaluation.kvzap_collect import kvzip_plus_rows
     from veloxquant_mlx.evaluation.needle import key_token_spans
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR, load_scorer
+    from veloxquant_mlx.methods.kvzap.fit import mlp_predict, spearman
     from veloxquant_mlx.models import load_model
 
     model, tok = load_model()
-    weights = load_scorer(SHIPPED_DIR / "smollm2-135m.safetensors")[0]
+    scorers = scorers or [str(SHIPPED_DIR / "smollm2-135m.safetensors")]
     for hay in ("grass", "text"):
         toks, pos = make_prompt(tok, hay, 1024, 0.02, "67767")
         needle = [p for s in key_token_spans(tok, toks, pos, "67767") for p in s]
-        xs = hidden_states(model, toks, sorted(weights))
+        rows = kvzip_plus_rows(model, tok, toks)  # {layer: (x, true KVzip+ y)}; NaN: sinks, one row per head
         free = np.arange(4, len(toks) - 102)
-        ranks = []
-        for i, (w, b) in weights.items():
-            pred = (xs[i] @ np.array(w) + np.array(b)).T
-            for h in range(pred.shape[0]):  # a report over a few heads, offline
-                order = free[np.argsort(-pred[h, free], kind="stable")]
-                where = {int(t): int(np.flatnonzero(order == t)[0]) for t in needle if 4 <= t < len(toks) - 102}
-                ranks.append(where)
-        for picks in (99, 176):
-            share = np.mean([np.mean([r < picks for r in where.values()]) for where in ranks])
-            print(f"{hay}: {len(toks)} tokens, needle tokens {needle}: kept by {share:.3f} of (layer, head) "
-                  f"pairs with {picks} picks", flush=True)
+
+        def keep_share(score_of, picks):  # share of (layer, head) pairs whose top picks hold a needle token
+            out = []
+            for i, (x, y) in rows.items():
+                s = score_of(i, x, y)
+                for h in range(y.shape[1]):  # a report over a few heads, offline
+                    order = free[np.argsort(-np.nan_to_num(s[free, h], nan=-np.inf), kind="stable")][:picks]
+                    out.append(np.mean([t in set(order.tolist()) for t in needle]))
+            return float(np.mean(out))
+
+        def truth(i, x, y):
+            return np.log(np.maximum(y, 1e-7))
+
+        print(f"{hay}: {len(toks)} tokens, needle tokens {needle}; KVzip+ itself keeps them in "
+              f"{keep_share(truth, 99):.3f} / {keep_share(truth, 176):.3f} of pairs (99 / 176 picks)", flush=True)
+        for path in scorers:
+            weights = load_scorer(path)[0]
+
+            def predict(i, x, y, w=weights):
+                p = w[i]
+                a = [np.array(t) for t in p]
+                return mlp_predict(x, *a) if len(p) == 4 else x @ a[0] + a[1]
+
+            rho = []
+            for i, (x, y) in rows.items():
+                pr = predict(i, x, y)
+                for h in range(y.shape[1]):
+                    ok = ~np.isnan(y[:, h])
+                    ok[:4] = False
+                    rho.append(spearman(pr[ok, h], np.log(np.maximum(y[ok, h], 1e-7))))
+            print(f"  {Path(path).name}: Spearman {np.nanmean(rho):.3f}; keeps the needle in "
+                  f"{keep_share(predict, 99):.3f} / {keep_share(predict, 176):.3f} of pairs", flush=True)
     return 0
 
 
@@ -106,7 +134,7 @@ def main(argv=None):
 
         reexec_with_openblas(num_threads=1)
     if args.needle_rank:
-        return needle_rank()
+        return needle_rank(args.scorer)
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 

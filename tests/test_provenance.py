@@ -179,3 +179,19 @@ def test_labels_that_pin_options_get_their_own_key(fresh_cache):
     assert P.method_fingerprint("nexus[prompt_top_k=True]") == P.method_fingerprint("nexus")
     with pytest.raises(ValueError):
         P.method_fingerprint("nexus[no_such_option=1]")
+
+
+def test_a_label_naming_a_real_models_scorer_fingerprints_its_file(tmp_path):
+    # a kvzap label with scorer=FILE (fitted for another model than the tiny fingerprint model) hashes
+    # the method's code on the tiny model plus the file's bytes: no error, and a changed file shows
+    from veloxquant_mlx.evaluation.provenance import key_of, method_fingerprint
+    from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR
+
+    f = tmp_path / "s.safetensors"
+    f.write_bytes((SHIPPED_DIR / "smollm2-135m.safetensors").read_bytes())
+    key = key_of(f"kvzap:scorer={f}", "end")
+    before = method_fingerprint(key)
+    assert before != method_fingerprint("kvzap")
+    g = tmp_path / "t.safetensors"
+    g.write_bytes(f.read_bytes() + b" ")
+    assert method_fingerprint(key_of(f"kvzap:scorer={g}", "end")) not in (before, method_fingerprint("kvzap"))

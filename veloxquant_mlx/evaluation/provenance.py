@@ -118,6 +118,7 @@ def method_fingerprint(key: str) -> str:
     if setting not in _SETTINGS:
         raise ValueError(f"unknown fingerprint setting {setting!r} in {key!r}; known: {', '.join(_SETTINGS)}")
     model = _tiny_model()
+    record = None
     with warnings.catch_warnings():  # e.g. kvzip's note that a tiny model has no tokenizer: expected here
         warnings.simplefilter("ignore")
         if method == FULL:
@@ -125,9 +126,13 @@ def method_fingerprint(key: str) -> str:
         else:
             cfg = _config(method, setting, options)
             if not isinstance(cfg, str) and getattr(cfg.cache_class, "needs_hidden_states", False):
+                user_scorer = (options or {}).get("scorer")
                 cfg = _with_tiny_scorer(model, method, setting, options)
-            record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
-                                                           _SETTINGS[setting][1])
+                if user_scorer:  # the code runs on the tiny model; the label's own scorer file is hashed in
+                    record = {"scorer_sha256": _file_sha(user_scorer)}
+            run = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
+                                                        _SETTINGS[setting][1])
+            record = run if record is None or isinstance(run, str) else {**record, "run": run}
             KVCacheBuilder.uninstall(model)
     _cache[key] = _digest(record)
     return _cache[key]
@@ -143,7 +148,15 @@ def _with_tiny_scorer(model, method, setting, options):
     global _SCORER_DIR
     if _SCORER_DIR is None:
         _SCORER_DIR = tempfile.mkdtemp(prefix="vq-fingerprint-scorer-")
-    return _config(method, setting, {"scorer": str(tiny_scorer(model, _SCORER_DIR)), **(options or {})})
+    # The tiny scorer replaces a label's own (fitted for a real model, it cannot run on the tiny one).
+    return _config(method, setting, {**(options or {}), "scorer": str(tiny_scorer(model, _SCORER_DIR))})
+
+
+def _file_sha(path) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "missing"
 
 
 _SCORER_DIR = None
