@@ -448,7 +448,9 @@ def recall_main(argv=None) -> int:
     p.add_argument("--facts", type=int, default=2, choices=[2, 3, 4], help="facts = turns on one cache")
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--methods", nargs="+", default=["nexus", "snapkv"])
-    p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"], choices=["none", "memory", "disk"])
+    p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"],
+                   choices=["none", "memory", "disk", "memory-hold", "disk-hold"],
+                   help="cold tiers per method; '-hold': with recall_hold=True ('<method>-recall-disk-hold')")
     p.add_argument("--recall-bits", type=int, default=4)
     p.add_argument("--recall-pages", type=int, default=8)
     p.add_argument("--recall-page", type=int, default=32)
@@ -490,8 +492,10 @@ def recall_main(argv=None) -> int:
             named["full-4bit"] = (model_caches(model, 4, 32), True)
         for m in args.methods:
             for tier in args.tiers:
-                extra = {} if tier == "none" else {"recall": tier, "recall_bits": args.recall_bits,
-                                                   "recall_page": args.recall_page, "recall_pages": args.recall_pages}
+                kind, _, hold = tier.partition("-")
+                extra = {} if tier == "none" else {"recall": kind, "recall_bits": args.recall_bits,
+                                                   "recall_page": args.recall_page, "recall_pages": args.recall_pages,
+                                                   **({"recall_hold": True} if hold else {})}
                 named[label(m, tier)] = (KVCacheBuilder.for_model(model, KVCacheConfig(m, budget=budget, **extra)),
                                          False)
             if args.recall_every:

@@ -126,13 +126,15 @@ def needle_keys():
     return rng, (H, Hq, N), u, mx.array(keys)
 
 
-def _needle_run(tier, tmp_path=None, budget=32, attend=False):
+def _needle_run(tier, tmp_path=None, budget=32, attend=False, hold=False):
     """The prompt's queries point away from the needle row (position 40), so SnapKV evicts it at the
     prompt's end; the follow-up's queries point at its key, so the recall must offer it back and
     SnapKV's compression of the follow-up keep it."""
     kw = {"recall_dir": str(tmp_path)} if tier == "disk" and tmp_path is not None else {}
+    if tmp_path is not None:
+        os.makedirs(tmp_path, exist_ok=True)
     if tier is not None:
-        kw.update(recall_page=8, recall_pages=2)
+        kw.update(recall_page=8, recall_pages=2, **({"recall_hold": True} if hold else {}))
     cache = make_cache("snapkv", small=True, budget=budget, recall=tier, **kw)
     rng, (H, Hq, N), u, keys = needle_keys()
     values = keys * 2 + 1
@@ -469,4 +471,68 @@ def test_quantized_hot_rows_recall_at_the_inputs_end(tier, model, tmp_path):
     for c in caches:
         assert c.cold.recalls == 1 and isinstance(c.keys, tuple)  # the hot rows stay packed
         assert c.size() <= c.budget + 4
+        assert_nothing_lost(c)
+
+
+# -- recall_hold: a turn's recalled rows stay through its answer -------------------------------------
+def test_recall_hold_is_validated():
+    with pytest.raises(ValueError, match="needs a cold tier"):
+        KVCacheConfig("snapkv", recall_hold=True)
+    with pytest.raises(TypeError, match="True or False"):
+        KVCacheConfig("snapkv", recall="memory", recall_hold=1)
+    with pytest.raises(ValueError, match="not supported by 'kvzip'"):
+        KVCacheConfig("kvzip", recall="memory", recall_hold=True, allocation="uniform")
+    cfg = KVCacheConfig("nexus", recall="memory", recall_hold=True, allocation="uniform")
+    assert KVCacheConfig.from_dict(cfg.to_dict()).recall_hold and "recall_hold" not in KVCacheConfig(
+        "nexus", recall="memory", allocation="uniform").to_dict()
+
+
+def _recalled_positions(cache):
+    from veloxquant_mlx.ops.recall import page_rows
+
+    t = cache.cold  # the pages the last recall read back, and the positions their rows hold
+    pos = np.array(t.read(t.holes, page_rows(t.holes, t.page))[2])
+    return [set(row[row != 2**31 - 1].tolist()) for row in pos[0]]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_recall_hold_keeps_every_recalled_row_through_the_answer(tier, tmp_path):
+    """The needle run with recall_hold: the follow-up's compression waits, so its answer attends to
+    every row the recall read back (and to the needle); the next input compresses to the budget first,
+    refilling the pages, and nothing is lost."""
+    def run(hold):
+        return _needle_run(tier, tmp_path / str(hold), hold=hold)
+
+    plain, _, _ = run(False)
+    held, _, _ = run(True)
+    assert plain.size() == plain.budget and plain.cold.holes is None
+    recalled = _recalled_positions(held)
+    hot = hot_positions(held)[0]
+    for h in range(2):  # every recalled row is hot, and the needle among them
+        assert recalled[h] <= set(hot[h].tolist()) and NEEDLE in hot[h]
+    assert held.cold.held and held.size() == held.budget + 3 + 2 * 8 + 7  # + answer, recalled pages, input
+    seen = [set(np.concatenate([a, b]).tolist()) for a, b in zip(hot_positions(held)[0], cold_positions(held)[0])]
+    assert all(s == set(range(held.offset)) for s in seen)  # nothing lost while holding
+    rng = np.random.default_rng(3)
+    k = mx.array(rng.normal(size=(1, 2, 5, D)).astype(np.float32)) * 0.1
+    held.continue_on_purpose()
+    held.update_and_fetch(k, k)  # the next input: the held compression runs first, then the new rows
+    assert not held.cold.held and held.size() == held.budget + 5
+    assert_nothing_lost(held)
+
+
+def test_recall_hold_is_bounded_in_decode_by_the_slack(model):
+    cfg = small_config("h2o", recall="memory", recall_page=8, recall_pages=2, recall_hold=True)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    greedy(model, random_prompt(90, seed=4), max_tokens=2, prompt_cache=caches, prefill_step_size=32)
+    for c in caches:
+        c.continue_on_purpose()
+    prompt = random_prompt(12, seed=5)
+    tokens, _ = greedy(model, prompt, max_tokens=1, prompt_cache=caches)
+    held = [c.size() for c in caches]
+    assert all(c.cold.held and c.size() > c.budget for c in caches)
+    greedy(model, [tokens[-1]], max_tokens=60, prompt_cache=caches)
+    for c, h in zip(caches, held):  # decode past the slack: compressed back, pages refilled
+        assert not c.cold.held and c.size() <= c.budget + c.slack
+        assert c.evictions >= 2
         assert_nothing_lost(c)

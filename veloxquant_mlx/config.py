@@ -14,7 +14,7 @@ from typing import Any
 
 from .config_spec import (ALLOCATIONS, CORE_FIELDS, KV_BITS, KV_GROUP_SIZES, PROMPT_EVICTIONS,  # noqa: F401
                           format_spec, parse_spec)
-from .options import check_recall, check_recall_every, check_value, validate_options
+from .options import check_recall, check_recall_every, check_recall_hold, check_value, validate_options
 from .registry import FULL, get_method
 
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
@@ -119,6 +119,12 @@ class KVCacheConfig:
         recall_every: ``None`` (recall only when a new input arrives) or N: also recall every N decode
             steps with that step's query, then compress back to ``budget`` (Quest's per-step regime;
             ``recall="memory"`` only, so a decode step never reads a file).
+        recall_hold: ``False`` (the compression at a follow-up input's end returns the hot tier to
+            ``budget`` rows at once) or ``True``: after a follow-up input that recalled, that compression
+            waits, so the turn's answer attends to every recalled row; it runs when the next input
+            arrives or when decode adds the eviction slack (``evict_every``, 32 by default) of rows. The
+            hot tier then holds up to ``recall_pages x recall_page`` + the input's tokens + the slack
+            above ``budget`` while the turn answers. Not for methods whose compression needs a model pass.
         options: the method's options dataclass (or a dict of its fields).
         **flat: ``<method>_<field>=value`` for any core field (budget, n_sink, recent, seed) or
             option field of the chosen method, e.g. ``nexus_window=16``, ``nestedkv_budget=512``.
@@ -130,7 +136,7 @@ class KVCacheConfig:
                  prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int | None = None,
                  max_head_factor: Any = METHOD_DEFAULT, recall: str | None = None, recall_page: int = 32,
                  recall_bits: int = 4, recall_dir: str | None = None, recall_pages: int = 8,
-                 recall_window: int = 32, recall_every: int | None = None, **flat):
+                 recall_window: int = 32, recall_every: int | None = None, recall_hold: bool = False, **flat):
         cls = get_method(method)
         defaults = {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}
         allocation, floor_alpha, max_head_factor = (
@@ -204,6 +210,7 @@ class KVCacheConfig:
         self.recall, self.recall_page, self.recall_bits, self.recall_dir, self.recall_pages, self.recall_window = (
             check_recall(recall, recall_page, recall_bits, recall_dir, recall_pages, recall_window))
         self.recall_every = check_recall_every(recall, recall_every)
+        self.recall_hold = check_recall_hold(recall, recall_hold, method, cls)
         if recall is not None and self.allocation != "uniform":
             raise ValueError(f"recall={recall!r} needs uniform per-head storage: allocation={self.allocation!r} "
                              "keeps ragged heads (use allocation='uniform')")
@@ -255,7 +262,8 @@ class KVCacheConfig:
         return {"recall": self.recall, "recall_page": self.recall_page, "recall_bits": self.recall_bits,
                 "recall_dir": self.recall_dir, "recall_pages": self.recall_pages,
                 "recall_window": self.recall_window,
-                **({} if self.recall_every is None else {"recall_every": self.recall_every})}
+                **({} if self.recall_every is None else {"recall_every": self.recall_every}),
+                **({"recall_hold": True} if self.recall_hold else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVCacheConfig":

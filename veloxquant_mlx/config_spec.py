@@ -56,7 +56,7 @@ CORE_FIELDS = {
     "recall": _field(str, choices=RECALL_TIERS, allow_none=True), "recall_page": _field(int, low=1, high=1024),
     "recall_bits": _field(int, choices=RECALL_BITS), "recall_dir": _field(str, allow_none=True),
     "recall_pages": _field(int, low=1), "recall_window": _field(int, low=1),
-    "recall_every": _field(int, low=1, allow_none=True),
+    "recall_every": _field(int, low=1, allow_none=True), "recall_hold": _field(bool),
 }
 
 # What ``full`` (mlx-lm's KVCache, or its QuantizedKVCache) takes.

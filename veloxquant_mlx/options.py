@@ -161,6 +161,19 @@ def check_recall(recall, page, bits, folder, pages, window) -> tuple:
     return recall, page, bits, folder, pages, window
 
 
+def check_recall_hold(recall, hold, method, cls):
+    """``recall_hold``: a bool, with a cold tier, for a method whose compression runs in the cache (a
+    compression deferred to a model pass, KVzip's, would run over the next input's rows too)."""
+    if not isinstance(hold, bool):
+        raise TypeError(f"recall_hold must be True or False, got {hold!r}")
+    if hold and recall is None:
+        raise ValueError("recall_hold=True needs a cold tier: recall='memory' or 'disk'")
+    if hold and getattr(cls, "compresses_in_model_pass", False):
+        raise ValueError(f"recall_hold=True is not supported by {method!r}: its compression runs in a model "
+                         "pass after the forward")
+    return hold
+
+
 def check_recall_every(recall, every):
     """``recall_every``: None, or recall every N decode steps. Only the ``"memory"`` tier recalls
     without a host sync, so only it may recall inside a decode step."""

@@ -61,7 +61,9 @@ class PromptPolicy:
         row: caches.batch)."""
         p = self.prompt
         if self.cold is not None and S > 1 and not p.open and self.offset > 0:
-            self.cold.arm()  # a new turn on a cache that has evicted: recall with its queries
+            if self.cold.held:  # recall_hold: the last turn's compression waited for this input
+                self._release_hold()
+            self.cold.arm(turn=True)  # a new turn on a cache that has evicted: recall with its queries
         elif self.cold is not None and S == 1 and not p.open and self.offset > 0:
             self.cold.decode_step()  # recall_every: every Nth decode step recalls with its query
         if S > 1 and p.saw_decode:
@@ -103,9 +105,28 @@ class PromptPolicy:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every
         method under prompt_eviction="end")."""
         self.prompt.ending = False
+        if self._holds_recall():
+            return
         if self._rows > self.budget:
             with self.prompt.compressing_to():
                 self._evict()
+
+    def _holds_recall(self) -> bool:
+        """``recall_hold``: a follow-up input that recalled ends without its compression, so its answer
+        attends to every recalled row. Decode evicts only past the rows held now plus the slack; the
+        next input (or that decode eviction) compresses to ``budget`` and refills the pages read."""
+        if not (self.config.recall_hold and self.cold is not None and self.cold.turn_recalled()):
+            return False
+        self.cold.held = True
+        self._evict_floor = max(self._evict_floor, self._rows)
+        return True
+
+    def _release_hold(self) -> None:
+        self.cold.held = False
+        if self._rows > self.budget:
+            with self.prompt.compressing_to():
+                self._evict()
+        self._evict_floor = min(self._evict_floor, self._rows)
 
     def _compresses_at_prompt_end(self) -> bool:
         """Compress once when the prompt ends? Prefill-only methods always; decode-bounded methods

@@ -74,13 +74,20 @@ class ColdTier:
         self.carry = None  # [keys, values, positions] of evicted rows short of a whole page
         self.recalls = 0
         self.every, self.steps = config.recall_every, 0  # recall every N decode steps (None: never)
+        self.hold = config.recall_hold
+        self.turn = False  # the armed recall is a new input's (not a recall_every decode step's)
+        self.held = False  # recall_hold: the hot tier holds a turn's recalled rows, compression pending
 
     # -- hooks of EvictionCache ---------------------------------------------------------------
     def check_head_dim(self, head_dim: int) -> None:
         """Called with the first keys a cache receives (before anything is stored or dropped)."""
 
-    def arm(self) -> None:
-        self.armed, self.q = self.n_pages > 0, None
+    def arm(self, turn: bool = False) -> None:
+        self.armed, self.q, self.turn = self.n_pages > 0, None, turn
+
+    def turn_recalled(self) -> bool:
+        """A new input recalled pages that no eviction has refilled yet (what recall_hold holds)."""
+        return self.turn and self.holes is not None
 
     def decode_step(self) -> None:
         """A decode step (one token after the prompt ended): with ``recall_every=N`` the Nth arms a
@@ -109,7 +116,7 @@ class ColdTier:
         values = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.values), bits, gs)
         parts = [keys, values, gather_rows(cache.positions, gone)]
         if self.holes is not None:  # refill the pages the recall read back (whole pages: E >= their rows)
-            holes, self.holes = self.holes, None
+            holes, self.holes, self.held = self.holes, None, False
             n = holes.shape[-1] * self.page
             fill = [a[:, :, :n] for a in parts]
             lo, hi = page_summaries(fill[0], fill[2], self.page, self.kmin.dtype)
@@ -236,11 +243,13 @@ class ColdTier:
         self.set_rows_state(st)
 
     def meta(self) -> dict:
-        return {"armed": self.armed, "recalls": self.recalls, **({"steps": self.steps} if self.every else {})}
+        return {"armed": self.armed, "recalls": self.recalls, **({"steps": self.steps} if self.every else {}),
+                **({"turn": self.turn, "held": self.held} if self.hold else {})}
 
     def set_meta(self, meta: dict) -> None:
         self.armed, self.recalls = meta.get("armed", False), meta.get("recalls", 0)
         self.steps = meta.get("steps", 0)
+        self.turn, self.held = meta.get("turn", False), meta.get("held", False)
 
 
 class MemoryTier(ColdTier):

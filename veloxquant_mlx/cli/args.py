@@ -47,7 +47,7 @@ class _Given(argparse.Action):
     (``generate --prompt-cache FILE --method nexus`` on a kvzip file must be refused)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)  # nargs=0: a switch
         setattr(namespace, _GIVEN, set(getattr(namespace, _GIVEN, ())) | {self.dest})
 
 
@@ -141,10 +141,14 @@ def add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--recall-every", type=int, default=None, **given,
                         help="also recall every N decode steps with that step's query (--recall memory only; "
                              "default: unset, recall at a new input only)")
+    parser.add_argument("--recall-hold", action=_Given, nargs=0, default=None,
+                        help="a follow-up turn's recalled rows stay hot through its answer: the compression "
+                             "waits for the next input (or the eviction slack in decode), so the hot tier "
+                             "exceeds the budget while the turn answers (default: off)")
     add_method_options(parser)
 
 
-_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages", "recall_every")
+_RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages", "recall_every", "recall_hold")
 # (flag dest, its key in a method spec) of the cache flags: the same name but for --cache-seed
 _FLAG_KEYS = tuple((dest, "seed" if dest == "cache_seed" else dest) for dest in (
     "budget", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha", "prompt_eviction", "kv_bits",

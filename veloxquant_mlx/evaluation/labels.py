@@ -65,6 +65,7 @@ SUFFIXES = {
     "-g128": "kv_group_size=128",
     "-recall-memory": "recall=memory",  # a cold tier that follow-ups recall from (docs/recall.md)
     "-recall-disk": "recall=disk",
+    "-hold": "recall_hold=true",  # after "-recall-<tier>": a turn's recalled rows stay through its answer
 }
 
 

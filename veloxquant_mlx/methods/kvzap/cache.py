@@ -290,7 +290,7 @@ class KVzapCache(EvictionCache):
         return max(self.keep_rows(), self._evict_floor) + self.slack
 
     def _end_prompt(self):
-        if self.options.layers == "global" and self.offset > self.budget:
+        if self.options.layers == "global" and self.offset > self.budget and not self._holds_recall():
             if forward.defer(self):  # after the forward, with every layer's rows: run_model_pass
                 self.prompt.ending = False
                 self._share_due = True

@@ -73,6 +73,7 @@ class KVzipCache(EvictionCache):
     prefill_only = True
     needs_model_pass = True  # the builder installs veloxquant_mlx.model_pass for this method
     model_pass_note = "KVzip's reconstruction pass"  # what `compress`'s progress bar says runs at the end
+    compresses_in_model_pass = True  # the prompt-end compression runs after the forward (recall_hold refuses)
 
     @classmethod
     def run_model_pass(cls, driver, seq):
