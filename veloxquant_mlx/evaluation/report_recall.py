@@ -81,10 +81,15 @@ def resident_points(data: dict) -> list:
 
 
 def figure(runs: dict, figs_dir, filename="recall_accuracy_vs_bytes.png") -> Path:
-    """One panel per run: all-turns accuracy (Wilson bars) against resident KV bytes (MiB)."""
+    """One panel per run (a grid of up to 4 columns): all-turns accuracy (Wilson bars) against resident
+    KV bytes (MiB)."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
-    for ax, (title, data) in zip(axes[0], runs.items()):
+    cols = min(len(runs), 4)
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.ravel()[len(runs):]:
+        ax.set_visible(False)
+    for ax, (title, data) in zip(axes.ravel(), runs.items()):
         for name, b, acc, n in resident_points(data):
             y, lo, hi = wilson_bars(acc, n)
             ax.errorbar(b / 2**20, y, yerr=[[lo], [hi]], fmt="o", capsize=3, label=name)
