@@ -438,6 +438,21 @@ def summarize(data: dict) -> dict:
     return out
 
 
+def stamp_recall_provenance(old: dict | None, new: dict) -> dict:
+    """The provenance of a recall file after another prompt: ``new``, marked stale when the prompts it
+    extends came from code with other fingerprints (``provenance.resumed``), and naming the commit the
+    file's first prompt ran at when that differs (the recall code is named by its commit only)."""
+    from veloxquant_mlx.evaluation.provenance import resumed
+
+    prov = resumed(old, new) if old else dict(new)
+    first = (old or {}).get("first_commit") or (old or {}).get("commit")
+    if first and first != new.get("commit"):
+        prov["first_commit"] = first
+    prov["note"] = ("the fingerprints cover each method without recall; the recall code is at the commit "
+                    "named (first_commit: where the file's first prompt ran)")
+    return prov
+
+
 def recall_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench_quality.py recall", description=RECALL_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -517,9 +532,7 @@ def recall_main(argv=None) -> int:
         data["prompts"].sort(key=lambda r: r["index"])
         data["setting"] = setting
         data["summary"] = summarize(data)
-        data["provenance"] = provenance(["full", *args.methods])
-        data["provenance"]["note"] = ("the fingerprints cover each method without recall; the recall code is at "
-                                      "the commit named")
+        data["provenance"] = stamp_recall_provenance(data.get("provenance"), provenance(["full", *args.methods]))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         s = data["summary"]

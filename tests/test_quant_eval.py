@@ -153,3 +153,22 @@ def test_recall_summary_counts_every_turn_and_refuses_to_resume_another_setting(
     out.write_text(json.dumps({"prompts": rows, "setting": {"n_facts": 2, "length": 64, "density": 0.2}}))
     with pytest.raises(SystemExit, match="n_facts=2"):
         Q.recall_main(["--facts", "4", "--length", "64", "--prompts", "0", "--out", str(out)])
+
+
+def test_recall_provenance_keeps_the_first_commit_and_marks_other_code_stale():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+    import bench_quality as Q
+
+    a = {"commit": "aaa", "fingerprint": {"full": "f" * 12, "nexus": "n" * 12}}
+    b = {"commit": "bbb", "fingerprint": {"full": "f" * 12, "nexus": "n" * 12}}
+    first = Q.stamp_recall_provenance(None, a)
+    assert first["commit"] == "aaa" and "first_commit" not in first and "stale_reason" not in first
+    later = Q.stamp_recall_provenance(first, b)  # a commit between prompts, the same method code
+    assert later["commit"] == "bbb" and later["first_commit"] == "aaa" and "stale_reason" not in later
+    assert Q.stamp_recall_provenance(later, b)["first_commit"] == "aaa"
+    moved = Q.stamp_recall_provenance(later, {"commit": "ccc", "fingerprint": {"full": "f" * 12, "nexus": "m" * 12}})
+    assert "nexus" in moved["stale_reason"] and moved["first_commit"] == "aaa"
+
