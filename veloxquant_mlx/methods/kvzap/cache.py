@@ -198,9 +198,12 @@ class KVzapCache(EvictionCache):
         self.scorer_file = None  # (path, sha256) of the scorer in use
         self.layer_share = None  # layers="global": this layer's rows per head since a prompt's end
         self._share_due = False  # layers="global": compression deferred to after the forward
-        if self.options.layers == "global" and self.config.prompt_eviction != "end":
+
+    @classmethod
+    def check_config(cls, config):
+        if config.options.layers == "global" and config.prompt_eviction != "end":
             raise ValueError("kvzap layers='global' compresses at the prompt's end: it needs "
-                             f"prompt_eviction='end', not {self.config.prompt_eviction!r}")
+                             f"prompt_eviction='end', not {config.prompt_eviction!r}")
 
     def extra_row_fields(self):
         return {"zap_score": 0.0}
