@@ -187,13 +187,9 @@ def _rows_file(model, ids: list, data_dir):
 
     if data_dir is None:
         return None
-    if id(model) not in _IDENTITY:
-        _IDENTITY[id(model)] = json.dumps(model_identity(model), sort_keys=True)
-    key = hashlib.sha256(f"{COLLECT_VERSION}|{_IDENTITY[id(model)]}|{ids}".encode()).hexdigest()[:24]
+    ident = json.dumps(model_identity(model), sort_keys=True)  # per window: cheap next to a KVzip+ pass
+    key = hashlib.sha256(f"{COLLECT_VERSION}|{ident}|{ids}".encode()).hexdigest()[:24]
     return Path(data_dir) / f"window-{key}.npz"
-
-
-_IDENTITY: dict = {}
 
 
 def _cached_rows(model, ids, data_dir):
