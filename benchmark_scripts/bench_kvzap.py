@@ -82,7 +82,7 @@ def needle_rank(scorers: list) -> int:
     from veloxquant_mlx.evaluation.needle import key_token_spans
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR, load_scorer
-    from veloxquant_mlx.methods.kvzap.fit import mlp_predict, spearman
+    from veloxquant_mlx.methods.kvzap.fit import log_targets, predict, spearman
     from veloxquant_mlx.models import load_model
 
     model, tok = load_model()
@@ -93,37 +93,28 @@ def needle_rank(scorers: list) -> int:
         rows = kvzip_plus_rows(model, tok, toks)  # {layer: (x, true KVzip+ y)}; NaN: sinks, one row per head
         free = np.arange(4, len(toks) - 102)
 
-        def keep_share(score_of, picks):  # share of (layer, head) pairs whose top picks hold a needle token
+        def keep_share(scores, picks):  # share of (layer, head) pairs whose top picks hold a needle token
             out = []
-            for i, (x, y) in rows.items():
-                s = score_of(i, x, y)
-                for h in range(y.shape[1]):  # a report over a few heads, offline
-                    order = free[np.argsort(-np.nan_to_num(s[free, h], nan=-np.inf), kind="stable")][:picks]
-                    out.append(np.mean([t in set(order.tolist()) for t in needle]))
+            for i, sc in scores.items():
+                for h in range(sc.shape[1]):  # a report over a few heads, offline
+                    top = set(free[np.argsort(-np.nan_to_num(sc[free, h], nan=-np.inf), kind="stable")][:picks].tolist())
+                    out.append(np.mean([t in top for t in needle]))
             return float(np.mean(out))
 
-        def truth(i, x, y):
-            return np.log(np.maximum(y, 1e-7))
-
+        truth = {i: log_targets(y) for i, (_, y) in rows.items()}
         print(f"{hay}: {len(toks)} tokens, needle tokens {needle}; KVzip+ itself keeps them in "
               f"{keep_share(truth, 99):.3f} / {keep_share(truth, 176):.3f} of pairs (99 / 176 picks)", flush=True)
         for path in scorers:
             weights = load_scorer(path)[0]
-
-            def predict(i, x, y, w=weights):
-                p = w[i]
-                a = [np.array(t) for t in p]
-                return mlp_predict(x, *a) if len(p) == 4 else x @ a[0] + a[1]
-
+            pred = {i: predict(x, weights[i]) for i, (x, _) in rows.items()}
             rho = []
-            for i, (x, y) in rows.items():
-                pr = predict(i, x, y)
+            for i, (_, y) in rows.items():
                 for h in range(y.shape[1]):
                     ok = ~np.isnan(y[:, h])
                     ok[:4] = False
-                    rho.append(spearman(pr[ok, h], np.log(np.maximum(y[ok, h], 1e-7))))
+                    rho.append(spearman(pred[i][ok, h], truth[i][ok, h]))
             print(f"  {Path(path).name}: Spearman {np.nanmean(rho):.3f}; keeps the needle in "
-                  f"{keep_share(predict, 99):.3f} / {keep_share(predict, 176):.3f} of pairs", flush=True)
+                  f"{keep_share(pred, 99):.3f} / {keep_share(pred, 176):.3f} of pairs", flush=True)
     return 0
 
 

@@ -105,8 +105,10 @@ class PromptPolicy:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every
         method under prompt_eviction="end")."""
         self.prompt.ending = False
-        if self._holds_recall():
-            return
+        if not self._holds_recall():
+            self._compress_to_budget()
+
+    def _compress_to_budget(self) -> None:
         if self._rows > self.budget:
             with self.prompt.compressing_to():
                 self._evict()
@@ -114,18 +116,14 @@ class PromptPolicy:
     def _holds_recall(self) -> bool:
         """``recall_hold``: a follow-up input that recalled ends without its compression, so its answer
         attends to every recalled row. Decode evicts only past the rows held now plus the slack; the
-        next input (or that decode eviction) compresses to ``budget`` and refills the pages read."""
-        if not (self.config.recall_hold and self.cold is not None and self.cold.turn_recalled()):
+        next input (or that decode eviction, which refills the pages read) compresses to ``budget``."""
+        if not (self.cold is not None and self.cold.held):
             return False
-        self.cold.held = True
         self._evict_floor = max(self._evict_floor, self._rows)
         return True
 
     def _release_hold(self) -> None:
-        self.cold.held = False
-        if self._rows > self.budget:
-            with self.prompt.compressing_to():
-                self._evict()
+        self._compress_to_budget()
         self._evict_floor = min(self._evict_floor, self._rows)
 
     def _compresses_at_prompt_end(self) -> bool:

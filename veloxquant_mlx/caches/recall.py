@@ -76,7 +76,6 @@ class ColdTier:
         self.every, self.steps = config.recall_every, 0  # recall every N decode steps (None: never)
         self.hold = config.recall_hold
         self.turn = False  # the armed recall is a new input's (not a recall_every decode step's)
-        self.held = False  # recall_hold: the hot tier holds a turn's recalled rows, compression pending
 
     # -- hooks of EvictionCache ---------------------------------------------------------------
     def check_head_dim(self, head_dim: int) -> None:
@@ -88,6 +87,11 @@ class ColdTier:
     def turn_recalled(self) -> bool:
         """A new input recalled pages that no eviction has refilled yet (what recall_hold holds)."""
         return self.turn and self.holes is not None
+
+    @property
+    def held(self) -> bool:
+        """recall_hold: the hot tier holds a turn's recalled rows, the compression still to run."""
+        return self.hold and self.turn_recalled()
 
     def decode_step(self) -> None:
         """A decode step (one token after the prompt ended): with ``recall_every=N`` the Nth arms a
@@ -116,7 +120,7 @@ class ColdTier:
         values = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.values), bits, gs)
         parts = [keys, values, gather_rows(cache.positions, gone)]
         if self.holes is not None:  # refill the pages the recall read back (whole pages: E >= their rows)
-            holes, self.holes, self.held = self.holes, None, False
+            holes, self.holes = self.holes, None
             n = holes.shape[-1] * self.page
             fill = [a[:, :, :n] for a in parts]
             lo, hi = page_summaries(fill[0], fill[2], self.page, self.kmin.dtype)
@@ -244,12 +248,12 @@ class ColdTier:
 
     def meta(self) -> dict:
         return {"armed": self.armed, "recalls": self.recalls, **({"steps": self.steps} if self.every else {}),
-                **({"turn": self.turn, "held": self.held} if self.hold else {})}
+                **({"turn": self.turn} if self.hold else {})}
 
     def set_meta(self, meta: dict) -> None:
         self.armed, self.recalls = meta.get("armed", False), meta.get("recalls", 0)
         self.steps = meta.get("steps", 0)
-        self.turn, self.held = meta.get("turn", False), meta.get("held", False)
+        self.turn = meta.get("turn", False)
 
 
 class MemoryTier(ColdTier):

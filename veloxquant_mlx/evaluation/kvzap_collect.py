@@ -164,13 +164,14 @@ def collect(model, tokenizer, wins: list, bar=None, data_dir=None) -> dict:
 
     data: dict = {}
     for ids in wins:
-        rows = _cached_rows(model, ids, data_dir)
+        f = _rows_file(model, ids, data_dir)
+        rows = _cached_rows(f)
         if rows is None:
             rows = {}
             for layer, (x, y) in kvzip_plus_rows(model, tokenizer, ids).items():
                 ok = ~np.isnan(y).any(axis=1)
                 rows[layer] = (x[ok], log_targets(y[ok]))
-            _save_rows(model, ids, data_dir, rows)
+            _save_rows(f, rows)
         for layer, xy in rows.items():
             data.setdefault(layer, []).append(xy)
         if bar is not None:
@@ -187,15 +188,14 @@ def _rows_file(model, ids: list, data_dir):
 
     if data_dir is None:
         return None
-    ident = json.dumps(model_identity(model), sort_keys=True)  # per window: cheap next to a KVzip+ pass
+    ident = json.dumps(model_identity(model), sort_keys=True)  # once a window: cheap next to its pass
     key = hashlib.sha256(f"{COLLECT_VERSION}|{ident}|{ids}".encode()).hexdigest()[:24]
     return Path(data_dir) / f"window-{key}.npz"
 
 
-def _cached_rows(model, ids, data_dir):
+def _cached_rows(f):
     import numpy as np
 
-    f = _rows_file(model, ids, data_dir)
     if f is None or not f.is_file():
         return None
     with np.load(f) as z:
@@ -203,10 +203,9 @@ def _cached_rows(model, ids, data_dir):
         return {i: (z[f"x.{i}"], z[f"y.{i}"]) for i in layers}
 
 
-def _save_rows(model, ids, data_dir, rows: dict) -> None:
+def _save_rows(f, rows: dict) -> None:
     import numpy as np
 
-    f = _rows_file(model, ids, data_dir)
     if f is None:
         return
     f.parent.mkdir(parents=True, exist_ok=True)

@@ -118,7 +118,7 @@ def method_fingerprint(key: str) -> str:
     if setting not in _SETTINGS:
         raise ValueError(f"unknown fingerprint setting {setting!r} in {key!r}; known: {', '.join(_SETTINGS)}")
     model = _tiny_model()
-    record = None
+    user_scorer = None
     with warnings.catch_warnings():  # e.g. kvzip's note that a tiny model has no tokenizer: expected here
         warnings.simplefilter("ignore")
         if method == FULL:
@@ -128,11 +128,10 @@ def method_fingerprint(key: str) -> str:
             if not isinstance(cfg, str) and getattr(cfg.cache_class, "needs_hidden_states", False):
                 user_scorer = (options or {}).get("scorer")
                 cfg = _with_tiny_scorer(model, method, setting, options)
-                if user_scorer:  # the code runs on the tiny model; the label's own scorer file is hashed in
-                    record = {"scorer_sha256": _file_sha(user_scorer)}
-            run = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
-                                                        _SETTINGS[setting][1])
-            record = run if record is None or isinstance(run, str) else {**record, "run": run}
+            record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),
+                                                           _SETTINGS[setting][1])
+            if user_scorer and not isinstance(record, str):  # the code ran on the tiny model: hash the label's file
+                record = {"scorer_sha256": _file_sha(user_scorer), "run": record}
             KVCacheBuilder.uninstall(model)
     _cache[key] = _digest(record)
     return _cache[key]

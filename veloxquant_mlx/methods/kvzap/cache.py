@@ -333,8 +333,9 @@ class KVzapCache(EvictionCache):
     @meta_state.setter
     def meta_state(self, text):
         EvictionCache.meta_state.fset(self, text)
-        self.layer_share = json.loads(text).get("kvzap_layer_share")
-        z = json.loads(text).get("kvzap")
+        meta = json.loads(text)
+        self.layer_share = meta.get("kvzap_layer_share")
+        z = meta.get("kvzap")
         if z:
             self.use_scorer(z["scorer"])
             if self.scorer_file[1] != z["sha256"]:

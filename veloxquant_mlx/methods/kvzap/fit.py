@@ -84,7 +84,7 @@ def fit_layers(train: dict, val: dict, test: dict, density: float = 0.2):
         alpha = ALPHAS[int(np.argmin(errs))]
         w, b = ridge(np.concatenate([xt, xv]), np.concatenate([yt, yv]), alpha)
         weights[layer], alphas[layer] = (w.astype(np.float32), b.astype(np.float32)), alpha
-        quality[layer] = held_out_quality(test[layer], lambda x, w=w, b=b: x @ w + b, density)
+        quality[layer] = held_out_quality(test[layer], lambda x, p=(w, b): predict(x, p), density)
     return weights, quality, alphas
 
 
@@ -116,6 +116,12 @@ def mlp_predict(x: np.ndarray, w1, b1, w, b) -> np.ndarray:
     return np.array(h @ mx.array(w) + mx.array(b)).astype(np.float64)
 
 
+def predict(x: np.ndarray, params) -> np.ndarray:
+    """Host-side prediction of one layer's scorer, (W, b) linear or (W1, b1, W, b) MLP."""
+    params = [np.asarray(a) for a in params]
+    return mlp_predict(x, *params) if len(params) == 4 else x @ params[0] + params[1]
+
+
 def fit_mlp_layers(train: dict, val: dict, test: dict, density: float = 0.2, hidden: int = 512,
                    epochs: int = 15, lr: float = 5e-3, batch: int = 512, seed: int = 0):
     """Fit a 2-layer MLP per layer (MLX, Adam, mean squared error on log-targets). Inputs and targets are
@@ -128,7 +134,7 @@ def fit_mlp_layers(train: dict, val: dict, test: dict, density: float = 0.2, hid
         xv, yv = _stack(val[layer])
         params, epoch = _train_mlp(xt, yt, xv, yv, hidden, epochs, lr, batch, seed + layer)
         weights[layer], best_epochs[layer] = params, epoch
-        quality[layer] = held_out_quality(test[layer], lambda x, p=params: mlp_predict(x, *p), density)
+        quality[layer] = held_out_quality(test[layer], lambda x, p=params: predict(x, p), density)
     return weights, quality, best_epochs
 
 
@@ -165,8 +171,9 @@ def _train_mlp(xt, yt, xv, yv, hidden, epochs, lr, batch, seed):
             best_params = [np.array(a) for a in (net.layers[0].weight, net.layers[0].bias,
                                                  net.layers[2].weight, net.layers[2].bias)]
     w1, b1, w2, b2 = best_params  # mlx Linear weights are (out, in): transpose to x @ W
-    w1 = (w1.T / sd[:, None]).astype(np.float32)
-    b1 = (b1 - (mu / sd) @ (best_params[0].T)).astype(np.float32)
+    w1 = w1.T / sd[:, None]  # ((x - mu) / sd) W1n = x w1 - mu w1
+    b1 = (b1 - mu @ w1).astype(np.float32)
+    w1 = w1.astype(np.float32)
     w = (w2.T * ys[None, :]).astype(np.float32)
     b = (b2 * ys + ym).astype(np.float32)
     return (w1, b1, w, b), best_epoch
