@@ -48,8 +48,12 @@ class KVzapOptions:
     # "each": every layer keeps ``budget`` rows per head. "global": at a prompt's end one ranking of every
     # layer's predicted log KVzip+ scores decides each layer's share (KVzip's non-uniform layer budget,
     # KVzip Sec. 3; the surrogates regress one target scale, so their predictions compare across layers),
-    # and decode keeps each layer at its share. The total stays layers x heads x budget.
-    layers: str = option("each", choices=("each", "global"), small="each", doc="budget across layers: each | global")
+    # and decode keeps each layer at its share. The total stays layers x heads x budget. "auto" (default):
+    # "global" under prompt_eviction="end", where it was measured best on the paired passkey grids of two
+    # models (docs/methods/kvzap.md), "each" under "stream" (its chunks evict before the prompt ends).
+    # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzap tests the rest.
+    layers: str = option("auto", choices=("auto", "each", "global"), small="each",
+                         doc="budget across layers: auto (global at prompt_eviction=end) | each | global")
 
 
 # -- model identity ------------------------------------------------------------------------------------
@@ -181,6 +185,9 @@ class KVzapCache(EvictionCache):
     """KVzap: rows scored as they arrive by a fitted map (linear or MLP) of their hidden state (KVzip+ surrogate)."""
 
     Options = KVzapOptions
+    # Ada-KV heads (one ranking of a layer's heads, the reference floor and cap) with the global layer
+    # split: the pair measured closest to kvzip's own non-uniform budget (docs/methods/kvzap.md).
+    config_defaults = {"allocation": "ada"}
     needs_queries = False
     needs_hidden_states = True  # the builder installs the hidden-state tap (veloxquant_mlx.tap)
     needs_model_pass = True  # layers="global": the prompt-end compression waits for every layer's scores
@@ -203,7 +210,8 @@ class KVzapCache(EvictionCache):
     def check_config(cls, config):
         if config.options.layers == "global" and config.prompt_eviction != "end":
             raise ValueError("kvzap layers='global' compresses at the prompt's end: it needs "
-                             f"prompt_eviction='end', not {config.prompt_eviction!r}")
+                             f"prompt_eviction='end', not {config.prompt_eviction!r} (layers='auto', the "
+                             "default, splits per layer there)")
 
     def extra_row_fields(self):
         return {"zap_score": 0.0}
@@ -283,6 +291,12 @@ class KVzapCache(EvictionCache):
         return self.positions[:, :, prev:prev + S].astype(mx.float32)
 
     # -- layers="global": one ranking across layers at each prompt's end -------------------------------
+    @property
+    def global_layers(self) -> bool:
+        """Does a prompt's end rank every layer's rows together (layers "global", or "auto" under "end")?"""
+        layers = self.options.layers
+        return layers == "global" or (layers == "auto" and self.config.prompt_eviction == "end")
+
     def keep_rows(self) -> int:
         t = self.prompt.target
         if t is not None:
@@ -293,7 +307,7 @@ class KVzapCache(EvictionCache):
         return max(self.keep_rows(), self._evict_floor) + self.slack
 
     def _end_prompt(self):
-        if self.options.layers == "global" and self.offset > self.budget and not self._holds_recall():
+        if self.global_layers and self.offset > self.budget and not self._holds_recall():
             if forward.defer(self):  # after the forward, with every layer's rows: run_model_pass
                 self.prompt.ending = False
                 self._share_due = True
