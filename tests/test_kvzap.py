@@ -11,7 +11,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate, generate_step
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.evaluation.labels import method_specs
@@ -21,7 +21,7 @@ from veloxquant_mlx.methods.kvzap.cache import (KVzapCache, find_scorer, load_sc
 from veloxquant_mlx.methods.kvzap.fit import keep_overlap, r2, ridge, spearman
 from veloxquant_mlx.tap import hidden_tap_installed, remove_query_tap
 
-from conftest import fit_tiny_scorer, forbid_host_sync, make_tiny_model, random_prompt
+from conftest import fit_tiny_scorer, forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer
 
 
 def kvzap(budget=32, **kw):
@@ -280,6 +280,7 @@ def test_global_layers_hold_their_shares_through_decode_save_and_load(model, tmp
     assert all(s is not None for s in shares)
     for c, s in zip(caches, shares):  # decode evicts each layer back to its own share, not the budget
         assert c.evictions >= 2 and c.size() <= s + c.slack and c.evict_threshold() == s + c.slack
+        assert c.positions.shape[2] == s + c.slack + 1  # and its buffers hold that share, not the budget
     save_prompt_cache(tmp_path / "g.safetensors", caches)
     assert [c.layer_share for c in load_prompt_cache(tmp_path / "g.safetensors")] == shares
     with pytest.raises(ValueError, match="prompt_eviction='end'"):  # refused when the config is built
@@ -324,6 +325,29 @@ def test_global_layers_with_a_cold_tier_lose_nothing_and_keep_their_shares(model
     for c in caches:
         assert c.cold.recalls >= 1 and c.layer_share is not None and c.size() <= c.layer_share + c.slack
         assert_nothing_lost(c)
+
+
+def test_default_batch_generate_equals_each_prompt_alone(model):
+    """The default's ranking runs per sequence of a batch (each row's layers ranked on their own)."""
+    fit_tiny_scorer(model)
+    prompts = [random_prompt(n, seed=s) for n, s in ((70, 1), (45, 2), (96, 3))]
+    config = KVCacheConfig("kvzap", budget=24, n_sink=4, recent=4)  # layers auto -> global, Ada heads
+    alone = []
+    for p in prompts:
+        caches = KVCacheBuilder.for_model(model, config)
+        alone.append((greedy(model, p, 6, prompt_cache=caches, prefill_step_size=16)[0], caches))
+    KVCacheBuilder.install(model, config)
+    try:
+        out = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=6, prefill_step_size=16,
+                             return_prompt_caches=True, return_token_ids=True)
+    finally:
+        KVCacheBuilder.uninstall(model)
+    assert any(c.layer_share not in (None, 24) for _, caches in alone for c in caches)
+    for (tokens, caches), got, got_caches in zip(alone, out.token_ids, out.caches):
+        assert list(got) == tokens
+        for a, b in zip(caches, got_caches):
+            assert a.layer_share == b.layer_share and a.offset == b.offset
+            assert np.array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
 
 
 def test_mlp_fit_learns_what_a_linear_map_cannot():

@@ -306,6 +306,11 @@ class KVzapCache(EvictionCache):
     def evict_threshold(self) -> int:
         return max(self.keep_rows(), self._evict_floor) + self.slack
 
+    def headroom_after_eviction(self, kept: int) -> int:
+        # Buffers sized by this layer's share, as the threshold above is: sized by the budget, a layer
+        # kept below it held budget-wide buffers, and the layers together allocated more than their total.
+        return max(self.keep_rows(), kept) + self.slack + 1 - kept
+
     def _end_prompt(self):
         if self.global_layers and self.offset > self.budget and not self._holds_recall():
             if forward.defer(self):  # after the forward, with every layer's rows: run_model_pass
