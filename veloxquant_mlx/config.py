@@ -85,7 +85,7 @@ class KVCacheConfig:
             (every head keeps ``budget``) or ``"ada"`` (Ada-KV head-adaptive budgets; needs a method
             with a per-head score, see ``EvictionCache.supports_allocation``). Left unset,
             ``allocation``, ``floor_alpha`` and ``max_head_factor`` take the method's defaults
-            (``HEAD_BUDGET_DEFAULTS``; kvzip: ``"ada"``, 0.0 and 2.0, the paper's head budgets; kvzap: ``"ada"``).
+            (``HEAD_BUDGET_DEFAULTS``; kvzip and kvzap: ``"ada"``, 0.0 and 2.0, the papers' head budgets).
         floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
             (Ada-KV reference default 0.2). Ignored for ``"uniform"``.
         prompt_eviction: ``"end"`` (default: hold the prompt, compress once when it ends, then evict

@@ -185,9 +185,10 @@ class KVzapCache(EvictionCache):
     """KVzap: rows scored as they arrive by a fitted map (linear or MLP) of their hidden state (KVzip+ surrogate)."""
 
     Options = KVzapOptions
-    # Ada-KV heads (one ranking of a layer's heads, the reference floor and cap) with the global layer
-    # split: the pair measured closest to kvzip's own non-uniform budget (docs/methods/kvzap.md).
-    config_defaults = {"allocation": "ada"}
+    # Paper Sec. 3 prunes every (token, head) pair below one threshold: no per-head floor. So kvzip's head
+    # budgets: one ranking of a layer's heads, floor 0, and the library's storage cap of 2x a head's share
+    # (measured against the Ada-KV reference floor 0.2 and cap 1.1 in docs/methods/kvzap.md).
+    config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
     needs_queries = False
     needs_hidden_states = True  # the builder installs the hidden-state tap (veloxquant_mlx.tap)
     needs_model_pass = True  # layers="global": the prompt-end compression waits for every layer's scores
