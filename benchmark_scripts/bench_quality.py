@@ -29,12 +29,13 @@ from pathlib import Path
 
 import _common
 from _common import FIGURES, preload_blas, provenance, run_subcommands
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.caches.accounting import kv_report
 from veloxquant_mlx.caches.quant import model_caches
 from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
 from veloxquant_mlx.evaluation.report_passkey import _passkey_index
 from veloxquant_mlx.evaluation.eval_model import eos_ids
+from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
 from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson
 from veloxquant_mlx.evaluation.task_run import run_prompt
@@ -396,6 +397,11 @@ paired ratio against no recall, per turn, is the recall's cost; OpenBLAS preload
 Results are written after every prompt, and a re-run skips the prompts already in the file.
 """
 
+def spec_of_label(method: str):
+    """A --methods entry: a registry name or a label (``nexus-4bit``), refused before any prompt runs."""
+    return method_specs([method])[0]
+
+
 def label(method: str, tier: str) -> str:
     return method if tier == "none" else f"{method}-recall-{tier}"
 
@@ -462,7 +468,8 @@ def recall_main(argv=None) -> int:
     p.add_argument("--length", type=int, default=1536)
     p.add_argument("--facts", type=int, default=2, choices=[2, 3, 4], help="facts = turns on one cache")
     p.add_argument("--density", type=float, default=0.2)
-    p.add_argument("--methods", nargs="+", default=["nexus", "snapkv"])
+    p.add_argument("--methods", nargs="+", default=["nexus", "snapkv"],
+                   help="methods or labels (nexus-4bit: hot rows at 4 bits)")
     p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"],
                    choices=["none", "memory", "disk", "memory-hold", "disk-hold"],
                    help="cold tiers per method; '-hold': with recall_hold=True ('<method>-recall-disk-hold')")
@@ -475,6 +482,8 @@ def recall_main(argv=None) -> int:
                    help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
     p.add_argument("--out", default=str(FIGURES / "recall" / "followup_smollm2.json"))
     args = p.parse_args(argv)
+    for m in args.methods:  # an unknown label fails here, not after the first prompt's prefill
+        spec_of_label(m)
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
     done = {r["index"] for r in data["prompts"]}
@@ -511,13 +520,13 @@ def recall_main(argv=None) -> int:
                 extra = {} if tier == "none" else {"recall": kind, "recall_bits": args.recall_bits,
                                                    "recall_page": args.recall_page, "recall_pages": args.recall_pages,
                                                    **({"recall_hold": True} if hold else {})}
-                named[label(m, tier)] = (KVCacheBuilder.for_model(model, KVCacheConfig(m, budget=budget, **extra)),
+                named[label(m, tier)] = (KVCacheBuilder.for_model(model, spec_of_label(m).config(budget, **extra)),
                                          False)
             if args.recall_every:
                 every = {"recall": "memory", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
                          "recall_pages": args.recall_pages, "recall_every": args.recall_every}
                 named[label(m, f"every{args.recall_every}")] = (
-                    KVCacheBuilder.for_model(model, KVCacheConfig(m, budget=budget, **every)), False)
+                    KVCacheBuilder.for_model(model, spec_of_label(m).config(budget, **every)), False)
         held = {n: c for n, (c, _) in named.items()}  # run_prompt frees its references as it goes
         t0 = time.perf_counter()
         res = run_prompt(model, tokenizer, inst, tokens, named, shared=True, eos_ids=eos)

@@ -6,22 +6,29 @@ hidden-state tap, the score of every prompt and decode row, the selection by tha
 file's identity checks, and the ridge fit.
 """
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate, generate_step
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
+from veloxquant_mlx.caches.storage import PAD_POSITION
+from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.kvzap_collect import hidden_states, split_windows, windows
 from veloxquant_mlx.methods.kvzap.cache import (KVzapCache, find_scorer, load_scorer, model_identity,
                                           read_scorer_metadata, save_scorer)
 from veloxquant_mlx.methods.kvzap.fit import keep_overlap, r2, ridge, spearman
 from veloxquant_mlx.tap import hidden_tap_installed, remove_query_tap
 
-from conftest import fit_tiny_scorer, forbid_host_sync, make_tiny_model, random_prompt
+from conftest import fit_tiny_scorer, forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer
 
 
 def kvzap(budget=32, **kw):
+    """kvzap's per-layer, uniform-head split unless a test names another (the default is checked below)."""
+    kw.setdefault("kvzap_layers", "each")
+    kw.setdefault("allocation", "uniform")
     return KVCacheConfig("kvzap", budget=budget, n_sink=kw.pop("n_sink", 4), recent=kw.pop("recent", 4), **kw)
 
 
@@ -130,8 +137,7 @@ def test_scorer_is_found_by_identity_and_spelled_in_a_spec(model):
     path = fit_tiny_scorer(model)
     assert find_scorer(model_identity(model)) == path
     cfg = KVCacheConfig.parse(f"kvzap:scorer={path}", budget=32)
-    assert cfg.options.scorer == str(path) and cfg == kvzap(kvzap_scorer=str(path), n_sink=cfg.n_sink,
-                                                             recent=cfg.recent)
+    assert cfg.options.scorer == str(path) and cfg == KVCacheConfig("kvzap", budget=32, kvzap_scorer=str(path))
     assert KVCacheConfig.parse(str(cfg)) == cfg  # the spec round-trips a path
     meta = read_scorer_metadata(path)
     assert meta["identity"] == model_identity(model) and meta["layers"] == [0, 1]
@@ -275,10 +281,77 @@ def test_global_layers_hold_their_shares_through_decode_save_and_load(model, tmp
     assert all(s is not None for s in shares)
     for c, s in zip(caches, shares):  # decode evicts each layer back to its own share, not the budget
         assert c.evictions >= 2 and c.size() <= s + c.slack and c.evict_threshold() == s + c.slack
+        assert c.positions.shape[2] == s + c.slack + 1  # and its buffers hold that share, not the budget
     save_prompt_cache(tmp_path / "g.safetensors", caches)
     assert [c.layer_share for c in load_prompt_cache(tmp_path / "g.safetensors")] == shares
     with pytest.raises(ValueError, match="prompt_eviction='end'"):  # refused when the config is built
         kvzap(kvzap_layers="global", prompt_eviction="stream")
+
+
+def test_default_is_one_ranking_across_layers_with_ada_heads(model):
+    cfg = KVCacheConfig("kvzap", budget=24, n_sink=4, recent=4)
+    assert (cfg.options.layers, cfg.allocation, cfg.floor_alpha, cfg.max_head_factor) == ("auto", "ada", 0.0, 2.0)
+    assert str(cfg) == "kvzap:budget=24,recent=4"
+    each = method_specs(["kvzap-each"])[0].config(24)  # the label of the per-layer uniform split
+    assert each == KVCacheConfig("kvzap", budget=24, kvzap_layers="each", allocation="uniform")
+    fit_tiny_scorer(model)
+    L = len(model.layers)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    feed(model, caches, random_prompt(90, seed=23), decode=40)
+    shares = [c.layer_share for c in caches]
+    assert all(s is not None for s in shares) and abs(sum(shares) - L * 24) <= L // 2
+    for c, s in zip(caches, shares):  # Ada heads: ragged per head, the layer's total at its share
+        real = np.array(c.stored("positions"))[0] != PAD_POSITION
+        assert c.evictions >= 2 and real.sum() <= real.shape[0] * (s + c.slack)
+    with pytest.raises(ValueError, match=r"allocation='ada' \(kvzap's default\)"):
+        KVCacheConfig("kvzap", budget=24, recall="memory")
+    stream = KVCacheBuilder.for_model(model, cfg.replace(prompt_eviction="stream"))  # auto: per layer there
+    feed(model, stream, random_prompt(90, seed=23))
+    for c in stream:  # (Ada heads: the layer's total, not each head, is bounded)
+        real = np.array(c.stored("positions"))[0] != PAD_POSITION
+        assert not c.global_layers and c.layer_share is None and real.sum() <= real.shape[0] * (24 + c.slack)
+    assert KVCacheConfig("kvzap", budget=24, recall="memory", allocation="uniform").recall == "memory"
+
+
+def test_global_layers_with_a_cold_tier_lose_nothing_and_keep_their_shares(model, tmp_path):
+    from test_recall import assert_nothing_lost
+
+    fit_tiny_scorer(model)
+    cfg = KVCacheConfig("kvzap", budget=24, n_sink=4, recent=4, allocation="uniform", recall="disk",
+                        recall_dir=str(tmp_path), recall_page=8)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    feed(model, caches, random_prompt(90, seed=24))
+    shares = [c.layer_share for c in caches]
+    assert all(s is not None for s in shares) and len(set(shares)) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the follow-up on a used cache is meant)
+        feed(model, caches, random_prompt(20, seed=25), decode=10)  # it recalls, then ranks the layers again
+    for c in caches:
+        assert c.cold.recalls >= 1 and c.layer_share is not None and c.size() <= c.layer_share + c.slack
+        assert_nothing_lost(c)
+
+
+def test_default_batch_generate_equals_each_prompt_alone(model):
+    """The default's ranking runs per sequence of a batch (each row's layers ranked on their own)."""
+    fit_tiny_scorer(model)
+    prompts = [random_prompt(n, seed=s) for n, s in ((70, 1), (45, 2), (96, 3))]
+    config = KVCacheConfig("kvzap", budget=24, n_sink=4, recent=4)  # layers auto -> global, Ada heads
+    alone = []
+    for p in prompts:
+        caches = KVCacheBuilder.for_model(model, config)
+        alone.append((greedy(model, p, 6, prompt_cache=caches, prefill_step_size=16)[0], caches))
+    KVCacheBuilder.install(model, config)
+    try:
+        out = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=6, prefill_step_size=16,
+                             return_prompt_caches=True, return_token_ids=True)
+    finally:
+        KVCacheBuilder.uninstall(model)
+    assert any(c.layer_share not in (None, 24) for _, caches in alone for c in caches)
+    for (tokens, caches), got, got_caches in zip(alone, out.token_ids, out.caches):
+        assert list(got) == tokens
+        for a, b in zip(caches, got_caches):
+            assert a.layer_share == b.layer_share and a.offset == b.offset
+            assert np.array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
 
 
 def test_mlp_fit_learns_what_a_linear_map_cannot():

@@ -85,7 +85,7 @@ class KVCacheConfig:
             (every head keeps ``budget``) or ``"ada"`` (Ada-KV head-adaptive budgets; needs a method
             with a per-head score, see ``EvictionCache.supports_allocation``). Left unset,
             ``allocation``, ``floor_alpha`` and ``max_head_factor`` take the method's defaults
-            (``HEAD_BUDGET_DEFAULTS``; kvzip: ``"ada"``, 0.0 and 2.0, the paper's head budgets).
+            (``HEAD_BUDGET_DEFAULTS``; kvzip and kvzap: ``"ada"``, 0.0 and 2.0, the papers' head budgets).
         floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
             (Ada-KV reference default 0.2). Ignored for ``"uniform"``.
         prompt_eviction: ``"end"`` (default: hold the prompt, compress once when it ends, then evict
@@ -139,6 +139,7 @@ class KVCacheConfig:
                  recall_window: int = 32, recall_every: int | None = None, recall_hold: bool = False, **flat):
         cls = get_method(method)
         defaults = {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}
+        allocation_by_method = allocation is METHOD_DEFAULT  # named in the recall refusal below
         allocation, floor_alpha, max_head_factor = (
             defaults[k] if v is METHOD_DEFAULT else v
             for k, v in (("allocation", allocation), ("floor_alpha", floor_alpha), ("max_head_factor", max_head_factor)))
@@ -212,8 +213,9 @@ class KVCacheConfig:
         self.recall_every = check_recall_every(recall, recall_every)
         self.recall_hold = check_recall_hold(recall, recall_hold, method, cls)
         if recall is not None and self.allocation != "uniform":
-            raise ValueError(f"recall={recall!r} needs uniform per-head storage: allocation={self.allocation!r} "
-                             "keeps ragged heads (use allocation='uniform')")
+            whose = f" ({method}'s default)" if allocation_by_method else ""
+            raise ValueError(f"recall={recall!r} needs uniform per-head storage: allocation={self.allocation!r}"
+                             f"{whose} keeps ragged heads (use allocation='uniform')")
         if recall is not None and getattr(self.options, "cross_head", False):
             raise ValueError(f"recall={recall!r} needs uniform per-head storage: {method}'s cross-head "
                              f"competition keeps ragged heads (use {method}_cross_head=False)")

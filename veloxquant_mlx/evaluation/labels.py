@@ -46,11 +46,13 @@ OPT_IN_ABLATIONS = {
 }
 
 # kvzip's default is the paper's head budgets with the library's per-head cap: "kvzip-paper" drops the
-# cap (exactly the paper), "kvzip-each" is the per-layer uniform contract, "kvzip-plus" is KVzip+.
+# cap (exactly the paper), "kvzip-each" is the per-layer uniform contract, "kvzip-plus" is KVzip+;
+# "kvzap-each" is kvzap's per-layer uniform split (its default before 2026-12-03).
 VARIANTS = {
     "kvzip-paper": "kvzip:max_head_factor=none",
     "kvzip-each": "kvzip:layers=each,allocation=uniform",
     "kvzip-plus": "kvzip:normalize=plus",
+    "kvzap-each": "kvzap:layers=each,allocation=uniform",
     ROTATING: ROTATING,
 }
 

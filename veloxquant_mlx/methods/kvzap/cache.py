@@ -48,8 +48,12 @@ class KVzapOptions:
     # "each": every layer keeps ``budget`` rows per head. "global": at a prompt's end one ranking of every
     # layer's predicted log KVzip+ scores decides each layer's share (KVzip's non-uniform layer budget,
     # KVzip Sec. 3; the surrogates regress one target scale, so their predictions compare across layers),
-    # and decode keeps each layer at its share. The total stays layers x heads x budget.
-    layers: str = option("each", choices=("each", "global"), small="each", doc="budget across layers: each | global")
+    # and decode keeps each layer at its share. The total stays layers x heads x budget. "auto" (default):
+    # "global" under prompt_eviction="end", where it was measured best on the paired passkey grids of two
+    # models (docs/methods/kvzap.md), "each" under "stream" (its chunks evict before the prompt ends).
+    # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzap tests the rest.
+    layers: str = option("auto", choices=("auto", "each", "global"), small="each",
+                         doc="budget across layers: auto (global at prompt_eviction=end) | each | global")
 
 
 # -- model identity ------------------------------------------------------------------------------------
@@ -181,6 +185,10 @@ class KVzapCache(EvictionCache):
     """KVzap: rows scored as they arrive by a fitted map (linear or MLP) of their hidden state (KVzip+ surrogate)."""
 
     Options = KVzapOptions
+    # Paper Sec. 3 prunes every (token, head) pair below one threshold: no per-head floor. So kvzip's head
+    # budgets: one ranking of a layer's heads, floor 0, and the library's storage cap of 2x a head's share
+    # (measured against the Ada-KV reference floor 0.2 and cap 1.1 in docs/methods/kvzap.md).
+    config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
     needs_queries = False
     needs_hidden_states = True  # the builder installs the hidden-state tap (veloxquant_mlx.tap)
     needs_model_pass = True  # layers="global": the prompt-end compression waits for every layer's scores
@@ -203,7 +211,8 @@ class KVzapCache(EvictionCache):
     def check_config(cls, config):
         if config.options.layers == "global" and config.prompt_eviction != "end":
             raise ValueError("kvzap layers='global' compresses at the prompt's end: it needs "
-                             f"prompt_eviction='end', not {config.prompt_eviction!r}")
+                             f"prompt_eviction='end', not {config.prompt_eviction!r} (layers='auto', the "
+                             "default, splits per layer there)")
 
     def extra_row_fields(self):
         return {"zap_score": 0.0}
@@ -283,6 +292,12 @@ class KVzapCache(EvictionCache):
         return self.positions[:, :, prev:prev + S].astype(mx.float32)
 
     # -- layers="global": one ranking across layers at each prompt's end -------------------------------
+    @property
+    def global_layers(self) -> bool:
+        """Does a prompt's end rank every layer's rows together (layers "global", or "auto" under "end")?"""
+        layers = self.options.layers
+        return layers == "global" or (layers == "auto" and self.config.prompt_eviction == "end")
+
     def keep_rows(self) -> int:
         t = self.prompt.target
         if t is not None:
@@ -292,8 +307,13 @@ class KVzapCache(EvictionCache):
     def evict_threshold(self) -> int:
         return max(self.keep_rows(), self._evict_floor) + self.slack
 
+    def headroom_after_eviction(self, kept: int) -> int:
+        # Buffers sized by this layer's share, as the threshold above is: sized by the budget, a layer
+        # kept below it held budget-wide buffers, and the layers together allocated more than their total.
+        return max(self.keep_rows(), kept) + self.slack + 1 - kept
+
     def _end_prompt(self):
-        if self.options.layers == "global" and self.offset > self.budget and not self._holds_recall():
+        if self.global_layers and self.offset > self.budget and not self._holds_recall():
             if forward.defer(self):  # after the forward, with every layer's rows: run_model_pass
                 self.prompt.ending = False
                 self._share_due = True
