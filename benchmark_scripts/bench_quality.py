@@ -397,11 +397,6 @@ paired ratio against no recall, per turn, is the recall's cost; OpenBLAS preload
 Results are written after every prompt, and a re-run skips the prompts already in the file.
 """
 
-def spec_of_label(method: str):
-    """A --methods entry: a registry name or a label (``nexus-4bit``), refused before any prompt runs."""
-    return method_specs([method])[0]
-
-
 def label(method: str, tier: str) -> str:
     return method if tier == "none" else f"{method}-recall-{tier}"
 
@@ -482,8 +477,7 @@ def recall_main(argv=None) -> int:
                    help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
     p.add_argument("--out", default=str(FIGURES / "recall" / "followup_smollm2.json"))
     args = p.parse_args(argv)
-    for m in args.methods:  # an unknown label fails here, not after the first prompt's prefill
-        spec_of_label(m)
+    specs = dict(zip(args.methods, method_specs(args.methods)))  # an unknown label fails here, before any prefill
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
     done = {r["index"] for r in data["prompts"]}
@@ -520,13 +514,13 @@ def recall_main(argv=None) -> int:
                 extra = {} if tier == "none" else {"recall": kind, "recall_bits": args.recall_bits,
                                                    "recall_page": args.recall_page, "recall_pages": args.recall_pages,
                                                    **({"recall_hold": True} if hold else {})}
-                named[label(m, tier)] = (KVCacheBuilder.for_model(model, spec_of_label(m).config(budget, **extra)),
+                named[label(m, tier)] = (KVCacheBuilder.for_model(model, specs[m].config(budget, **extra)),
                                          False)
             if args.recall_every:
                 every = {"recall": "memory", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
                          "recall_pages": args.recall_pages, "recall_every": args.recall_every}
                 named[label(m, f"every{args.recall_every}")] = (
-                    KVCacheBuilder.for_model(model, spec_of_label(m).config(budget, **every)), False)
+                    KVCacheBuilder.for_model(model, specs[m].config(budget, **every)), False)
         held = {n: c for n, (c, _) in named.items()}  # run_prompt frees its references as it goes
         t0 = time.perf_counter()
         res = run_prompt(model, tokenizer, inst, tokens, named, shared=True, eos_ids=eos)

@@ -210,8 +210,9 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         return self.budget if t is None else t
 
     def evict_threshold(self) -> int:
-        """Stored rows above which a (decode-bounded) method runs an eviction step."""
-        return max(self.budget, self._evict_floor) + self.slack
+        """Stored rows above which a (decode-bounded) method runs an eviction step: the rows it keeps
+        (``keep_rows``; kvzap's layer share) or the last eviction's, plus the slack."""
+        return max(self.keep_rows(), self._evict_floor) + self.slack
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):

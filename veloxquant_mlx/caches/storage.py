@@ -163,11 +163,12 @@ class RowStorage:
 
     def headroom_after_eviction(self, kept: int) -> int:
         """Rows allocated beyond the ``kept`` ones: what the method needs before its next eviction
-        step (decode-bounded: up to the threshold plus the one token that crosses it), or one
-        ``decode_step`` for prefill-only methods, whose decode appends."""
+        step (decode-bounded: up to the threshold plus the one token that crosses it, so sized by the
+        rows this step keeps, ``keep_rows``, as the threshold is), or one ``decode_step`` for
+        prefill-only methods, whose decode appends."""
         if self.prefill_only:
             return self.decode_step
-        return max(self.budget, kept) + self.slack + 1 - kept
+        return max(self.keep_rows(), kept) + self.slack + 1 - kept
 
     def trim_ragged(self, idx: mx.array, real: mx.array):
         """Cut ragged storage to the largest head actually kept (real rows first in every head).

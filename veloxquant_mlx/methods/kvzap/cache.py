@@ -299,18 +299,12 @@ class KVzapCache(EvictionCache):
         return layers == "global" or (layers == "auto" and self.config.prompt_eviction == "end")
 
     def keep_rows(self) -> int:
+        # The layer's share sizes the decode threshold and the buffers too (base evict_threshold and
+        # headroom_after_eviction read keep_rows), so a layer kept below the budget holds no budget-wide rows.
         t = self.prompt.target
         if t is not None:
             return t
         return self.budget if self.layer_share is None else self.layer_share
-
-    def evict_threshold(self) -> int:
-        return max(self.keep_rows(), self._evict_floor) + self.slack
-
-    def headroom_after_eviction(self, kept: int) -> int:
-        # Buffers sized by this layer's share, as the threshold above is: sized by the budget, a layer
-        # kept below it held budget-wide buffers, and the layers together allocated more than their total.
-        return max(self.keep_rows(), kept) + self.slack + 1 - kept
 
     def _end_prompt(self):
         if self.global_layers and self.offset > self.budget and not self._holds_recall():
