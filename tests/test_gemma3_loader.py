@@ -292,3 +292,27 @@ def test_real_gemma3_270m_answers_a_passkey(tmp_path_factory):
     assert 700 <= n <= 900, n
     text = mlx_lm.generate(model, tok, prompt, max_tokens=8)
     assert "71432" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_real_gemma3_kvzap_finds_a_prose_needle_with_its_shipped_scorer(tmp_path_factory):
+    # One published grid cell (prose haystack, 1K, depth 0.5, 20 %) that the docstring-fitted scorer
+    # missed and the mixed-corpus refit finds (figures/kvzap/mixed_gemma3.json): a plain mlx_lm.generate.
+    if not HAS_GEMMA3:
+        pytest.skip(f"Gemma 3 270M chunk packages are not installed ({gguf_gemma3.GEMMA3_270M_PIP})")
+    import mlx_lm
+
+    from veloxquant_mlx.evaluation.retrieval import make_prompt
+
+    model, tok = load_model("gemma3-270m", cache_dir=tmp_path_factory.mktemp("vq_gemma3_cache"))
+    tokens, _ = make_prompt(tok, "text", 1024, 0.5, "67767")
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kvzap", budget=round(0.2 * len(tokens))))
+    try:
+        zap = [c for c in caches if hasattr(c, "scorer_file")]
+        assert len(zap) == 3 and all(c.scorer_file[0].endswith("gemma3-270m.safetensors") for c in zap)
+        text = mlx_lm.generate(model, tok, tokens, max_tokens=8, prompt_cache=caches)
+        assert max(c.offset for c in zap) > max(c.size() for c in zap)  # it really evicted
+        assert "67767" in text, text
+    finally:
+        KVCacheBuilder.uninstall(model)

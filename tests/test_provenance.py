@@ -52,6 +52,19 @@ def test_method_of_and_key_of_labels():
     assert P.key_of("full", "stream") == "full" and P.key_of("nexus:stream") == "nexus:stream"
 
 
+
+def test_spec_labels_pinning_head_budgets_have_their_own_key():
+    # A label pinning Ada's floor / cap is keyed by them, so its figure is checked against that setting's
+    # behaviour, not the method's defaults; pinning the defaults gives the defaults' behaviour.
+    ref = P.key_of("kvzap:layers=global,allocation=ada,floor_alpha=0.2,max_head_factor=1.1")
+    assert ref == "kvzap[floor_alpha=0.2,layers='global',max_head_factor=1.1]:ada" and P.key_of(ref) == ref
+    assert P.key_of("snapkv:allocation=ada,floor_alpha=0.5") == "snapkv[floor_alpha=0.5]:ada"
+    default = P.key_of("kvzap:layers=global,allocation=ada")
+    explicit = P.key_of("kvzap:layers=global,allocation=ada,floor_alpha=0,max_head_factor=2")
+    assert default != explicit
+    assert P.method_fingerprint(default) == P.method_fingerprint(explicit)  # kvzap's defaults: floor 0, cap 2
+    assert P.method_fingerprint(ref) != P.method_fingerprint(default)
+
 def test_stale_methods_and_resumed():
     cur = {"nexus": "a" * 12, "full": "b" * 12}
     assert P.stale_methods({"fingerprint": dict(cur)}, cur) == {}

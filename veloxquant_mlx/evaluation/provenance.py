@@ -69,6 +69,12 @@ def _run(model, caches, prefill_step: int) -> list:
     return out
 
 
+# Config fields (not method options) a spec label may pin that change which rows are kept: they go in the
+# key beside the method options (``kvzap[floor_alpha=0.2,layers='global']:ada``), so a label pinning them
+# is not checked against the method's defaults. kv_bits / recall labels keep their method's key (the
+# fingerprint run is fp, without a cold tier).
+KEYED_CORE_FIELDS = ("floor_alpha", "max_head_factor")
+
 _SETTINGS = {"end": ({}, 2048), "stream": ({"prompt_eviction": "stream"}, _CHUNK), "ada": ({"allocation": "ada"}, 2048)}
 
 
@@ -77,9 +83,10 @@ def _config(method: str, setting: str, options: dict | None = None):
     that refuses Ada-KV)."""
     from ..config import KVCacheConfig
 
-    opts = {f"{method}_{k}": v for k, v in (options or {}).items()}
+    core = {k: v for k, v in (options or {}).items() if k in KEYED_CORE_FIELDS}
+    opts = {f"{method}_{k}": v for k, v in (options or {}).items() if k not in KEYED_CORE_FIELDS}
     try:
-        return KVCacheConfig(method=method, budget=_BUDGET, seed=0, **opts, **_SETTINGS[setting][0])
+        return KVCacheConfig(method=method, budget=_BUDGET, seed=0, **opts, **core, **_SETTINGS[setting][0])
     except TypeError as e:  # an option this code no longer has: no such key today
         raise ValueError(str(e)) from e
     except ValueError as e:  # refusing Ada-KV is behaviour too; refusing the others is a bug here
@@ -196,6 +203,7 @@ def key_of(label: str, regime: str = "end", options: dict | None = None) -> str:
         from ..config_spec import parse_spec
 
         m, core, pinned = parse_spec(label)
+        pinned = {**pinned, **{k: core[k] for k in KEYED_CORE_FIELDS if k in core}}
         return key_of(m + ("-ada" if core.get("allocation") == "ada" else ""), regime, options or pinned)
     if ":" in label or label.endswith("]"):
         return label
