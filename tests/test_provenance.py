@@ -52,7 +52,6 @@ def test_method_of_and_key_of_labels():
     assert P.key_of("full", "stream") == "full" and P.key_of("nexus:stream") == "nexus:stream"
 
 
-
 def test_spec_labels_pinning_head_budgets_have_their_own_key():
     # A label pinning Ada's floor / cap is keyed by them, so its figure is checked against that setting's
     # behaviour, not the method's defaults; pinning the defaults gives the defaults' behaviour.
@@ -64,6 +63,7 @@ def test_spec_labels_pinning_head_budgets_have_their_own_key():
     assert default != explicit
     assert P.method_fingerprint(default) == P.method_fingerprint(explicit)  # kvzap's defaults: floor 0, cap 2
     assert P.method_fingerprint(ref) != P.method_fingerprint(default)
+
 
 def test_stale_methods_and_resumed():
     cur = {"nexus": "a" * 12, "full": "b" * 12}

@@ -301,10 +301,9 @@ class KVzapCache(EvictionCache):
     def keep_rows(self) -> int:
         # The layer's share sizes the decode threshold and the buffers too (base evict_threshold and
         # headroom_after_eviction read keep_rows), so a layer kept below the budget holds no budget-wide rows.
-        t = self.prompt.target
-        if t is not None:
-            return t
-        return self.budget if self.layer_share is None else self.layer_share
+        if self.layer_share is None or self.prompt.target is not None:
+            return super().keep_rows()  # the budget, or a compression's target
+        return self.layer_share
 
     def _end_prompt(self):
         if self.global_layers and self.offset > self.budget and not self._holds_recall():
