@@ -434,3 +434,12 @@ def test_generate_with_a_disk_recall_tier_runs_and_leaves_no_file(capsys, tmp_pa
                          "--recall", "disk", "--recall-dir", str(tmp_path), "--max-tokens", "4")
     assert rc == 0, err
     assert list(tmp_path.iterdir()) == []  # the cold tier's file goes with its cache
+
+
+def test_a_kvzap_document_continues_in_a_fresh_model(capsys, tmp_path, tiny_cli):
+    """`generate --prompt-cache` loads the document into a freshly loaded model, as a new process does: the
+    caches get the taps their method needs (kvzap scores the question's rows from their hidden states)."""
+    out = _compress(capsys, tmp_path, "--method", "kvzap", "--budget", "24", "--recent", "4", words=60)
+    rc, stdout, err = _main(capsys, "generate", "--prompt-cache", str(out), "--prompt", "t5 t6 t7", "--max-tokens", "3")
+    assert rc == 0, err
+    assert tiny_cli["loads"] == 2 and "Generation: 3 tokens" in stdout

@@ -1,5 +1,6 @@
 """Prompt-cache save/load: exact round trip, identical continuation, clear errors."""
 
+import copy
 import json
 
 import mlx.core as mx
@@ -186,3 +187,51 @@ def test_any_file_name_is_written_and_read_as_named(tmp_path):
     path, caches = _saved(tmp_path, name="doc.cache")  # mlx would append ".safetensors" to this name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cache"]
     assert load_prompt_cache(path)[0].offset == caches[0].offset
+
+
+def _fresh_process(model):
+    """The model as a new process sees it: no query tap (the tap patches the model's modules)."""
+    from veloxquant_mlx.tap import query_tap_installed, remove_query_tap
+
+    remove_query_tap(model)
+    assert not query_tap_installed(model)
+
+
+@pytest.mark.parametrize("spec", [dict(method="nestedkv"),  # ragged heads: padding needs the tap's mask
+                                  dict(method="snapkv", recall="disk", recall_page=8, recall_pages=2, recent=4)])
+@pytest.mark.filterwarnings("ignore:.*receives a new prompt")  # the follow-up continues on purpose
+def test_a_loaded_cache_needs_its_tap_and_load_with_model_attaches_it(tmp_path, spec):
+    model = make_tiny_model()
+    a = KVCacheBuilder.for_model(model, KVCacheConfig(budget=16, **spec))
+    logits = _run(model, a, random_prompt(60, seed=2))
+    _decode(model, a, int(mx.argmax(logits, axis=-1).item()), 2)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, a, model=model)
+    follow = random_prompt(12, seed=3)
+    cont = copy.deepcopy(a)  # continued apart from the saved caches (a disk tier's file is copied too)
+    want = _run(model, cont, follow)
+    want_tokens = [t for t, _ in _decode(model, cont, int(mx.argmax(want, axis=-1).item()), 6)]
+
+    _fresh_process(model)
+    from veloxquant_mlx.prompt_cache import load_prompt_cache as read_only
+    raw = read_only(path, model=model)  # the file alone: the model still lacks the tap
+    with pytest.raises(RuntimeError, match="expects the query tap"):
+        _run(model, raw, follow, chunk=6)
+
+    _fresh_process(model)
+    b = load_prompt_cache(path, model=model)  # veloxquant_mlx's: attached to the model
+    got = _run(model, b, follow)
+    assert mx.array_equal(got, want)
+    assert [t for t, _ in _decode(model, b, int(mx.argmax(got, axis=-1).item()), 6)] == want_tokens
+    if spec.get("recall"):
+        assert b[0].cold.recalls == cont[0].cold.recalls >= 1  # the follow-up recalled in both
+
+
+def test_attach_refuses_tapped_caches_on_a_model_without_the_tap_call(tmp_path, monkeypatch):
+    model = make_tiny_model()
+    a = KVCacheBuilder.for_model(model, KVCacheConfig("snapkv", budget=16, recent=4))
+    import veloxquant_mlx.builder as builder
+
+    monkeypatch.setattr(builder, "install_query_tap", lambda m: [])  # a model that never calls the tap's name
+    with pytest.raises(ValueError, match="built with the query tap"):
+        KVCacheBuilder.attach(model, a)

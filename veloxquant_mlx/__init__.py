@@ -1,10 +1,10 @@
 """veloxquant-mlx: KV-cache eviction for mlx-lm, with memory pinned at a fixed budget."""
 
-from .builder import KVCacheBuilder
+from .builder import KVCacheBuilder, load_prompt_cache
 from .caches import EvictionCache
 from .config import KVCacheConfig
 from . import methods as _methods  # noqa: F401 (registers every method)
-from .prompt_cache import load_prompt_cache, save_prompt_cache
+from .prompt_cache import save_prompt_cache
 from .registry import methods, register
 from .tap import install_query_tap, remove_query_tap
 

@@ -10,7 +10,9 @@ from .caches.base import EvictionCache
 from .config import KVCacheConfig
 from .caches.shard import HeadShard
 from .distributed import layer_span, resolve_group
+from .distributed import attach as attach_group
 from .model_pass import install_model_pass, remove_model_pass
+from .prompt_cache import load_prompt_cache as read_prompt_cache
 from .tap import install_hidden_tap, install_query_tap, remove_query_tap
 from .registry import methods, register
 
@@ -96,6 +98,23 @@ class KVCacheBuilder:
         return caches
 
     @staticmethod
+    def attach(model, caches: list, tokenizer=None, group=None) -> list:
+        """Make caches built elsewhere (a loaded file, another process) ready to run on ``model``, as
+        :meth:`for_model` makes fresh ones: the query tap, the model pass and the hidden-state tap their
+        method needs, and this rank's head shard (``group``: as in for_model). A cache that was built with
+        the query tap on a model that cannot take it is refused. Returns ``caches``."""
+        ours = [c for c in caches if isinstance(c, EvictionCache)]
+        tapped = bool(install_query_tap(model))
+        if not tapped and any(c.tap_active for c in ours):
+            raise ValueError(f"these caches were built with the query tap, and {type(model).__module__} does not "
+                             "call mlx-lm's scaled_dot_product_attention: they cannot run on this model")
+        if any(getattr(c, "needs_model_pass", False) for c in ours):
+            install_model_pass(model, tokenizer)
+        if any(getattr(c, "needs_hidden_states", False) for c in ours):
+            install_hidden_tap(model)
+        return attach_group(caches, resolve_group(model, group))
+
+    @staticmethod
     def install(model, config: KVCacheConfig, group=None, tokenizer=None) -> None:
         """Make ``model.make_cache()`` (hence ``mlx_lm.generate``) build fresh eviction caches on
         every call. Reversible with :meth:`uninstall`; installing again replaces the config."""
@@ -135,3 +154,13 @@ class KVCacheBuilder:
     @staticmethod
     def installed(model) -> bool:
         return _ORIGINAL_MAKE_CACHE in getattr(model, "__dict__", {})
+
+
+def load_prompt_cache(path, return_metadata: bool = False, model=None, tokenizer=None):
+    """``veloxquant_mlx.load_prompt_cache``: the caches a :func:`save_prompt_cache` file holds
+    (``veloxquant_mlx.prompt_cache``: checksum, model identity), attached to ``model`` when it is given
+    (:meth:`KVCacheBuilder.attach`), so they continue exactly as the caches that were saved."""
+    loaded = read_prompt_cache(path, return_metadata=return_metadata, model=model)
+    if model is not None:
+        KVCacheBuilder.attach(model, loaded[0] if return_metadata else loaded, tokenizer)
+    return loaded

@@ -85,6 +85,8 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         self.queries_observed = 0
         self.queries_from_keys = False  # set by the builder when the model has no query tap
         self.tap_active = False  # set by the builder when per-layer masks reach this cache
+        # A loaded cache that expects the tap checks that its first step's queries arrive (missing_tap_error).
+        self._tap_unproven = self._awaiting_queries = False
         self.scale = None
         self._window_q = None
         self.prompt = PromptState()  # prompt-time policy: prompt open, ending, compressing (caches.policy)
@@ -216,6 +218,8 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._awaiting_queries:
+            raise self.missing_tap_error()
         self._check_kv(keys, values)
         if self.cold is not None and self.keys is None:
             self.cold.check_head_dim(keys.shape[-1])
@@ -226,7 +230,20 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         if self.queries_from_keys:  # no tap: observe here, and tie the step state to what attention reads
             self._observe(keys, keys.shape[-1] ** -0.5)
             fetched = tuple(mx.depends(list(fetched), self.step_state()))
+        else:
+            self._awaiting_queries = self._tap_unproven  # observe_queries clears it
         return fetched
+
+    def missing_tap_error(self) -> RuntimeError:
+        """This cache was saved from a model with the query tap and, since it was loaded, its last step's
+        queries never arrived: the model's attention does not go through the tap (a fresh process that
+        loaded the file without ``model=``). Continuing would skip the method's scoring and recall, and ragged storage would be
+        attended without its padding mask, so it is refused."""
+        self._awaiting_queries = self._tap_unproven = False
+        return RuntimeError(
+            f"{type(self).__name__} (layer {self.layer_idx}) expects the query tap, and the model's last step "
+            "did not deliver its queries: load caches with veloxquant_mlx.load_prompt_cache(path, model=model) "
+            "(or call KVCacheBuilder.attach(model, caches)) before generating with them")
 
     def note_fetched(self, positions: mx.array | None = None) -> None:
         """Record the rows this step attends to (the tap's mask describes them): the stored rows, or
@@ -238,6 +255,7 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
         if self.keys is None:
             raise RuntimeError("observe_queries called before any update_and_fetch")
+        self._awaiting_queries = self._tap_unproven = False  # the tap delivers this cache's queries
         if not isinstance(queries, mx.array) or queries.ndim != 4:
             raise ValueError(f"queries must be a 4-D mx.array (B, H_q, S, D), got "
                              f"{getattr(queries, 'shape', type(queries).__name__)}")

@@ -106,6 +106,7 @@ class StateRoundTrip:
         self.queries_observed = meta["queries_observed"]
         self.queries_from_keys = meta["queries_from_keys"]
         self.tap_active = meta["tap_active"]
+        self._tap_unproven = self.tap_active and not self.queries_from_keys  # base.missing_tap_error
         self.scale = meta["scale"]
         self.prompt.saw_decode = meta["saw_decode"]
         self.prompt.open = meta["prompt_open"]

@@ -307,12 +307,10 @@ DOCUMENT_FORMAT = "veloxquant-compressed-document/1"
 def load_compressed_document(model, tokenizer, path: str):
     """A fresh copy of a compressed document's caches, ready to continue (query tap and model pass
     installed, this rank's head shard attached), and the file's metadata."""
-    from ..distributed import attach, resolve_group
-    from ..model_pass import install_model_pass
-    from ..prompt_cache import load_prompt_cache
     import warnings
 
-    from ..tap import install_query_tap
+    from ..builder import KVCacheBuilder
+    from ..prompt_cache import load_prompt_cache
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -321,10 +319,10 @@ def load_compressed_document(model, tokenizer, path: str):
         print(f"warning: {w.message}", file=sys.stderr)
     if meta.get("format") != DOCUMENT_FORMAT:
         raise CLIError(f"{path!r} was not written by `compress` (format {meta.get('format')!r})")
-    install_query_tap(model)
-    if any(getattr(c, "needs_model_pass", False) for c in caches):
-        install_model_pass(model, tokenizer)
-    attach(caches, resolve_group(model, None))
+    try:
+        KVCacheBuilder.attach(model, caches, tokenizer)  # taps, model pass, this rank's head shard
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     for c in caches:
         if hasattr(c, "continue_on_purpose"):
             c.continue_on_purpose()  # continuing the document is the point
