@@ -7,12 +7,15 @@
 * ``two-models``: every method's passkey accuracy on SmolLM2 and Gemma 3 side by side, with Nexus's
   paired comparison (figures/eval/passkey_two_models.png);
 * ``recall``: recallable eviction on the follow-up task, paired against the same method without
-  recall (figures/recall/*.json).
+  recall (figures/recall/*.json);
+* ``recall-cost``: what a recall adds to a follow-up turn's prefill, every tier timed from the same
+  state after turn 1, rounds alternating (figures/recall/turn_cost_*.json).
 
     python benchmark_scripts/bench_quality.py quant-passkey --model bundled --out-dir figures/eval/quant ...
     python benchmark_scripts/bench_quality.py quant-report --run SmolLM2-135M figures/eval/quant/passkey_paired.json ...
     python benchmark_scripts/bench_quality.py two-models [--density 0.2]
     python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall --prompts 6 --length 1536
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall-cost --length 7680 --density 0.1
 
 ``python benchmark_scripts/bench_quality.py SUBCOMMAND --help`` describes each one.
 """
@@ -543,8 +546,58 @@ def recall_main(argv=None) -> int:
     return 0
 
 
+def recall_cost_main(argv=None) -> int:
+    from veloxquant_mlx.evaluation import recall_cost
+
+    p = argparse.ArgumentParser(prog="bench_quality.py recall-cost", description=recall_cost.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bundled")
+    p.add_argument("--prompts", type=int, default=1, help="follow-up prompts (indices from --start), each its own state")
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--length", type=int, default=7680)
+    p.add_argument("--density", type=float, default=0.1)
+    p.add_argument("--method", default="nexus")
+    p.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk"])
+    p.add_argument("--recall-bits", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--out", default=str(FIGURES / "recall" / "turn_cost_smollm2_8k.json"))
+    args = p.parse_args(argv)
+    spec = method_specs([args.method])[0]  # an unknown label fails here, before any prefill
+    tiers = {"none": {}, **{t: {"recall": t, **({"recall_bits": args.recall_bits} if t == "memory" else {})}
+                            for t in args.tiers}}
+    quiet_cache_warnings()
+    model, tokenizer, desc = load_eval_model(args.model)
+    setting = {"model": desc, "method": args.method, "length": args.length, "density": args.density,
+               "tiers": list(tiers), "recall_bits": args.recall_bits, "rounds": args.rounds,
+               "recall_page": 32, "recall_pages": 8, "task": "followup (2 facts), turn 2's input prefilled",
+               "blas": "OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)"}
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
+    if data.get("setting", setting) != setting:
+        raise SystemExit(f"{out} holds a run with another setting: name a new --out, or repeat its options")
+    done = {r["index"] for r in data["prompts"]}
+    for index in range(args.start, args.start + args.prompts):
+        if index in done:
+            continue
+        states, facts = recall_cost.after_turn_one(model, tokenizer, spec, tiers, args.length, args.density,
+                                                   index, eos_ids(tokenizer))
+        timed = recall_cost.time_turn_two(model, states, args.rounds)
+        del states
+        data["prompts"].append({"index": index, **facts, **timed,
+                                "summary": recall_cost.ratio_summary(timed["seconds"])})
+        data["prompts"].sort(key=lambda r: r["index"])
+        data["setting"], data["machine"] = setting, _common.machine()
+        data["provenance"] = stamp_recall_provenance(data.get("provenance"), provenance(["full", args.method]))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        print(f"prompt {index}: " + "; ".join(f"{t} {v.get('ratio_median')} {v.get('ratio_ci95')}"
+                                              for t, v in data["prompts"][-1]["summary"].items() if t != "none"),
+              flush=True)
+    return 0
+
+
 SUBCOMMANDS = {"quant-passkey": quant_main, "quant-report": report_main, "two-models": models_main,
-               "recall": recall_main}
+               "recall": recall_main, "recall-cost": recall_cost_main}
 
 
 def main(argv=None) -> int:

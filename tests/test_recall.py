@@ -536,3 +536,33 @@ def test_recall_hold_is_bounded_in_decode_by_the_slack(model):
         assert not c.cold.held and c.size() <= c.budget + c.slack
         assert c.evictions >= 2
         assert_nothing_lost(c)
+
+
+@pytest.mark.parametrize("rows,K", [(40, 25), (41, 25), (97, 60)])  # new row counts reuse the compiled graphs
+def test_compiled_recall_composites_match_numpy(rows, K):
+    from veloxquant_mlx.ops.recall import gather_evicted, join_in_order, pick_pages
+
+    rng = np.random.default_rng(rows)
+    B, H, D, M = 2, 3, 8, 16
+    pos = np.sort(rng.choice(10 * rows, size=(B, H, rows), replace=True), axis=-1).astype(np.int32)
+    keys = rng.normal(size=(B, H, rows, D)).astype(np.float32)
+    kept = np.sort(np.stack([[rng.choice(rows, K, replace=False) for _ in range(H)] for _ in range(B)]), -1)
+    gpos, (gk,) = gather_evicted(mx.array(kept.astype(np.int32)), mx.array(pos), [mx.array(keys)])
+    for b in range(B):
+        for h in range(H):
+            gone = np.setdiff1d(np.arange(rows), kept[b, h])
+            assert np.array_equal(np.array(gpos)[b, h], pos[b, h, gone])
+            assert np.array_equal(np.array(gk)[b, h], keys[b, h, gone])
+    cold_pos = rng.choice(10 * rows, size=(B, H, M)).astype(np.int32)
+    cold = rng.normal(size=(B, H, M, D)).astype(np.float32)
+    jpos, (jk,) = join_in_order(mx.array(pos), mx.array(cold_pos), [mx.array(keys)], [mx.array(cold)])
+    both_pos, both = np.concatenate([pos, cold_pos], 2), np.concatenate([keys, cold], 2)
+    order = np.argsort(both_pos, axis=-1, kind="stable")
+    assert np.array_equal(np.array(jpos), np.take_along_axis(both_pos, order, -1))
+    assert np.array_equal(np.sort(np.array(jk), axis=2), np.sort(np.take_along_axis(both, order[..., None], 2), axis=2))
+    q = mx.array(rng.normal(size=(B, 2 * H, 4, D)).astype(np.float32))
+    lo = mx.array(rng.normal(size=(B, H, rows // 4, D)).astype(np.float32))
+    hi = lo + 1
+    bound = np.array(quest_bounds(q, lo, hi))
+    want = np.sort(np.argsort(-bound, axis=-1, kind="stable")[..., :5], -1)
+    assert np.array_equal(np.array(pick_pages(q, lo, hi, 5)), want)

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+import functools
+
 from ..ops import gather_rows
-from ..ops.recall import evicted_rows, page_rows, page_summaries, quest_bounds, top_pages
-from .quant import buf_nbytes, dequantize_rows, quantize_rows, rows_map, rows_zip
+from ..ops.recall import gather_evicted, join_in_order, page_rows, page_summaries, pick_pages, summarize_pages
+from .quant import buf_dtype, buf_nbytes, dequantize_rows, quantize_rows, rows_map
 from .storage import with_headroom
 
 COLD_GROUP = 32  # cold rows' quantization group along head_dim ("memory" tier)
@@ -41,14 +43,50 @@ def summary_dtype(dtype):
     return mx.float16 if dtype == mx.float32 else dtype
 
 
+@mx.compile
 def put_rows(buf: mx.array, idx: mx.array, rows: mx.array) -> mx.array:
     """``buf`` with ``buf[b, h, idx[b, h, i]] = rows[b, h, i]`` (a new array; buf (B, H, N, ...))."""
     B, H, N = buf.shape[:3]
     rest = buf.shape[3:]
-    offsets = (mx.arange(B * H, dtype=mx.int32) * N).reshape(B, H, 1)
+    offsets = mx.arange(0, B * H * N, N, dtype=mx.int32).reshape(B, H, 1)  # no literal N (ops.select.gather_rows)
     flat = buf.reshape(B * H * N, *rest)
     flat[(idx.astype(mx.int32) + offsets).reshape(-1)] = rows.reshape(-1, *rest)
     return flat.reshape(buf.shape)
+
+
+def _parts(buf) -> list:
+    return list(buf) if isinstance(buf, tuple) else [buf]
+
+
+def _unparts(parts: list, like):
+    return tuple(parts) if isinstance(like, tuple) else parts[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _refiller(page: int):
+    """The summaries of refilled pages written into theirs (kmin, kmax), as one compiled graph."""
+    def refill(kmin, kmax, holes, keys, pos):
+        lo, hi = page_summaries(keys, pos, page, kmin.dtype)
+        return put_rows(kmin, holes, lo), put_rows(kmax, holes, hi)
+    return mx.compile(refill)
+
+
+@functools.lru_cache(maxsize=8)
+def _cold_writer(bits: int):
+    """Cold rows quantized and written at ``rows`` of every buffer, as one compiled graph."""
+    def write(rows, k, v, pos, keys, values, positions):
+        put = lambda buf, x: [put_rows(p, rows, r) for p, r in zip(buf, mx.quantize(x, group_size=COLD_GROUP, bits=bits))]
+        return put(k, keys), put(v, values), put_rows(pos, rows, positions)
+    return mx.compile(write)
+
+
+@functools.lru_cache(maxsize=8)
+def _cold_reader(bits: int):
+    """Gather + dequantize of cold rows (keys and values) as one compiled graph."""
+    def read(rows, k, v, pos):
+        deq = lambda buf: mx.dequantize(*(gather_rows(p, rows) for p in buf), group_size=COLD_GROUP, bits=bits)
+        return deq(k), deq(v), gather_rows(pos, rows)
+    return mx.compile(read)
 
 
 def _grown(buf, need: int):
@@ -114,17 +152,18 @@ class ColdTier:
         rows, K = cache.size(), kept.shape[-1]
         if rows - K <= 0:
             return
-        gone = evicted_rows(kept, rows)
         bits, gs = cache.kv_bits, cache.kv_group_size
-        keys = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.keys), bits, gs)
-        values = dequantize_rows(rows_map(lambda a: gather_rows(a, gone), cache.values), bits, gs)
-        parts = [keys, values, gather_rows(cache.positions, gone)]
+        k_raw, v_raw = cache.stored_raw("keys"), cache.stored_raw("values")
+        pos, gone = gather_evicted(kept, cache.stored("positions"), _parts(k_raw) + _parts(v_raw))
+        nk = len(_parts(k_raw))
+        keys = dequantize_rows(_unparts(gone[:nk], k_raw), bits, gs)
+        values = dequantize_rows(_unparts(gone[nk:], v_raw), bits, gs)
+        parts = [keys, values, pos]
         if self.holes is not None:  # refill the pages the recall read back (whole pages: E >= their rows)
             holes, self.holes = self.holes, None
             n = holes.shape[-1] * self.page
             fill = [a[:, :, :n] for a in parts]
-            lo, hi = page_summaries(fill[0], fill[2], self.page, self.kmin.dtype)
-            self.kmin, self.kmax = put_rows(self.kmin, holes, lo), put_rows(self.kmax, holes, hi)
+            self.kmin, self.kmax = _refiller(self.page)(self.kmin, self.kmax, holes, fill[0], fill[2])
             self.write(holes, page_rows(holes, self.page), *fill)
             parts = [a[:, :, n:] for a in parts]
         if self.carry is not None:
@@ -133,7 +172,7 @@ class ColdTier:
         self.carry = [mx.contiguous(a[:, :, n:]) for a in parts] if parts[2].shape[2] > n else None
         if n:
             whole = [a[:, :, :n] for a in parts]
-            self._add_summaries(*page_summaries(whole[0], whole[2], self.page, summary_dtype(whole[0].dtype)))
+            self._add_summaries(*summarize_pages(whole[0], whole[2], self.page, summary_dtype(whole[0].dtype)))
             self.store(*whole)
         if cache.compressing_prompt:
             self.flush()
@@ -166,24 +205,24 @@ class ColdTier:
         n = self.n_pages
         if n == 0 or q is None:
             return False
-        pages = top_pages(quest_bounds(q, self.kmin[:, :, :n], self.kmax[:, :, :n]), min(self.pages, n))
+        pages = pick_pages(q, self.kmin[:, :, :n], self.kmax[:, :, :n], self.pages)
         ck, cv, cpos = self.read(pages, page_rows(pages, self.page))
         self.holes = pages
         R = cache.size()
-        pos = mx.concatenate([cache.stored("positions"), cpos], axis=2)
-        order = mx.argsort(pos, axis=-1).astype(mx.int32)  # rows stay in position order
         bits, gs = cache.kv_bits, cache.kv_group_size
-
-        def joined(held, cand):  # the hot rows as held (exact), the candidates converted once
-            both = rows_zip(lambda h, c: mx.concatenate([h, c], axis=2), held, quantize_rows(cand, bits, gs))
-            return rows_map(lambda a: gather_rows(a, order), both)
-
-        cache.keys = joined(cache.stored_raw("keys"), ck.astype(cache.stored("keys").dtype))
-        cache.values = joined(cache.stored_raw("values"), cv.astype(cache.stored("values").dtype))
-        for name, fill in cache.extra_row_fields().items():  # recalled rows start from the method's fill
-            both = mx.concatenate([cache.stored(name), mx.full(cpos.shape, fill, mx.float32)], axis=2)
-            cache.row_extras[name] = gather_rows(both, order)
-        cache.positions = gather_rows(pos, order)
+        k_raw, v_raw = cache.stored_raw("keys"), cache.stored_raw("values")
+        dtype = buf_dtype(k_raw)  # the candidates converted once to the hot rows' storage
+        hot, cold = _parts(k_raw) + _parts(v_raw), _parts(quantize_rows(ck.astype(dtype), bits, gs)) + \
+            _parts(quantize_rows(cv.astype(dtype), bits, gs))
+        fills = cache.extra_row_fields()  # recalled rows start from the method's fill
+        hot += [cache.stored(name) for name in fills]
+        cold += [mx.full(cpos.shape, fill, mx.float32) for fill in fills.values()]
+        pos, joined = join_in_order(cache.stored("positions"), cpos, hot, cold)  # rows stay in position order
+        nk, nv = len(_parts(k_raw)), len(_parts(v_raw))
+        cache.keys, cache.values = _unparts(joined[:nk], k_raw), _unparts(joined[nk:nk + nv], v_raw)
+        for name, rows in zip(fills, joined[nk + nv:], strict=True):
+            cache.row_extras[name] = rows
+        cache.positions = pos
         cache._rows = R + cpos.shape[2]
         self.recalls += 1
         return True
@@ -287,14 +326,11 @@ class MemoryTier(ColdTier):
         self.filled = need
 
     def read(self, pages, rows):
-        deq = lambda buf: mx.dequantize(*(gather_rows(p, rows) for p in buf), group_size=COLD_GROUP, bits=self.bits)
-        return deq(self.k), deq(self.v), gather_rows(self.pos, rows)
+        return _cold_reader(self.bits)(rows, list(self.k), list(self.v), self.pos)
 
     def write(self, pages, rows, keys, values, pos) -> None:
-        k, v = self._q(keys), self._q(values)
-        self.k = tuple(put_rows(p, rows, r) for p, r in zip(self.k, k, strict=True))
-        self.v = tuple(put_rows(p, rows, r) for p, r in zip(self.v, v, strict=True))
-        self.pos = put_rows(self.pos, rows, pos)
+        k, v, self.pos = _cold_writer(self.bits)(rows, list(self.k), list(self.v), self.pos, keys, values, pos)
+        self.k, self.v = tuple(k), tuple(v)
 
     @property
     def rows_bytes(self) -> int:

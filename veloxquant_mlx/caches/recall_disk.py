@@ -144,8 +144,7 @@ class DiskTier(ColdTier):
         rec = self._records(keys, values, pos)  # (m, B, H): page i of every (b, h)
         mm = self._map("r+")
         mm[p, b, h] = np.moveaxis(rec, 0, 2)
-        mm.flush()
-        del mm
+        del mm  # no msync: the page cache serves the next read, and the file is this process's scratch
 
     # -- accounting and state -------------------------------------------------------------------
     @property

@@ -41,6 +41,8 @@ def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
     """
     B, H, rows = x.shape[:3]
     rest = x.shape[3:]
-    offsets = (mx.arange(B * H, dtype=mx.int32) * rows).reshape(B, H, 1)
+    # The offsets as an arange with a step, not ``arange * rows``: inside mx.compile a Python scalar
+    # becomes a literal of the fused kernel, so every new row count recompiled it (~1 s on the CPU).
+    offsets = mx.arange(0, B * H * rows, rows, dtype=mx.int32).reshape(B, H, 1)
     flat = x.reshape(B * H * rows, *rest)
     return mx.take(flat, (idx.astype(mx.int32) + offsets).reshape(-1), axis=0).reshape(B, H, idx.shape[-1], *rest)
