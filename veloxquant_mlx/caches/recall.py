@@ -25,9 +25,9 @@ comes back exactly when it beats a hot row by the method's own measure, and noth
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 import functools
+
+import mlx.core as mx
 
 from ..ops import gather_rows
 from ..ops.recall import gather_evicted, join_in_order, page_rows, page_summaries, pick_pages, summarize_pages
