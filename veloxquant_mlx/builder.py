@@ -9,8 +9,7 @@ from mlx_lm.models.cache import KVCache
 from .caches.base import EvictionCache
 from .config import KVCacheConfig
 from .caches.shard import HeadShard
-from .distributed import layer_span, resolve_group
-from .distributed import attach as attach_group
+from .distributed import attach as attach_group, layer_span, resolve_group
 from .model_pass import install_model_pass, remove_model_pass
 from .prompt_cache import load_prompt_cache as read_prompt_cache
 from .tap import install_hidden_tap, install_query_tap, remove_query_tap
@@ -41,6 +40,17 @@ def _model_layer_caches(model) -> list:
     return list(made) if made is not None else [KVCache() for _ in model.layers]
 
 
+def _install_glue(model, classes, tokenizer=None) -> bool:
+    """The query tap, and the model pass / hidden-state tap when one of ``classes`` (cache classes or
+    caches) needs it. Returns whether the query tap reaches the model's attention."""
+    tapped = bool(install_query_tap(model))
+    if any(getattr(c, "needs_model_pass", False) for c in classes):
+        install_model_pass(model, tokenizer)
+    if any(getattr(c, "needs_hidden_states", False) for c in classes):
+        install_hidden_tap(model)
+    return tapped
+
+
 class KVCacheBuilder:
     """Registry front door: ``KVCacheBuilder.for_model(model, config)`` -> one fresh cache per layer."""
 
@@ -64,11 +74,7 @@ class KVCacheBuilder:
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         base = _model_layer_caches(model)
         cls = config.cache_class
-        tapped = bool(install_query_tap(model))
-        if getattr(cls, "needs_model_pass", False):
-            install_model_pass(model, tokenizer)
-        if getattr(cls, "needs_hidden_states", False):
-            install_hidden_tap(model)
+        tapped = _install_glue(model, [cls], tokenizer)
         if config.kv_bits is not None and not tapped:
             raise ValueError(
                 f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
@@ -104,14 +110,9 @@ class KVCacheBuilder:
         method needs, and this rank's head shard (``group``: as in for_model). A cache that was built with
         the query tap on a model that cannot take it is refused. Returns ``caches``."""
         ours = [c for c in caches if isinstance(c, EvictionCache)]
-        tapped = bool(install_query_tap(model))
-        if not tapped and any(c.tap_active for c in ours):
+        if not _install_glue(model, ours, tokenizer) and any(c.tap_active for c in ours):
             raise ValueError(f"these caches were built with the query tap, and {type(model).__module__} does not "
                              "call mlx-lm's scaled_dot_product_attention: they cannot run on this model")
-        if any(getattr(c, "needs_model_pass", False) for c in ours):
-            install_model_pass(model, tokenizer)
-        if any(getattr(c, "needs_hidden_states", False) for c in ours):
-            install_hidden_tap(model)
         return attach_group(caches, resolve_group(model, group))
 
     @staticmethod
@@ -131,11 +132,7 @@ class KVCacheBuilder:
             object.__setattr__(model, _ORIGINAL_MAKE_CACHE, original)
             object.__setattr__(model, "_veloxquant_had_instance_make_cache", inst is not None)
         object.__setattr__(model, "make_cache", lambda *a, **k: KVCacheBuilder.for_model(model, config, group))
-        install_query_tap(model)
-        if getattr(config.cache_class, "needs_model_pass", False):
-            install_model_pass(model, tokenizer)
-        if getattr(config.cache_class, "needs_hidden_states", False):
-            install_hidden_tap(model)
+        _install_glue(model, [config.cache_class], tokenizer)
 
     @staticmethod
     def uninstall(model) -> None:

@@ -237,8 +237,8 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
     def missing_tap_error(self) -> RuntimeError:
         """This cache was saved from a model with the query tap and, since it was loaded, its last step's
         queries never arrived: the model's attention does not go through the tap (a fresh process that
-        loaded the file without ``model=``). Continuing would skip the method's scoring and recall, and ragged storage would be
-        attended without its padding mask, so it is refused."""
+        loaded the file without ``model=``). Continuing would skip the method's scoring and recall, and
+        ragged storage would be attended without its padding mask, so it is refused."""
         self._awaiting_queries = self._tap_unproven = False
         return RuntimeError(
             f"{type(self).__name__} (layer {self.layer_idx}) expects the query tap, and the model's last step "

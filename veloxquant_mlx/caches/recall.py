@@ -75,7 +75,7 @@ def _refiller(page: int):
 def _cold_writer(bits: int):
     """Cold rows quantized and written at ``rows`` of every buffer, as one compiled graph."""
     def write(rows, k, v, pos, keys, values, positions):
-        put = lambda buf, x: [put_rows(p, rows, r) for p, r in zip(buf, mx.quantize(x, group_size=COLD_GROUP, bits=bits))]
+        put = lambda buf, x: [put_rows(p, rows, r) for p, r in zip(buf, quantize_rows(x, bits, COLD_GROUP))]
         return put(k, keys), put(v, values), put_rows(pos, rows, positions)
     return mx.compile(write)
 

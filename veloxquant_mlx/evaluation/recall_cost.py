@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 
 from ..builder import KVCacheBuilder
+from ..config import budget_for
 from ..decode import eval_state, last_prompt_step, prefill
 from .fanout import shared_pass
 from .task_prompts import continuation, reply_text
@@ -31,8 +32,6 @@ def after_turn_one(model, tokenizer, spec, tiers: dict, length: int, density: fl
     """{tier: (caches after turn 1, turn 2's input ids)} for one follow-up prompt, and the prompt's
     facts ({"prompt_tokens", "budget", "prefill_s", "turn1": {tier: reply}})."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from ..config import budget_for
 
     inst, tokens = build(tokenizer, "followup", length, index, 0, 2)
     budget = budget_for(density, len(tokens))
@@ -55,7 +54,7 @@ def after_turn_one(model, tokenizer, spec, tiers: dict, length: int, density: fl
 
 def time_turn_two(model, states: dict, rounds: int) -> dict:
     """{tier: [seconds of turn 2's prefill, per round]} from deep copies of each tier's state, tiers
-    alternating forward and backward round by round; also checks every copy gives the same first token."""
+    alternating forward and backward round by round, and the first tokens the copies of each tier gave."""
     names = list(states)
     times, first = {t: [] for t in names}, {}
     for r in range(rounds):
