@@ -24,25 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import _common
 from _common import FIGURES, preload_blas, provenance, run_subcommands
-from veloxquant_mlx import KVCacheBuilder
-from veloxquant_mlx.caches.accounting import kv_report
-from veloxquant_mlx.caches.quant import model_caches
+from veloxquant_mlx.evaluation import recall_cost
+from veloxquant_mlx.evaluation import recall_followup as rf
+from veloxquant_mlx.evaluation.eval_model import eos_ids
+from veloxquant_mlx.evaluation import report_quant as rq
 from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
 from veloxquant_mlx.evaluation.report_passkey import _passkey_index
-from veloxquant_mlx.evaluation.eval_model import eos_ids
 from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
 from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson
-from veloxquant_mlx.evaluation.task_run import run_prompt
-from veloxquant_mlx.evaluation.tasks import build
 
 
 # ================================================================================================
@@ -127,120 +122,6 @@ markdown.
     python benchmark_scripts/bench_quality.py quant-report         --run SmolLM2-135M figures/eval/quant/passkey_paired.json         --run Gemma-3-270M figures/eval/gemma3/passkey_quant.json         --curve nestedkv --out figures/eval/quant/passkey_quant_summary.json
 """
 
-_STORAGE = re.compile(r"-(4|8)bit(-g\d+)?$")
-
-
-def fp_label(label: str) -> str:
-    """The same method with fp rows: ``nexus-4bit-g32`` -> ``nexus``."""
-    return _STORAGE.sub("", label)
-
-
-def storage(label: str) -> str:
-    m = _STORAGE.search(label)
-    return m.group(0)[1:] if m else "fp"
-
-
-def index(path: str):
-    """({(label, density): {prompt: correct}}, {(label, density): {prompt: kv bytes}}, data). ``path``
-    may join several result files with commas (e.g. a later group-size run on the same prompts)."""
-    parts = [json.loads(Path(p).read_text()) for p in path.split(",")]
-    data = {**parts[0], "cells": {k: v for d in parts for k, v in d["cells"].items()}}
-    res, densities, _ = _passkey_index(data)
-    columns = sorted({(k[3], k[4]) for k in res})
-    out = {}
-    for (regime, d, m, _, _) in res:
-        if regime == "prefill":
-            out[(m, d)] = _paired_outcomes(res, "prefill", d, m, columns)
-    nbytes = {}
-    for c in data["cells"].values():
-        if "error" not in c and c.get("seed", 0) == 0 and c.get("regime") == "prefill":
-            p = (c["haystack"], c["context"], c["depth"], c["key"])
-            for d in ([c["density"]] if c["density"] is not None else densities):
-                nbytes.setdefault((c["method"], d), {})[p] = c["kv_bytes_end"]
-    return out, nbytes, data
-
-
-def common(outs: dict, keys) -> list:
-    sets = [set(outs[k]) for k in keys if k in outs]
-    return sorted(set.intersection(*sets), key=repr) if sets else []
-
-
-def table(outs: dict, density: float, labels) -> dict:
-    keys = [(m, density) for m in labels if (m, density) in outs]
-    prompts = common(outs, keys)
-    rows = {}
-    for m, d in keys:
-        k = sum(outs[(m, d)][p] for p in prompts)
-        lo, hi = wilson(k, len(prompts))
-        row = {"correct": k, "n": len(prompts), "acc": k / max(len(prompts), 1), "wilson95": [lo, hi]}
-        base = (fp_label(m), d)
-        if base[0] != m and base in outs:
-            pr = paired({p: outs[base][p] for p in prompts}, {p: outs[(m, d)][p] for p in prompts})
-            row["vs_fp"] = {"label": base[0], "only_fp": pr["only_a"], "only_quant": pr["only_b"], "p": pr["p"]}
-        g64 = (re.sub(r"-g\d+$", "", m), d)
-        if g64[0] != m and g64 in outs:  # a group-size label against the default groups of 64
-            pr = paired({p: outs[g64][p] for p in prompts}, {p: outs[(m, d)][p] for p in prompts})
-            row["vs_g64"] = {"label": g64[0], "only_g64": pr["only_a"], "only_this": pr["only_b"], "p": pr["p"]}
-        rows[m] = row
-    return {"n_prompts": len(prompts), "rows": rows}
-
-
-def curve(outs: dict, nbytes: dict, method: str, bits, full_labels, densities) -> dict:
-    keys = [(method + b, d) for b in bits for d in densities] + [(f, 0.2) for f in full_labels]
-    keys = [k for k in keys if k in outs]
-    prompts = common(outs, keys)
-    full_bytes = sum(nbytes[("full", 0.2)][p] for p in prompts) / max(len(prompts), 1)
-    points = []
-    for m, d in keys:
-        k = sum(outs[(m, d)][p] for p in prompts)
-        b = sum(nbytes[(m, d)][p] for p in prompts) / max(len(prompts), 1)
-        lo, hi = wilson(k, len(prompts))
-        points.append({"label": m, "storage": storage(m), "density": None if m.startswith("full") else d,
-                       "correct": k, "n": len(prompts), "acc": k / max(len(prompts), 1), "wilson95": [lo, hi],
-                       "kv_bytes": b, "kv_vs_kvcache": b / full_bytes if full_bytes else None})
-    return {"method": method, "n_prompts": len(prompts), "kvcache_bytes": full_bytes, "points": points}
-
-
-def plot(c: dict, title: str, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"fp": "C0", "8bit": "C1", "4bit": "C2"}
-    for st in ("fp", "8bit", "4bit"):
-        for full in (False, True):
-            pts = [p for p in c["points"] if p["storage"] == st and p["label"].startswith("full") == full]
-            if not pts:
-                continue
-            pts.sort(key=lambda p: p["kv_bytes"])
-            x = [p["kv_bytes"] / 2 ** 20 for p in pts]
-            y = [100 * p["acc"] for p in pts]
-            err = [[100 * (p["acc"] - p["wilson95"][0]) for p in pts], [100 * (p["wilson95"][1] - p["acc"]) for p in pts]]
-            name = (f"full cache, {st} rows" if full else f"{c['method']}, {st} rows")
-            ax.errorbar(x, y, yerr=err, fmt="s" if full else "o-", color=colors[st], capsize=3,
-                        mfc="white" if full else colors[st], label=name)
-            if not full:
-                for xi, yi, p in zip(x, y, pts):
-                    ax.annotate(f"{int(round(100 * p['density']))}%", (xi, yi), textcoords="offset points",
-                                xytext=(4, -12), fontsize=7, color=colors[st])
-    ax.set_xscale("log")
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
-
-    ax.xaxis.set_major_locator(FixedLocator([1, 2, 4, 8, 16, 32, 64]))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("allocated KV after prompt + 8 tokens (MiB, log)")
-    ax.set_ylabel("passkey accuracy (%), Wilson 95%")
-    ax.set_title(f"{title}: equal-memory curve, 1K passkey, {c['n_prompts']} prompts", fontsize=10)
-    ax.set_ylim(-3, 103)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-
-
 def report_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_quality.py quant-report", description=REPORT_DOC,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,15 +132,16 @@ def report_main(argv=None) -> int:
     a = ap.parse_args(argv)
     summary, labels = {"models": {}}, set()
     for name, path in a.run:
-        outs, nbytes, data = index(path)
-        at20 = sorted({m for m, d in outs if d == 0.2}, key=lambda m: (fp_label(m) != "full", fp_label(m), storage(m)))
+        outs, nbytes, data = rq.index(path)
+        at20 = sorted({m for m, d in outs if d == 0.2},
+                      key=lambda m: (rq.fp_label(m) != "full", rq.fp_label(m), rq.storage(m)))
         labels |= {m for m, _ in outs}
-        entry = {"source": path, "model": data["meta"].get("model"), "density_0.2": table(outs, 0.2, at20)}
-        densities = sorted({d for m, d in outs if fp_label(m) == a.curve})
+        entry = {"source": path, "model": data["meta"].get("model"), "density_0.2": rq.table(outs, 0.2, at20)}
+        densities = sorted({d for m, d in outs if rq.fp_label(m) == a.curve})
         if len(densities) > 1:
-            entry["curve"] = curve(outs, nbytes, a.curve, ("", "-8bit", "-4bit"),
+            entry["curve"] = rq.curve(outs, nbytes, a.curve, ("", "-8bit", "-4bit"),
                                    ("full", "full-8bit", "full-4bit"), densities)
-            plot(entry["curve"], name, a.figure)
+            rq.plot(entry["curve"], name, a.figure)
             entry["figure"] = a.figure
         summary["models"][name] = entry
         t = entry["density_0.2"]
@@ -272,7 +154,7 @@ def report_main(argv=None) -> int:
             if "vs_g64" in r:
                 g = r["vs_g64"]
                 vs += f"; vs {g['label']}: {g['only_g64']} / {g['only_this']}, p = {fmt_p(g['p'])}"
-            print(f"| {m} | {storage(m)} | {fmt_ci(r['correct'], r['n'])} ({r['correct']}/{r['n']}) | {vs} |")
+            print(f"| {m} | {rq.storage(m)} | {fmt_ci(r['correct'], r['n'])} ({r['correct']}/{r['n']}) | {vs} |")
         if "curve" in entry:
             c = entry["curve"]
             print(f"\n{name}: equal-memory curve, {c['n_prompts']} prompts, KVCache = {c['kvcache_bytes'] / 2**20:.2f} MiB\n")
@@ -385,80 +267,17 @@ def models_main(argv=None) -> int:
 # ================================================================================================
 # recall: Recallable eviction on the follow-up task, paired against the same method without recall.
 # ================================================================================================
-RECALL_DOC = """Recallable eviction on the follow-up task, paired against the same method without recall.
-
-    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall --prompts 6 --length 1536 \
+RECALL_USAGE = """
+    python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_quality.py recall --prompts 6 --length 1536 \\
         --density 0.2 --methods nexus snapkv --tiers none memory disk
 
-Each prompt is the ``followup`` task of ``veloxquant_mlx.evaluation.tasks`` with ``--facts`` facts (2-4,
-default 2): turn 1 asks one, every later turn another, on the same cache (what ``serve``'s multi-turn reuse does). Every cache
-list sees the same prompt (one shared prefill under ``prompt_eviction="end"``, as ``eval tasks``
-runs it) and the same later turns. Per cell: each turn's correctness, the resident KV bytes after the
-prompt and after the last turn (``kv_report``, which counts the cold tier's resident part) with the
-byte split of ``byte_report``, and each later turn's prefill time (which includes the recall: the
-paired ratio against no recall, per turn, is the recall's cost; OpenBLAS preloaded, ratios within one run only).
-Results are written after every prompt, and a re-run skips the prompts already in the file.
+Results are written after every prompt, and a re-run skips the prompts already in the file. Timings:
+OpenBLAS preloaded, ratios within one run only.
 """
-
-def label(method: str, tier: str) -> str:
-    return method if tier == "none" else f"{method}-recall-{tier}"
-
-
-def cold_split(caches) -> dict:
-    keys = ("hot_bytes", "cold_resident_bytes", "cold_disk_bytes", "summary_bytes")
-    out = dict.fromkeys(keys, 0)
-    for c in caches:
-        r = c.byte_report() if hasattr(c, "byte_report") else {}
-        for k in keys:
-            out[k] += r.get(k, 0)
-    return out
-
-
-def summarize(data: dict) -> dict:
-    """Per label: prompts, turn-1 / turn-2 correct counts, all turns right; the paired turn-2 prefill
-    ratio (recall over the same method without it, median over prompts); mean resident bytes."""
-    rows = data["prompts"]
-    labels = sorted({n for r in rows for n in r["cells"]})
-    out = {}
-    for n in labels:
-        cells = [r["cells"][n] for r in rows if "turns" in r["cells"].get(n, {})]
-        if not cells:
-            continue
-        s = {"prompts": len(cells),
-             "turn_correct": [sum(c["turns"][k]["correct"] for c in cells) for k in range(len(cells[0]["turns"]))],
-             "all_turns": sum(all(t["correct"] for t in c["turns"]) for c in cells),
-             "resident_bytes_end": statistics.mean(c["resident_bytes_end"] for c in cells)}
-        base = n.split("-recall-")[0]
-        if base != n:  # paired per prompt: this row's turns beside the same method's without recall
-            pairs = [list(zip(r["cells"][n]["turns"], r["cells"][base]["turns"])) for r in rows
-                     if "turns" in r["cells"].get(n, {}) and "turns" in r["cells"].get(base, {})]
-            ratios = [[a["turn_prefill_s"] / b["turn_prefill_s"] for a, b in turns[1:]] for turns in pairs]
-            s["turn2_prefill_ratio_median"] = round(statistics.median(t[0] for t in ratios), 3) if ratios else None
-            if any(len(t) > 1 for t in ratios):  # three or more turns: every later turn's ratio too
-                s["later_turns_prefill_ratio_median"] = round(statistics.median(x for t in ratios for x in t), 3)
-            s["turns_lost_vs_no_recall"] = sum(any(b["correct"] and not a["correct"] for a, b in turns)
-                                               for turns in pairs)
-        out[n] = s
-    return out
-
-
-def stamp_recall_provenance(old: dict | None, new: dict) -> dict:
-    """The provenance of a recall file after another prompt: ``new``, marked stale when the prompts it
-    extends came from code with other fingerprints (``provenance.resumed``), and naming the commit the
-    file's first prompt ran at when that differs (the recall code is named by its commit only)."""
-    from veloxquant_mlx.evaluation.provenance import resumed
-
-    prov = resumed(old, new) if old else dict(new)
-    first = (old or {}).get("first_commit") or (old or {}).get("commit")
-    if first and first != new.get("commit"):
-        prov["first_commit"] = first
-    prov["note"] = ("the fingerprints cover each method without recall; the recall code is at the commit "
-                    "named (first_commit: where the file's first prompt ran)")
-    return prov
 
 
 def recall_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench_quality.py recall", description=RECALL_DOC,
+    p = argparse.ArgumentParser(prog="bench_quality.py recall", description=rf.__doc__ + RECALL_USAGE,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bundled")
     p.add_argument("--prompts", type=int, default=6)
@@ -468,8 +287,7 @@ def recall_main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--methods", nargs="+", default=["nexus", "snapkv"],
                    help="methods or labels (nexus-4bit: hot rows at 4 bits)")
-    p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"],
-                   choices=["none", "memory", "disk", "memory-hold", "disk-hold"],
+    p.add_argument("--tiers", nargs="+", default=["none", "memory", "disk"], choices=rf.TIERS,
                    help="cold tiers per method; '-hold': with recall_hold=True ('<method>-recall-disk-hold')")
     p.add_argument("--recall-bits", type=int, default=4)
     p.add_argument("--recall-pages", type=int, default=8)
@@ -501,44 +319,20 @@ def recall_main(argv=None) -> int:
         raise SystemExit(f"{out} holds a run on another model ({old['model']}): name a new --out")
     setting["model"] = desc
     eos = eos_ids(tokenizer)
+
+    def make_caches(budget):
+        return rf.prompt_caches(model, specs, args.tiers, budget, args.recall_bits, args.recall_page,
+                                args.recall_pages, args.recall_every, args.quantized_baseline)
+
     for index in range(args.start, args.start + args.prompts):
         if index in done:
             continue
-        from mlx_lm.models.cache import make_prompt_cache
-
-        inst, tokens = build(tokenizer, "followup", args.length, index, 0, args.facts)
-        budget = _common.budget(args.density, len(tokens))
-        named = {"full": (make_prompt_cache(model), False)}
-        if args.quantized_baseline:  # its prompt attends over its own 4-bit rows: its own prefill
-            named["full-4bit"] = (model_caches(model, 4, 32), True)
-        for m in args.methods:
-            for tier in args.tiers:
-                kind, _, hold = tier.partition("-")
-                extra = {} if tier == "none" else {"recall": kind, "recall_bits": args.recall_bits,
-                                                   "recall_page": args.recall_page, "recall_pages": args.recall_pages,
-                                                   **({"recall_hold": True} if hold else {})}
-                named[label(m, tier)] = (KVCacheBuilder.for_model(model, specs[m].config(budget, **extra)),
-                                         False)
-            if args.recall_every:
-                every = {"recall": "memory", "recall_bits": args.recall_bits, "recall_page": args.recall_page,
-                         "recall_pages": args.recall_pages, "recall_every": args.recall_every}
-                named[label(m, f"every{args.recall_every}")] = (
-                    KVCacheBuilder.for_model(model, specs[m].config(budget, **every)), False)
-        held = {n: c for n, (c, _) in named.items()}  # run_prompt frees its references as it goes
-        t0 = time.perf_counter()
-        res = run_prompt(model, tokenizer, inst, tokens, named, shared=True, eos_ids=eos)
-        for n, r in res.items():
-            if "turns" in r:
-                r["resident_bytes_end"] = kv_report(held[n])["allocated_bytes"]
-                r.update(cold_split(held[n]))
-        del held
-        data["prompts"].append({"index": index, "prompt_tokens": len(tokens), "budget": budget,
-                                "expected": [list(t.expected) for t in inst.turns], "cells": res,
-                                "seconds": round(time.perf_counter() - t0, 1)})
+        data["prompts"].append(rf.run_followup_prompt(model, tokenizer, index, args.length, args.facts,
+                                                      args.density, make_caches, eos))
         data["prompts"].sort(key=lambda r: r["index"])
         data["setting"] = setting
-        data["summary"] = summarize(data)
-        data["provenance"] = stamp_recall_provenance(data.get("provenance"), provenance(["full", *args.methods]))
+        data["summary"] = rf.summarize(data)
+        data["provenance"] = rf.stamp_recall_provenance(data.get("provenance"), provenance(["full", *args.methods]))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         s = data["summary"]
@@ -547,8 +341,6 @@ def recall_main(argv=None) -> int:
 
 
 def recall_cost_main(argv=None) -> int:
-    from veloxquant_mlx.evaluation import recall_cost
-
     p = argparse.ArgumentParser(prog="bench_quality.py recall-cost", description=recall_cost.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bundled")
@@ -587,7 +379,7 @@ def recall_cost_main(argv=None) -> int:
                                 "summary": recall_cost.ratio_summary(timed["seconds"])})
         data["prompts"].sort(key=lambda r: r["index"])
         data["setting"], data["machine"] = setting, _common.machine()
-        data["provenance"] = stamp_recall_provenance(data.get("provenance"), provenance(["full", args.method]))
+        data["provenance"] = rf.stamp_recall_provenance(data.get("provenance"), provenance(["full", args.method]))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"prompt {index}: " + "; ".join(f"{t} {v.get('ratio_median')} {v.get('ratio_ci95')}"

@@ -69,7 +69,9 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
     import bench_quality as Q
 
-    assert (Q.fp_label("nexus-4bit-g32"), Q.storage("nexus-4bit-g32"), Q.fp_label("full-8bit")) == \
+    from veloxquant_mlx.evaluation import report_quant as RQ
+
+    assert (RQ.fp_label("nexus-4bit-g32"), RQ.storage("nexus-4bit-g32"), RQ.fp_label("full-8bit")) == \
         ("nexus", "4bit-g32", "full")
     stages = Q.plan(["full", "nexus"], "nestedkv", [0.1, 0.5], [0.1])
     assert stages[0]["methods"] == ["full", "full-8bit", "full-4bit", "nexus", "nexus-8bit", "nexus-4bit"]
@@ -83,8 +85,8 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     data = {"meta": {"model": "m"}, "cells": {str(i): c for i, c in enumerate(cells)}}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
-    outs, nbytes, _ = Q.index(str(path))
-    t = Q.table(outs, 0.2, ["full", "full-4bit", "nexus", "nexus-4bit"])
+    outs, nbytes, _ = RQ.index(str(path))
+    t = RQ.table(outs, 0.2, ["full", "full-4bit", "nexus", "nexus-4bit"])
     assert t["n_prompts"] == 6
     assert t["rows"]["nexus-4bit"]["correct"] == 2
     assert t["rows"]["nexus-4bit"]["vs_fp"] == {"label": "nexus", "only_fp": 4, "only_quant": 0, "p": 0.125}
@@ -92,11 +94,11 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     # A second file (a later group-size run on the same prompts) joins with a comma.
     g32 = {f"g{i}": _cell("nexus-4bit-g32", 0.2, i / 10, True, 48) for i in range(6)}
     (tmp_path / "g.json").write_text(json.dumps({"meta": {}, "cells": g32}))
-    both, _, _ = Q.index(f"{path},{tmp_path / 'g.json'}")
-    row = Q.table(both, 0.2, ["nexus", "nexus-4bit", "nexus-4bit-g32"])["rows"]["nexus-4bit-g32"]
+    both, _, _ = RQ.index(f"{path},{tmp_path / 'g.json'}")
+    row = RQ.table(both, 0.2, ["nexus", "nexus-4bit", "nexus-4bit-g32"])["rows"]["nexus-4bit-g32"]
     assert row["vs_g64"] == {"label": "nexus-4bit", "only_g64": 0, "only_this": 4, "p": 0.125}
     assert row["vs_fp"]["label"] == "nexus"
-    c = Q.curve(outs, nbytes, "nexus", ("", "-4bit"), ("full", "full-4bit"), [0.2])
+    c = RQ.curve(outs, nbytes, "nexus", ("", "-4bit"), ("full", "full-4bit"), [0.2])
     pts = {p["label"]: p for p in c["points"]}
     assert c["n_prompts"] == 6 and c["kvcache_bytes"] == 1000
     assert pts["nexus-4bit"]["kv_bytes"] == pytest.approx(42.5) and pts["full-4bit"]["kv_vs_kvcache"] == 0.16
@@ -138,11 +140,13 @@ def test_recall_summary_counts_every_turn_and_refuses_to_resume_another_setting(
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
     import bench_quality as Q
 
+    from veloxquant_mlx.evaluation import recall_followup as RF
+
     rows = [{"index": i, "cells": {
         "nexus": {"turns": _turns([True, False, True, False], [0, 1.0, 1.0, 2.0]), "resident_bytes_end": 10},
         "nexus-recall-disk": {"turns": _turns([True, True, i == 0, False], [0, 1.5, 1.2, 2.2]),
                               "resident_bytes_end": 12}}} for i in range(2)]
-    s = Q.summarize({"prompts": rows})
+    s = RF.summarize({"prompts": rows})
     assert s["nexus"]["turn_correct"] == [2, 0, 2, 0] and s["nexus"]["all_turns"] == 0
     rec = s["nexus-recall-disk"]
     assert rec["turn_correct"] == [2, 2, 1, 0]
@@ -156,19 +160,15 @@ def test_recall_summary_counts_every_turn_and_refuses_to_resume_another_setting(
 
 
 def test_recall_provenance_keeps_the_first_commit_and_marks_other_code_stale():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
-    import bench_quality as Q
+    from veloxquant_mlx.evaluation import recall_followup as RF
 
     a = {"commit": "aaa", "fingerprint": {"full": "f" * 12, "nexus": "n" * 12}}
     b = {"commit": "bbb", "fingerprint": {"full": "f" * 12, "nexus": "n" * 12}}
-    first = Q.stamp_recall_provenance(None, a)
+    first = RF.stamp_recall_provenance(None, a)
     assert first["commit"] == "aaa" and "first_commit" not in first and "stale_reason" not in first
-    later = Q.stamp_recall_provenance(first, b)  # a commit between prompts, the same method code
+    later = RF.stamp_recall_provenance(first, b)  # a commit between prompts, the same method code
     assert later["commit"] == "bbb" and later["first_commit"] == "aaa" and "stale_reason" not in later
-    assert Q.stamp_recall_provenance(later, b)["first_commit"] == "aaa"
-    moved = Q.stamp_recall_provenance(later, {"commit": "ccc", "fingerprint": {"full": "f" * 12, "nexus": "m" * 12}})
+    assert RF.stamp_recall_provenance(later, b)["first_commit"] == "aaa"
+    moved = RF.stamp_recall_provenance(later, {"commit": "ccc", "fingerprint": {"full": "f" * 12, "nexus": "m" * 12}})
     assert "nexus" in moved["stale_reason"] and moved["first_commit"] == "aaa"
 
