@@ -70,6 +70,24 @@ def decode(model, logits, caches, n):
     return (time.perf_counter() - t0) / n
 
 
+def attended_rows(caches) -> dict:
+    """Rows one decode step attends to, summed over layers and KV heads: ``attended`` (storage as wide as
+    each layer's widest head, padding included: what attention reads) and ``real`` (padding left out)."""
+    import numpy as np
+
+    from veloxquant_mlx.caches.storage import PAD_POSITION
+
+    attended = real = 0
+    for c in caches:
+        if getattr(c, "positions", None) is not None:  # an eviction cache: (B, H, rows) positions
+            pos = np.array(c.positions[..., :c.size()])
+            attended, real = attended + pos[0].size, real + int((pos[0] != PAD_POSITION).sum())
+        elif getattr(c, "keys", None) is not None:  # mlx-lm's caches: every stored row is real
+            n = c.keys.shape[1] * min(c.offset, c.keys.shape[2])
+            attended, real = attended + n, real + n
+    return {"attended": attended, "real": real}
+
+
 def needle_rank(scorers: list) -> int:
     """``--needle-rank``: does a scorer rank the passkey's tokens as KVzip+ itself does? Per haystack (1K,
     depth 0.02), the true KVzip+ scores of every row (kvzip normalize="plus", per layer: the fit's target)
@@ -142,7 +160,7 @@ def main(argv=None):
     out = Path(args.out)
     names = ["plain", "kvzap", "rotating"] + ([] if args.no_kvzip else ["kvzip"])
 
-    def summarize(n, budget, pre, dec, rounds):
+    def summarize(n, budget, pre, dec, rounds, widths):
         """The row of one context from the rounds so far, written at once: a run cut short keeps them."""
         med = {k: statistics.median(v) for k, v in pre.items()}
         row = {"context": n, "budget": budget, "rounds": rounds, "decode_tokens": args.decode,
@@ -151,7 +169,8 @@ def main(argv=None):
                "prefill_ratio_by_round": {k: [a / b for a, b in zip(pre[k], pre["plain"])] for k in pre if k != "plain"},
                # tokens per second kvzap / rotating: >= 1 means kvzap decodes at least as fast
                "decode_speed_vs_rotating": statistics.median(dec["rotating"]) / statistics.median(dec["kvzap"]),
-               "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])]}
+               "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])],
+               "attended_rows_after_decode": widths}
         done = [x for x in rows if x["context"] != n] + [row]
         rows[:] = done
         print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; kvzap decode speed / "
@@ -177,6 +196,7 @@ def main(argv=None):
 
         pre = {k: [] for k in names}
         dec = {k: [] for k in ("kvzap", "rotating")}
+        widths = {}
         prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)  # warm-up
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
@@ -185,9 +205,10 @@ def main(argv=None):
                 pre[name].append(s)
                 if name in dec:
                     dec[name].append(decode(model, logits, caches, args.decode))
+                    widths[name] = attended_rows(caches)
             print(f"{n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in pre.items()) + "; decode "
                   + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms/tok" for k, v in dec.items()), flush=True)
-            summarize(n, budget, pre, dec, r + 1)
+            summarize(n, budget, pre, dec, r + 1, widths)
     print(f"wrote {out}")
     return 0
 
