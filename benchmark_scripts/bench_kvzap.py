@@ -9,6 +9,12 @@ alternating between rounds; medians and per-round ratios are reported. OpenBLAS 
 unless ``--no-fast-blas``.
 
     python benchmark_scripts/bench_kvzap.py --contexts 2048 --rounds 3   # -> figures/kvzap/cost.json
+    python benchmark_scripts/bench_kvzap.py --model twin:twins/qwen --warmup full   # a GPU: random weights
+
+``--model twin:FOLDER`` times a random-weight twin (``python -m veloxquant_mlx.models.twin``): the model's
+shapes and tokenizer without its weights, for a machine the weights cannot reach. kvzap then runs the
+shipped scorer of the model the twin was made from (its identity rewritten to the twin's): the same
+matmuls on random hidden states, so the cost is the model's and the kept rows mean nothing.
     python benchmark_scripts/bench_kvzap.py --needle-rank                # the passkey's rank under the scorer
 """
 
@@ -34,6 +40,12 @@ def parse_args(argv=None):
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--no-kvzip", action="store_true", help="leave kvzip's prefill out (it is the slow one)")
     p.add_argument("--no-fast-blas", action="store_true")
+    p.add_argument("--model", default="bundled", help="bundled | gemma3-270m | qwen2.5-coder-1.5b | twin:FOLDER[:dtype]")
+    p.add_argument("--warmup", choices=("short", "full"), default="short",
+                   help="untimed run before the rounds: kvzap on 256 tokens (short), or every variant at each "
+                        "context (full: a GPU compiles kernels per shape)")
+    p.add_argument("--decode-methods", nargs="+", default=["kvzap"],
+                   help="labels whose decode is timed against the rotating cache (their prefill too)")
     p.add_argument("--needle-rank", action="store_true", help="instead: how each scorer's predictions track the "
                    "true KVzip+ scores on passkey prompts (1K, depth 0.02): Spearman, and the needle's keep share")
     p.add_argument("--scorer", nargs="*", default=[], help="--needle-rank: scorer files to compare (default: "
@@ -68,6 +80,28 @@ def decode(model, logits, caches, n):
         mx.async_eval(tok)
     mx.eval(tok)
     return (time.perf_counter() - t0) / n
+
+
+def twin_scorer(model, folder) -> None:
+    """kvzap on a random-weight twin: a copy of the shipped scorer fitted for the twin's source model (same
+    architecture and shapes), its identity rewritten to the twin's, in a folder that kvzap searches first."""
+    import tempfile
+
+    from veloxquant_mlx.methods.kvzap.cache import (SCORER_PATH_ENV, SHIPPED_DIR, load_scorer, model_identity,
+                                                    save_scorer)
+
+    ident = model_identity(model)
+    shape = {k: v for k, v in ident.items() if k != "weights_sha256"}
+    for f in sorted(SHIPPED_DIR.glob("*.safetensors")):
+        weights, meta, _ = load_scorer(f)
+        if {k: v for k, v in meta["identity"].items() if k != "weights_sha256"} == shape:
+            out = Path(tempfile.mkdtemp(prefix="twin-scorer-"))
+            save_scorer(out / f.name, weights, ident, meta["fit"], {**meta["provenance"], "twin_of": f.name},
+                        meta["quality"])
+            os.environ[SCORER_PATH_ENV] = str(out)
+            print(f"kvzap on the twin of {folder}: the shipped {f.name}, identity rewritten", flush=True)
+            return
+    print(f"no shipped kvzap scorer has the shapes of {folder}: kvzap will refuse", flush=True)
 
 
 def attended_rows(caches) -> dict:
@@ -154,11 +188,16 @@ def main(argv=None):
     from veloxquant_mlx.evaluation.retrieval import prose_text
     from veloxquant_mlx.evaluation.results import load_eval_model
 
-    model, tokenizer, desc = load_eval_model("bundled", quick=False)
+    model, tokenizer, desc = load_eval_model(args.model, quick=False)
+    if args.model.startswith("twin:"):
+        twin_scorer(model, args.model[len("twin:"):].partition(":")[0])
     all_tokens = list(tokenizer.encode(prose_text(seed=0)))
+    while len(all_tokens) < max(args.contexts):  # a twin's answers mean nothing: repeated prose is enough
+        all_tokens += all_tokens
     rows = []
     out = Path(args.out)
-    names = ["plain", "kvzap", "rotating"] + ([] if args.no_kvzip else ["kvzip"])
+    decoders = list(dict.fromkeys(args.decode_methods))
+    names = ["plain", *decoders, "rotating"] + ([] if args.no_kvzip else ["kvzip"])
 
     def summarize(n, budget, pre, dec, rounds, widths):
         """The row of one context from the rounds so far, written at once: a run cut short keeps them."""
@@ -167,17 +206,21 @@ def main(argv=None):
                "prefill_s": pre, "decode_s_per_token": dec,
                "prefill_ratio_vs_plain": {k: med[k] / med["plain"] for k in med if k != "plain"},
                "prefill_ratio_by_round": {k: [a / b for a, b in zip(pre[k], pre["plain"])] for k in pre if k != "plain"},
-               # tokens per second kvzap / rotating: >= 1 means kvzap decodes at least as fast
-               "decode_speed_vs_rotating": statistics.median(dec["rotating"]) / statistics.median(dec["kvzap"]),
-               "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])],
+               # tokens per second method / rotating: >= 1 means the method decodes at least as fast
+               **({"decode_speed_vs_rotating": statistics.median(dec["rotating"]) / statistics.median(dec["kvzap"]),
+                   "decode_speed_by_round": [b / a for a, b in zip(dec["kvzap"], dec["rotating"])]}
+                  if "kvzap" in dec else {}),
+               "decode_speed_vs_rotating_by_method": {
+                   k: statistics.median(dec["rotating"]) / statistics.median(v) for k, v in dec.items() if k != "rotating"},
                "attended_rows_after_decode": widths}
         done = [x for x in rows if x["context"] != n] + [row]
         rows[:] = done
-        print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; kvzap decode speed / "
-              f"rotating {row['decode_speed_vs_rotating']:.3f}", flush=True)
+        print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; decode speed / "
+              f"rotating {row['decode_speed_vs_rotating_by_method']}", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"experiment": "kvzap cost", "model": desc, "density": args.density,
-                                   "rows": rows, "provenance": {**provenance(command_line(), labels=["full", *(k for k in names if k in ("kvzap", "kvzip"))]),
+                                   "device": str(mx.default_device()), "warmup": args.warmup,
+                                   "rows": rows, "provenance": {**provenance(command_line(), labels=["full", *(k for k in names if k not in ("plain", "rotating"))]),
                                    "load_average_at_end": os.getloadavg(), "mlx": mx.__version__,
                                    **blas_info()}}, indent=1))
 
@@ -195,9 +238,17 @@ def main(argv=None):
             return KVCacheBuilder.for_model(model, KVCacheConfig(name, budget=budget), tokenizer=tokenizer)
 
         pre = {k: [] for k in names}
-        dec = {k: [] for k in ("kvzap", "rotating")}
+        dec = {k: [] for k in (*decoders, "rotating")}
         widths = {}
-        prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)  # warm-up
+        if args.warmup == "short":
+            prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)
+        else:
+            for name in names:
+                caches = build(name)
+                _, logits = prefill(model, tokens, caches, args.prefill_step_size)
+                if name in dec:
+                    decode(model, logits, caches, 4)
+                del caches
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 caches = build(name)

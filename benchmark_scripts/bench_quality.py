@@ -27,6 +27,8 @@ import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
 import _common
 from _common import FIGURES, preload_blas, provenance, run_subcommands
 from veloxquant_mlx.evaluation import recall_cost
@@ -359,10 +361,12 @@ def recall_cost_main(argv=None) -> int:
                             for t in args.tiers}}
     quiet_cache_warnings()
     model, tokenizer, desc = load_eval_model(args.model)
+    device = str(mx.default_device())
     setting = {"model": desc, "method": args.method, "length": args.length, "density": args.density,
                "tiers": list(tiers), "recall_bits": args.recall_bits, "rounds": args.rounds,
                "recall_page": 32, "recall_pages": 8, "task": "followup (2 facts), turn 2's input prefilled",
-               "blas": "OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)"}
+               "blas": ("OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)" if "cpu" in device
+                        else f"none: {device}")}
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
     if data.get("setting", setting) != setting:

@@ -404,3 +404,31 @@ def test_sentencepiece_style_vocab():
     enc = tok.encode("aé")  # é is not in the vocab -> UTF-8 byte fallback
     assert "<0xC3>" in enc.tokens and "<0xA9>" in enc.tokens
     assert tok.decode(enc.ids) == "aé"
+
+
+@pytest.mark.model
+def test_twin_keeps_shapes_and_tokenizer_not_weights(smollm2, tmp_path):
+    from veloxquant_mlx.evaluation.eval_model import load_eval_model
+    from veloxquant_mlx.models.twin import export_twin, load_twin
+    from mlx.utils import tree_flatten
+
+    folder = export_twin(smollm2.folder, tmp_path / "twin")
+    assert not list(folder.glob("*.safetensors"))  # no weights travel
+    twin, tok = load_twin(folder, "float32")
+    assert twin.args == smollm2.model.args
+    real = dict(tree_flatten(smollm2.model.parameters()))
+    fake = dict(tree_flatten(twin.parameters()))
+    assert {k: v.shape for k, v in fake.items()} == {k: v.shape for k, v in real.items()}
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not mx.allclose(fake[w], real[w]).item()
+    text = "The pass key is 67767."
+    assert tok.encode(text) == smollm2.tokenizer.encode(text)
+    assert load_twin(folder, "bfloat16")[0].model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+    _, _, desc = load_eval_model(f"twin:{folder}:float32")
+    assert "random-weight twin" in desc and "answers mean nothing" in desc
+    with pytest.raises(FileNotFoundError, match="not a twin folder"):
+        load_twin(smollm2.folder)
+    with pytest.raises(ValueError, match="twin dtype"):
+        load_twin(folder, "int8")
+    with pytest.raises(FileNotFoundError, match="not a converted model folder"):
+        export_twin(tmp_path, tmp_path / "other")

@@ -46,13 +46,20 @@ def load_eval_model(spec: str = "bundled", quick: bool = False):
 
         set_pass_tokenizer(m, t)
         return m, t, "tiny random llama (2 layers, d=64, byte tokenizer) -- harness check only"
-    from ..models import load_model
-
     from ..model_pass import set_pass_tokenizer
+    from ..models import load_model
+    from ..models.twin import load_twin
 
-    m, t = load_model(None if spec in (None, "bundled") else spec)
+    if spec and spec.startswith("twin:"):  # twin:FOLDER[:dtype], random weights: costs only
+        folder, _, dtype = spec[len("twin:"):].partition(":")
+        m, t = load_twin(folder, dtype or "bfloat16")
+        desc = (f"random-weight twin of {folder} ({dtype or 'bfloat16'}): the architecture and tokenizer, "
+                "no trained weights -- timings only, answers mean nothing")
+    else:
+        m, t = load_model(None if spec in (None, "bundled") else spec)
+        desc = _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
     set_pass_tokenizer(m, t)  # kvzip's repeat prompt, for caches built later by make_caches
-    return m, t, _MODEL_DESCRIPTIONS.get(spec or "bundled", str(spec))
+    return m, t, desc
 
 
 def eos_ids(tokenizer) -> tuple:

@@ -21,6 +21,7 @@ import ast
 import datetime as _dt
 import hashlib
 import json
+import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -218,7 +219,10 @@ def key_of(label: str, regime: str = "end", options: dict | None = None) -> str:
 
 
 def commit() -> str:
-    """HEAD of this checkout, with ``-dirty`` when tracked files differ from it (``unknown`` outside git)."""
+    """HEAD of this checkout, with ``-dirty`` when tracked files differ from it (``unknown`` outside git).
+    ``$VELOXQUANT_COMMIT`` names it for a copy of the tree without its git folder (a lent GPU's)."""
+    if os.environ.get("VELOXQUANT_COMMIT"):
+        return os.environ["VELOXQUANT_COMMIT"] + " (named by VELOXQUANT_COMMIT: a copy of the tree without git)"
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=_REPO, capture_output=True,
                               text=True, check=True).stdout.strip()

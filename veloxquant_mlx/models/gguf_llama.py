@@ -279,6 +279,24 @@ def load_qwen_coder_1_5b(
     return _load_assembled(gguf_qwen2.find_qwen_coder_gguf, cache_dir, dtype)
 
 
+def converted_folder(spec: Optional[Union[str, os.PathLike]] = None, dtype: Union[str, mx.Dtype] = "float32",
+                     cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """The converted mlx-lm folder of a bundled, named or ``.gguf`` model (converting it once if needed)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    alias = spec.strip().lower() if isinstance(spec, str) else None
+    if spec is None or alias in _BUNDLED_ALIASES:
+        path = find_bundled_gguf()
+    elif alias in gguf_gemma3.GEMMA3_270M_ALIASES:
+        path = gguf_gemma3.find_gemma3_270m_gguf(root)
+    elif alias in gguf_qwen2.QWEN_CODER_ALIASES:
+        path = gguf_qwen2.find_qwen_coder_gguf(root)
+    elif str(spec).lower().endswith(".gguf"):
+        path = Path(spec).expanduser()
+    else:
+        raise ValueError(f"{spec!r} is not a bundled, named or .gguf model")
+    return _ensure_converted(path.resolve(), root, _normalize_dtype(dtype)[0])
+
+
 def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
     """Load ``(model, tokenizer)`` from a flexible spec.
 
@@ -292,6 +310,7 @@ def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
     * anything else (model folder, Hugging Face repo id) -> :func:`mlx_lm.load`
       with ``kwargs`` forwarded.
     """
+
     alias = spec.strip().lower() if isinstance(spec, str) else None
     if spec is None or alias in _BUNDLED_ALIASES:
         return load_gguf_model(None, **kwargs)
