@@ -68,17 +68,28 @@ def prefill(model, tokens, caches, step):
     return time.perf_counter() - t0, logits
 
 
-def decode(model, logits, caches, n):
+HOST_BUILD = {}  # label -> [seconds per token spent building and scheduling graphs, per round]
+
+
+def decode(model, logits, caches, n, label=None):
+    """Seconds per token of ``n`` greedy steps, pipelined as mlx_lm.generate does (async_eval). With a
+    ``label``, also records the host's share: the time in the model call and async_eval, which on a GPU
+    bounds a step when the kernels are shorter than building them (HOST_BUILD)."""
     import mlx.core as mx
 
     tok = mx.argmax(logits[:, -1:], axis=-1)
     mx.eval(tok)
+    build = 0.0
     t0 = time.perf_counter()
     for _ in range(n):
+        t = time.perf_counter()
         logits = model(tok, cache=caches)
         tok = mx.argmax(logits[:, -1:], axis=-1)
         mx.async_eval(tok)
+        build += time.perf_counter() - t
     mx.eval(tok)
+    if label is not None:
+        HOST_BUILD.setdefault(label, []).append(build / n)
     return (time.perf_counter() - t0) / n
 
 
@@ -181,7 +192,7 @@ def main(argv=None):
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.evaluation.labels import make_caches, method_specs
     from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.config import budget_for
     from veloxquant_mlx.evaluation.provenance import command_line, provenance
@@ -212,7 +223,8 @@ def main(argv=None):
                   if "kvzap" in dec else {}),
                "decode_speed_vs_rotating_by_method": {
                    k: statistics.median(dec["rotating"]) / statistics.median(v) for k, v in dec.items() if k != "rotating"},
-               "attended_rows_after_decode": widths}
+               "attended_rows_after_decode": widths,
+               "host_build_s_per_token": {k: list(v) for k, v in HOST_BUILD.items()}}
         done = [x for x in rows if x["context"] != n] + [row]
         rows[:] = done
         print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; decode speed / "
@@ -235,10 +247,11 @@ def main(argv=None):
             if name == "rotating":
                 return [RotatingKVCache(max_size=budget, keep=4) if type(c) is KVCache else c
                         for c in make_prompt_cache(model)]
-            return KVCacheBuilder.for_model(model, KVCacheConfig(name, budget=budget), tokenizer=tokenizer)
+            return make_caches(model, method_specs([name])[0], budget)  # a label or a spec
 
         pre = {k: [] for k in names}
         dec = {k: [] for k in (*decoders, "rotating")}
+        HOST_BUILD.clear()
         widths = {}
         if args.warmup == "short":
             prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)
@@ -255,7 +268,7 @@ def main(argv=None):
                 s, logits = prefill(model, tokens, caches, args.prefill_step_size)
                 pre[name].append(s)
                 if name in dec:
-                    dec[name].append(decode(model, logits, caches, args.decode))
+                    dec[name].append(decode(model, logits, caches, args.decode, label=name))
                     widths[name] = attended_rows(caches)
             print(f"{n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in pre.items()) + "; decode "
                   + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms/tok" for k, v in dec.items()), flush=True)
