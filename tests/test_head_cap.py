@@ -83,3 +83,52 @@ def test_factor_validation():
         KVCacheConfig("nestedkv", budget=64, max_head_factor=0.5)
     assert KVCacheConfig("nestedkv", budget=100).head_cap_rows(100) == 110
     assert KVCacheConfig("nestedkv", budget=100, max_head_factor=None).head_cap_rows(100) is None
+
+
+@pytest.mark.parametrize("spec, budget", [("nexus:allocation=ada", 120), ("kvzap", 40), ("nestedkv", 40),
+                                          ("snapkv:allocation=ada,kv_bits=8,kv_group_size=32", 40)])
+def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, budget, monkeypatch):
+    """A ragged decode step's mask is built once per positions buffer and sliced after that
+    (``EvictionCache.decode_mask``): at every step, decode evictions included, it equals the mask built
+    from the step's fetched positions (``ragged_mask``), so the tokens are those of the fresh mask."""
+    from conftest import greedy, make_tiny_model, random_prompt
+    from veloxquant_mlx import KVCacheBuilder
+    from veloxquant_mlx.caches.base import EvictionCache
+
+    model = make_tiny_model(hidden_size=128)  # head_dim 32: whole groups of 32 for the 8-bit rows
+    config = KVCacheConfig.parse(spec, budget=budget)
+    checked = {"steps": 0, "ragged": 0, "builds": 0, "evictions": 0}
+    reused = EvictionCache.attention_mask
+    build = EvictionCache.decode_mask
+
+    def counted_build(self, store, rows, queries):
+        if self._decode_mask is None or self._decode_mask[0] is not store:
+            checked["builds"] += 1
+        return build(self, store, rows, queries)
+
+    def both(self, mask, queries):
+        out = reused(self, mask, queries)
+        if queries.shape[2] == 1 and self.fetched_ragged:
+            fresh = self.ragged_mask(self.fetched_positions, mx.arange(self.offset - 1, self.offset), queries)
+            assert out.shape == fresh.shape and bool(mx.array_equal(out, fresh)), (self.layer_idx, self.offset)
+            checked["ragged"] += 1
+        checked["steps"] += 1
+        return out
+
+    monkeypatch.setattr(EvictionCache, "decode_mask", counted_build)
+    monkeypatch.setattr(EvictionCache, "attention_mask", both)
+    prompt = random_prompt(3 * budget, seed=3)
+    toks, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
+    assert checked["ragged"] >= 60 * len(model.layers)  # the prompt's end makes every layer ragged
+    assert checked["builds"] < checked["ragged"] / 4  # built per buffer, not per step
+    if not config.cache_class.prefill_only:  # decode evictions gave new buffers, and new masks
+        assert checked["builds"] > len(model.layers)
+
+    def fresh_only(self, mask, queries):  # the mask built per step, as before decode_mask
+        if queries.shape[2] == 1 and self.fetched_ragged:
+            return self.ragged_mask(self.fetched_positions, mx.arange(self.offset - 1, self.offset), queries)
+        return reused(self, mask, queries)
+
+    monkeypatch.setattr(EvictionCache, "attention_mask", fresh_only)
+    again, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
+    assert toks == again

@@ -96,6 +96,10 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
         self._fetched_positions = None
         self._fetched_ragged = False
+        self._fetched_store = None  # the positions buffer those rows were sliced from (None: given rows)
+        # Ragged decode: (positions buffer, group, per-KV-head?, mask over its capacity), reused while the
+        # buffer is the same object: between evictions a decode step only appends real rows (see decode_mask)
+        self._decode_mask = None
         self.attend = OnePass()  # the tap's one-pass attention: an output a scoring pass hands back
         self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
@@ -250,6 +254,7 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         ``positions`` when the step attends to more (rows it will not store)."""
         self._fetched_positions = self.positions[:, :, :self._rows] if positions is None else positions
         self._fetched_ragged = self.is_ragged
+        self._fetched_store = self.positions if positions is None else None
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
@@ -333,7 +338,29 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         rows, n_queries = pos.shape[-1], queries.shape[2]
         if not ragged:
             return create_causal_mask(n_queries, offset=rows - n_queries)
+        if n_queries == 1 and self._fetched_store is not None:
+            return self.decode_mask(self._fetched_store, rows, queries)
         return self.ragged_mask(pos, mx.arange(self.offset - n_queries, self.offset), queries)
+
+    def decode_mask(self, store: mx.array, rows: int, queries: mx.array) -> mx.array:
+        """A decode step's ragged mask: ``ragged_mask`` for one query over the first ``rows`` rows of the
+        positions buffer ``store``, built once per buffer and sliced after that.
+
+        An eviction, a growth, a recall or a load gives ``positions`` a new buffer; between them a decode
+        step only writes real rows after the stored ones (``_append``), and a single query sees every real
+        row. So the mask is the padding of the rows stored when it was built, then all visible: nothing to
+        recompute per token (a GPU decode step is bound by the operations the host builds; docs/gpu.md)."""
+        group = queries.shape[1] // store.shape[1]
+        per_kv_head = group == 1 or self.kv_bits is not None
+        cached = self._decode_mask
+        if cached is None or cached[0] is not store or cached[1:3] != (group, per_kv_head):
+            real = store[..., :rows] != PAD_POSITION  # rows after these are appended, all real
+            extra = mx.ones((*real.shape[:2], store.shape[-1] - rows), mx.bool_)
+            visible = mx.concatenate([real, extra], axis=-1)
+            visible = mx.expand_dims(visible, 2)  # (B, H_kv, 1, capacity)
+            cached = (store, group, per_kv_head, visible if per_kv_head else mx.repeat(visible, group, axis=1))
+            self._decode_mask = cached
+        return cached[3][..., :rows]
 
     def ragged_mask(self, pos: mx.array, q_pos: mx.array, queries: mx.array) -> mx.array:
         """Per-head mask: row positions ``pos`` (B, H_kv, rows) visible to query positions ``q_pos``."""
