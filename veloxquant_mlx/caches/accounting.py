@@ -20,8 +20,6 @@ class Accounting:
         if self.keys is None:
             return 0
         held = [self.positions, *self.row_extras.values(), self._window_q, *self.extra_state().values()]
-        if self._decode_mask is not None:  # ragged decode's reused mask, and the buffer it was built for
-            held += [self._decode_mask[3]] + ([self._decode_mask[0]] if self._decode_mask[0] is not self.positions else [])
         cold = 0 if self.cold is None else self.cold.resident_bytes + self.cold.summary_bytes
         return (buf_nbytes(self.keys) + buf_nbytes(self.values)
                 + sum(a.nbytes for a in held if isinstance(a, mx.array)) + cold)

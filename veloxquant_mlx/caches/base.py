@@ -349,7 +349,9 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         An eviction, a growth, a recall or a load gives ``positions`` a new buffer; between them a decode
         step only writes real rows after the stored ones (``_append``), and a single query sees every real
         row. So the mask is the padding of the rows stored when it was built, then all visible: nothing to
-        recompute per token (a GPU decode step is bound by the operations the host builds; docs/gpu.md)."""
+        recompute per token (a GPU decode step is bound by the operations the host builds; docs/gpu.md).
+        The mask (B x H_q x capacity booleans, about 1 % of the layer's K/V bytes) is attention scratch, like
+        the per-step mask it replaces: it is not in ``nbytes``, which counts the stored rows and their state."""
         group = queries.shape[1] // store.shape[1]
         per_kv_head = group == 1 or self.kv_bits is not None
         cached = self._decode_mask
