@@ -310,7 +310,6 @@ def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
     * anything else (model folder, Hugging Face repo id) -> :func:`mlx_lm.load`
       with ``kwargs`` forwarded.
     """
-
     alias = spec.strip().lower() if isinstance(spec, str) else None
     if spec is None or alias in _BUNDLED_ALIASES:
         return load_gguf_model(None, **kwargs)
