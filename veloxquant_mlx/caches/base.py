@@ -163,6 +163,10 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         """Per-row state to keep aligned with the rows: name -> fill value for new rows."""
         return {}
 
+    # Row fields the method's own ``_append`` writes for every new row: the storage skips their fill write
+    # in an existing buffer (one operation per layer and decode step fewer; new buffers are still filled).
+    rows_written_on_append: tuple = ()
+
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
         if self.query_window:

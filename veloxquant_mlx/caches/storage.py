@@ -131,7 +131,8 @@ class RowStorage:
             self.positions[:, :, prev:need] = (self.offset if S == 1 else
                                                mx.arange(self.offset, self.offset + S, dtype=mx.int32))
             for name, fill in fields.items():
-                self.row_extras[name][:, :, prev:need] = fill
+                if name not in self.rows_written_on_append:
+                    self.row_extras[name][:, :, prev:need] = fill
         self._rows = need
         self.offset += S
 

@@ -217,6 +217,8 @@ class KVzapCache(EvictionCache):
     def extra_row_fields(self):
         return {"zap_score": 0.0}
 
+    rows_written_on_append = ("zap_score",)  # _append scores every new row
+
     def scores(self):
         return self.stored("zap_score")
 
