@@ -10,12 +10,12 @@ unless ``--no-fast-blas``.
 
     python benchmark_scripts/bench_kvzap.py --contexts 2048 --rounds 3   # -> figures/kvzap/cost.json
     python benchmark_scripts/bench_kvzap.py --model twin:twins/qwen --warmup full   # a GPU: random weights
+    python benchmark_scripts/bench_kvzap.py --needle-rank                # the passkey's rank under the scorer
 
 ``--model twin:FOLDER`` times a random-weight twin (``python -m veloxquant_mlx.models.twin``): the model's
 shapes and tokenizer without its weights, for a machine the weights cannot reach. kvzap then runs the
 shipped scorer of the model the twin was made from (its identity rewritten to the twin's): the same
 matmuls on random hidden states, so the cost is the model's and the kept rows mean nothing.
-    python benchmark_scripts/bench_kvzap.py --needle-rank                # the passkey's rank under the scorer
 """
 
 from __future__ import annotations
@@ -68,13 +68,10 @@ def prefill(model, tokens, caches, step):
     return time.perf_counter() - t0, logits
 
 
-HOST_BUILD = {}  # label -> [seconds per token spent building and scheduling graphs, per round]
-
-
-def decode(model, logits, caches, n, label=None):
-    """Seconds per token of ``n`` greedy steps, pipelined as mlx_lm.generate does (async_eval). With a
-    ``label``, also records the host's share: the time in the model call and async_eval, which on a GPU
-    bounds a step when the kernels are shorter than building them (HOST_BUILD)."""
+def decode(model, logits, caches, n):
+    """(seconds per token, host seconds per token) of ``n`` greedy steps, pipelined as mlx_lm.generate does
+    (async_eval). The host's share is the time in the model call and async_eval, which on a GPU bounds a
+    step when the kernels are shorter than building them."""
     import mlx.core as mx
 
     tok = mx.argmax(logits[:, -1:], axis=-1)
@@ -88,12 +85,10 @@ def decode(model, logits, caches, n, label=None):
         mx.async_eval(tok)
         build += time.perf_counter() - t
     mx.eval(tok)
-    if label is not None:
-        HOST_BUILD.setdefault(label, []).append(build / n)
-    return (time.perf_counter() - t0) / n
+    return (time.perf_counter() - t0) / n, build / n
 
 
-def twin_scorer(model, folder) -> None:
+def twin_scorer(model) -> None:
     """kvzap on a random-weight twin: a copy of the shipped scorer fitted for the twin's source model (same
     architecture and shapes), its identity rewritten to the twin's, in a folder that kvzap searches first."""
     import tempfile
@@ -110,9 +105,9 @@ def twin_scorer(model, folder) -> None:
             save_scorer(out / f.name, weights, ident, meta["fit"], {**meta["provenance"], "twin_of": f.name},
                         meta["quality"])
             os.environ[SCORER_PATH_ENV] = str(out)
-            print(f"kvzap on the twin of {folder}: the shipped {f.name}, identity rewritten", flush=True)
+            print(f"kvzap on the twin: the shipped {f.name}, identity rewritten", flush=True)
             return
-    print(f"no shipped kvzap scorer has the shapes of {folder}: kvzap will refuse", flush=True)
+    print("no shipped kvzap scorer has the twin's shapes: kvzap will refuse", flush=True)
 
 
 def attended_rows(caches) -> dict:
@@ -201,7 +196,7 @@ def main(argv=None):
 
     model, tokenizer, desc = load_eval_model(args.model, quick=False)
     if args.model.startswith("twin:"):
-        twin_scorer(model, args.model[len("twin:"):].partition(":")[0])
+        twin_scorer(model)
     all_tokens = list(tokenizer.encode(prose_text(seed=0)))
     while len(all_tokens) < max(args.contexts):  # a twin's answers mean nothing: repeated prose is enough
         all_tokens += all_tokens
@@ -210,7 +205,7 @@ def main(argv=None):
     decoders = list(dict.fromkeys(args.decode_methods))
     names = ["plain", *decoders, "rotating"] + ([] if args.no_kvzip else ["kvzip"])
 
-    def summarize(n, budget, pre, dec, rounds, widths):
+    def summarize(n, budget, pre, dec, host, rounds, widths):
         """The row of one context from the rounds so far, written at once: a run cut short keeps them."""
         med = {k: statistics.median(v) for k, v in pre.items()}
         row = {"context": n, "budget": budget, "rounds": rounds, "decode_tokens": args.decode,
@@ -224,7 +219,7 @@ def main(argv=None):
                "decode_speed_vs_rotating_by_method": {
                    k: statistics.median(dec["rotating"]) / statistics.median(v) for k, v in dec.items() if k != "rotating"},
                "attended_rows_after_decode": widths,
-               "host_build_s_per_token": {k: list(v) for k, v in HOST_BUILD.items()}}
+               "host_build_s_per_token": host}
         done = [x for x in rows if x["context"] != n] + [row]
         rows[:] = done
         print(f"{n} after {rounds} round(s): prefill / plain {row['prefill_ratio_vs_plain']}; decode speed / "
@@ -251,7 +246,7 @@ def main(argv=None):
 
         pre = {k: [] for k in names}
         dec = {k: [] for k in (*decoders, "rotating")}
-        HOST_BUILD.clear()
+        host = {k: [] for k in dec}
         widths = {}
         if args.warmup == "short":
             prefill(model, tokens[:256], build("kvzap"), args.prefill_step_size)
@@ -268,11 +263,13 @@ def main(argv=None):
                 s, logits = prefill(model, tokens, caches, args.prefill_step_size)
                 pre[name].append(s)
                 if name in dec:
-                    dec[name].append(decode(model, logits, caches, args.decode, label=name))
+                    per_token, host_per_token = decode(model, logits, caches, args.decode)
+                    dec[name].append(per_token)
+                    host[name].append(host_per_token)
                     widths[name] = attended_rows(caches)
             print(f"{n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in pre.items()) + "; decode "
                   + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms/tok" for k, v in dec.items()), flush=True)
-            summarize(n, budget, pre, dec, r + 1, widths)
+            summarize(n, budget, pre, dec, host, r + 1, widths)
     print(f"wrote {out}")
     return 0
 

@@ -240,16 +240,22 @@ def load_gguf_model(
     import mlx_lm
 
     path = Path(gguf_path).expanduser() if gguf_path is not None else find_bundled_gguf()
+    return mlx_lm.load(str(_converted(path, _cache_root(cache_dir), dtype)))
+
+
+def _cache_root(cache_dir) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def _converted(path: Path, root: Path, dtype) -> Path:
+    """The converted folder of the GGUF file ``path`` under ``root`` (converting it once if needed)."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    dtype_name, _ = _normalize_dtype(dtype)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    folder = _ensure_converted(path.resolve(), root, dtype_name)
-    return mlx_lm.load(str(folder))
+    return _ensure_converted(path.resolve(), root, _normalize_dtype(dtype)[0])
 
 
 def _load_assembled(find, cache_dir, dtype):
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = _cache_root(cache_dir)
     return load_gguf_model(find(root), cache_dir=root, dtype=dtype)
 
 
@@ -279,22 +285,28 @@ def load_qwen_coder_1_5b(
     return _load_assembled(gguf_qwen2.find_qwen_coder_gguf, cache_dir, dtype)
 
 
+def _gguf_source(spec, root: Path) -> Optional[Path]:
+    """The GGUF file behind a bundled, named or ``.gguf`` spec (None for anything else)."""
+    alias = spec.strip().lower() if isinstance(spec, str) else None
+    if spec is None or alias in _BUNDLED_ALIASES:
+        return find_bundled_gguf()
+    if alias in gguf_gemma3.GEMMA3_270M_ALIASES:
+        return gguf_gemma3.find_gemma3_270m_gguf(root)
+    if alias in gguf_qwen2.QWEN_CODER_ALIASES:
+        return gguf_qwen2.find_qwen_coder_gguf(root)
+    if str(spec).lower().endswith(".gguf"):
+        return Path(spec).expanduser()
+    return None
+
+
 def converted_folder(spec: Optional[Union[str, os.PathLike]] = None, dtype: Union[str, mx.Dtype] = "float32",
                      cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """The converted mlx-lm folder of a bundled, named or ``.gguf`` model (converting it once if needed)."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    alias = spec.strip().lower() if isinstance(spec, str) else None
-    if spec is None or alias in _BUNDLED_ALIASES:
-        path = find_bundled_gguf()
-    elif alias in gguf_gemma3.GEMMA3_270M_ALIASES:
-        path = gguf_gemma3.find_gemma3_270m_gguf(root)
-    elif alias in gguf_qwen2.QWEN_CODER_ALIASES:
-        path = gguf_qwen2.find_qwen_coder_gguf(root)
-    elif str(spec).lower().endswith(".gguf"):
-        path = Path(spec).expanduser()
-    else:
+    root = _cache_root(cache_dir)
+    path = _gguf_source(spec, root)
+    if path is None:
         raise ValueError(f"{spec!r} is not a bundled, named or .gguf model")
-    return _ensure_converted(path.resolve(), root, _normalize_dtype(dtype)[0])
+    return _converted(path, root, dtype)
 
 
 def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
@@ -310,15 +322,9 @@ def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
     * anything else (model folder, Hugging Face repo id) -> :func:`mlx_lm.load`
       with ``kwargs`` forwarded.
     """
-    alias = spec.strip().lower() if isinstance(spec, str) else None
-    if spec is None or alias in _BUNDLED_ALIASES:
-        return load_gguf_model(None, **kwargs)
-    if alias in gguf_gemma3.GEMMA3_270M_ALIASES:
-        return load_gemma3_270m(**kwargs)
-    if alias in gguf_qwen2.QWEN_CODER_ALIASES:
-        return load_qwen_coder_1_5b(**kwargs)
-    if str(spec).lower().endswith(".gguf"):
-        return load_gguf_model(spec, **kwargs)
+    path = _gguf_source(spec, _cache_root(kwargs.get("cache_dir")))
+    if path is not None:
+        return load_gguf_model(path, **kwargs)
     import mlx_lm
 
     return mlx_lm.load(str(spec), **kwargs)
