@@ -353,18 +353,23 @@ def recall_cost_main(argv=None) -> int:
     p.add_argument("--method", default="nexus")
     p.add_argument("--tiers", nargs="+", default=["memory", "disk"], choices=["memory", "disk"])
     p.add_argument("--recall-bits", type=int, default=4)
+    p.add_argument("--recall-pages", type=int, nargs="+", default=[8],
+                   help="pages read back per KV head; several values: one tier each ('memory-p2')")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--out", default=str(FIGURES / "recall" / "turn_cost_smollm2_8k.json"))
     args = p.parse_args(argv)
     spec = method_specs([args.method])[0]  # an unknown label fails here, before any prefill
-    tiers = {"none": {}, **{t: {"recall": t, **({"recall_bits": args.recall_bits} if t == "memory" else {})}
-                            for t in args.tiers}}
+    pages = list(dict.fromkeys(args.recall_pages))
+    try:
+        tiers = recall_cost.cost_tiers(args.tiers, pages, args.recall_bits)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     quiet_cache_warnings()
     model, tokenizer, desc = load_eval_model(args.model)
     device = str(mx.default_device())
     setting = {"model": desc, "method": args.method, "length": args.length, "density": args.density,
                "tiers": list(tiers), "recall_bits": args.recall_bits, "rounds": args.rounds,
-               "recall_page": 32, "recall_pages": 8, "task": "followup (2 facts), turn 2's input prefilled",
+               "recall_page": 32, "recall_pages": pages[0] if len(pages) == 1 else pages, "task": "followup (2 facts), turn 2's input prefilled",
                "blas": ("OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)" if "cpu" in device
                         else f"none: {device}")}
     out = Path(args.out)

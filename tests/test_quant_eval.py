@@ -172,3 +172,18 @@ def test_recall_provenance_keeps_the_first_commit_and_marks_other_code_stale():
     moved = RF.stamp_recall_provenance(later, {"commit": "ccc", "fingerprint": {"full": "f" * 12, "nexus": "m" * 12}})
     assert "nexus" in moved["stale_reason"] and moved["first_commit"] == "aaa"
 
+
+
+def test_recall_cost_tiers_name_each_page_count_and_refuse_none():
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.evaluation.recall_cost import cost_tiers
+
+    one = cost_tiers(["memory", "disk"], [8], 4)
+    assert list(one) == ["none", "memory", "disk"]  # one page count: the tiers keep their names
+    assert one["memory"] == {"recall": "memory", "recall_pages": 8, "recall_bits": 4}
+    assert one["disk"] == {"recall": "disk", "recall_pages": 8}
+    many = cost_tiers(["memory"], [1, 8], 2)
+    assert list(many) == ["none", "memory-p1", "memory-p8"]
+    assert KVCacheConfig(method="nexus", budget=256, **many["memory-p1"]).recall_pages == 1
+    with pytest.raises(ValueError, match=">= 1"):
+        cost_tiers(["memory"], [0, 8], 4)

@@ -28,6 +28,19 @@ from .task_run import PREFILL_STEP, greedy_until
 from .tasks import build
 
 
+def cost_tiers(tiers, pages, bits: int) -> dict:
+    """{name: KVCacheConfig recall fields} of the timed tiers: ``none``, then each tier of ``tiers``
+    ("memory" / "disk") reading back each count of ``pages`` (named ``memory-p2`` when several)."""
+    if not pages or min(pages) < 1:
+        raise ValueError(f"pages read back per recall must be >= 1, got {list(pages)}")
+    out = {"none": {}}
+    for t in tiers:
+        for n in pages:
+            out[t if len(pages) == 1 else f"{t}-p{n}"] = {
+                "recall": t, "recall_pages": n, **({"recall_bits": bits} if t == "memory" else {})}
+    return out
+
+
 def after_turn_one(model, tokenizer, spec, tiers: dict, length: int, density: float, index: int, eos_ids=()):
     """{tier: (caches after turn 1, turn 2's input ids)} for one follow-up prompt, and the prompt's
     facts ({"prompt_tokens", "budget", "prefill_s", "turn1": {tier: reply}})."""
