@@ -369,7 +369,8 @@ def recall_cost_main(argv=None) -> int:
     device = str(mx.default_device())
     setting = {"model": desc, "method": args.method, "length": args.length, "density": args.density,
                "tiers": list(tiers), "recall_bits": args.recall_bits, "rounds": args.rounds,
-               "recall_page": 32, "recall_pages": pages[0] if len(pages) == 1 else pages, "task": "followup (2 facts), turn 2's input prefilled",
+               "recall_page": 32, "recall_pages": pages[0] if len(pages) == 1 else pages,
+               "task": "followup (2 facts), turn 2's input prefilled",
                "blas": ("OpenBLAS preloaded (python -m veloxquant_mlx.platform.blas)" if "cpu" in device
                         else f"none: {device}")}
     out = Path(args.out)

@@ -173,15 +173,14 @@ def test_recall_provenance_keeps_the_first_commit_and_marks_other_code_stale():
     assert "nexus" in moved["stale_reason"] and moved["first_commit"] == "aaa"
 
 
-
 def test_recall_cost_tiers_name_each_page_count_and_refuse_none():
     from veloxquant_mlx.config import KVCacheConfig
     from veloxquant_mlx.evaluation.recall_cost import cost_tiers
 
     one = cost_tiers(["memory", "disk"], [8], 4)
     assert list(one) == ["none", "memory", "disk"]  # one page count: the tiers keep their names
-    assert one["memory"] == {"recall": "memory", "recall_pages": 8, "recall_bits": 4}
-    assert one["disk"] == {"recall": "disk", "recall_pages": 8}
+    assert one["memory"] == {"recall": "memory", "recall_pages": 8, "recall_bits": 4, "recall_page": 32}
+    assert one["disk"] == {"recall": "disk", "recall_pages": 8, "recall_bits": 4, "recall_page": 32}
     many = cost_tiers(["memory"], [1, 8], 2)
     assert list(many) == ["none", "memory-p1", "memory-p8"]
     assert KVCacheConfig(method="nexus", budget=256, **many["memory-p1"]).recall_pages == 1

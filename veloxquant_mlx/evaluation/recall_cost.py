@@ -23,12 +23,13 @@ from ..builder import KVCacheBuilder
 from ..config import budget_for
 from ..decode import eval_state, last_prompt_step, prefill
 from .fanout import shared_pass
+from .recall_followup import recall_options
 from .task_prompts import continuation, reply_text
 from .task_run import PREFILL_STEP, greedy_until
 from .tasks import build
 
 
-def cost_tiers(tiers, pages, bits: int) -> dict:
+def cost_tiers(tiers, pages, bits: int, page: int = 32) -> dict:
     """{name: KVCacheConfig recall fields} of the timed tiers: ``none``, then each tier of ``tiers``
     ("memory" / "disk") reading back each count of ``pages`` (named ``memory-p2`` when several)."""
     if not pages or min(pages) < 1:
@@ -36,8 +37,7 @@ def cost_tiers(tiers, pages, bits: int) -> dict:
     out = {"none": {}}
     for t in tiers:
         for n in pages:
-            out[t if len(pages) == 1 else f"{t}-p{n}"] = {
-                "recall": t, "recall_pages": n, **({"recall_bits": bits} if t == "memory" else {})}
+            out[t if len(pages) == 1 else f"{t}-p{n}"] = recall_options(t, bits, page, n)
     return out
 
 
