@@ -13,7 +13,7 @@ import pytest
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
 from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.caches.recall import COLD_GROUP
-from veloxquant_mlx.ops.recall import quest_bounds
+from veloxquant_mlx.ops.recall import PAD, page_summaries, quest_bounds
 
 from conftest import forbid_host_sync, greedy, make_cache, make_tiny_model, random_prompt, small_config
 
@@ -208,6 +208,24 @@ def test_quest_bound_is_an_upper_bound():
     exact = exact.reshape(1, 2, 5, -1).max(-1)
     assert np.all(bound >= exact - 1e-5) and np.all(bound < exact + 50)
 
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_a_page_of_padding_only_is_never_bounded_above_a_real_page(dtype):
+    """Summaries of a page with no real row are +inf / -inf: its bound is -inf, and its infinities
+    leave every other page's bound finite and exact (the same as without that page)."""
+    rng = np.random.default_rng(2)
+    keys = mx.array(rng.normal(size=(1, 2, 4 * 8, D)).astype(np.float32)).astype(dtype)  # 4 pages of 8 rows
+    pos = np.tile(np.arange(32, dtype=np.int32), (1, 2, 1))
+    pos[0, 1, 8:16] = PAD  # head 1: page 1 padding only
+    pos[0, 0, 20:24] = PAD  # head 0: page 2 half padding
+    lo, hi = page_summaries(keys, mx.array(pos), 8)
+    q = mx.array(rng.normal(size=(1, 4, 3, D)).astype(np.float32))
+    bound = np.array(quest_bounds(q, lo, hi))
+    assert bound[0, 1, 1] == -np.inf and np.isfinite(np.delete(bound[0, 1], 1)).all() and np.isfinite(bound[0, 0]).all()
+    keep = [0, 2, 3]
+    alone = np.array(quest_bounds(q, lo[:, :, keep], hi[:, :, keep]))
+    np.testing.assert_allclose(bound[..., keep], alone, rtol=1e-5, atol=1e-5)  # (BLAS blocks by width)
 
 # -- accounting, files ------------------------------------------------------------------------------
 @pytest.mark.parametrize("tier", TIERS)
