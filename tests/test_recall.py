@@ -556,6 +556,32 @@ def test_recall_hold_is_bounded_in_decode_by_the_slack(model):
         assert_nothing_lost(c)
 
 
+def test_shared_index_gather_and_scatter_move_every_buffer_as_one_at_a_time():
+    from veloxquant_mlx.caches.recall import put_rows_of
+    from veloxquant_mlx.ops import gather_rows
+    from veloxquant_mlx.ops.select import gather_rows_of
+
+    rng = np.random.default_rng(3)
+    B, H, N, k = 2, 3, 17, 5
+    bufs = [mx.array(rng.normal(size=(B, H, N, 4)).astype(np.float32)), mx.array(rng.integers(0, 9, (B, H, N)).astype(np.int32)),
+            mx.array(rng.integers(0, 2**31, (B, H, N, 2)).astype(np.uint32))]
+    idx = mx.array(np.stack([[rng.choice(N, k, replace=False) for _ in range(H)] for _ in range(B)]).astype(np.int32))
+    for got, b in zip(gather_rows_of(bufs, idx), bufs, strict=True):
+        want = np.take_along_axis(np.array(b), np.array(idx).reshape(B, H, k, *[1] * (b.ndim - 3)), axis=2)
+        assert got.dtype == b.dtype and np.array_equal(np.array(got), want) and np.array_equal(np.array(gather_rows(b, idx)), want)
+    rows = [mx.zeros((B, H, k, *b.shape[3:]), b.dtype) + 7 for b in bufs]
+    for got, b in zip(put_rows_of(bufs, idx, rows), bufs, strict=True):
+        want = np.array(b).copy()
+        for bb in range(B):
+            for h in range(H):
+                want[bb, h, np.array(idx)[bb, h]] = 7
+        assert np.array_equal(np.array(got), want)
+    with pytest.raises(ValueError, match="one \\(B, H, rows\\)"):
+        gather_rows_of([bufs[0], bufs[0][:, :, :9]], idx)
+    with pytest.raises(ValueError, match="one \\(B, H, rows\\)"):
+        put_rows_of([bufs[0], bufs[1][:1]], idx, rows[:2])
+
+
 @pytest.mark.parametrize("rows,K", [(40, 25), (41, 25), (97, 60)])  # new row counts reuse the compiled graphs
 def test_compiled_recall_composites_match_numpy(rows, K):
     from veloxquant_mlx.ops.recall import gather_evicted, join_in_order, pick_pages

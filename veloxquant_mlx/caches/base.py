@@ -23,12 +23,13 @@ from mlx_lm.models.cache import _BaseCache
 from ..config import KVCacheConfig
 from ..options import NoOptions
 from ..ops import gather_rows, keep_top_rows
+from ..ops.select import gather_rows_of
 from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .batch import BatchMerge
 from .policy import OnePass, PromptPolicy, PromptState
-from .quant import row_dim, rows_map
+from .quant import buf_parts, from_parts, row_dim, rows_map
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage, with_headroom
@@ -415,8 +416,9 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
         # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
         k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
-        self.keys = rows_map(lambda a: gather_rows(a, k_idx), self.keys)
-        self.values = rows_map(lambda a: gather_rows(a, k_idx), self.values)
+        k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)  # one shared row index for all of them
+        kept = gather_rows_of(k_parts + v_parts, k_idx)
+        self.keys, self.values = from_parts(kept[:len(k_parts)], self.keys), from_parts(kept[len(k_parts):], self.values)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)

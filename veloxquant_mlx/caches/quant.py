@@ -81,6 +81,16 @@ def check_group(head_dim: int, bits: int | None, group_size: int) -> None:
                          f"{[g for g in KV_GROUP_SIZES if head_dim % g == 0] or 'none: use kv_bits=None'})")
 
 
+def buf_parts(buf) -> list:
+    """The arrays of a buffer: ``[buf]``, or a quantized one's ``[words, scales, biases]``."""
+    return list(buf) if isinstance(buf, tuple) else [buf]
+
+
+def from_parts(parts: list, like):
+    """:func:`buf_parts` undone: a buffer of the same kind as ``like`` from its arrays."""
+    return tuple(parts) if isinstance(like, tuple) else parts[0]
+
+
 def rows_zip(fn, *bufs):
     """``fn`` over matching parts of several buffers of the same kind (plain or quantized)."""
     if isinstance(bufs[0], tuple):

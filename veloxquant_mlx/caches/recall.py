@@ -29,9 +29,9 @@ import functools
 
 import mlx.core as mx
 
-from ..ops import gather_rows
+from ..ops.select import flat_rows, gather_rows_of
 from ..ops.recall import gather_evicted, join_in_order, page_rows, page_summaries, pick_pages, summarize_pages
-from .quant import buf_dtype, buf_nbytes, dequantize_rows, quantize_rows, rows_map
+from .quant import buf_dtype, buf_nbytes, buf_parts, dequantize_rows, from_parts, quantize_rows, rows_map
 from .storage import with_headroom
 
 COLD_GROUP = 32  # cold rows' quantization group along head_dim ("memory" tier)
@@ -43,31 +43,29 @@ def summary_dtype(dtype):
     return mx.float16 if dtype == mx.float32 else dtype
 
 
-@mx.compile
-def put_rows(buf: mx.array, idx: mx.array, rows: mx.array) -> mx.array:
-    """``buf`` with ``buf[b, h, idx[b, h, i]] = rows[b, h, i]`` (a new array; buf (B, H, N, ...))."""
+def _put_flat(buf: mx.array, flat: mx.array, rows: mx.array) -> mx.array:
     B, H, N = buf.shape[:3]
     rest = buf.shape[3:]
-    offsets = mx.arange(0, B * H * N, N, dtype=mx.int32).reshape(B, H, 1)  # no literal N (ops.select.gather_rows)
-    flat = buf.reshape(B * H * N, *rest)
-    flat[(idx.astype(mx.int32) + offsets).reshape(-1)] = rows.reshape(-1, *rest)
-    return flat.reshape(buf.shape)
+    f = buf.reshape(B * H * N, *rest)
+    f[flat] = rows.reshape(-1, *rest)
+    return f.reshape(buf.shape)
 
 
-def _parts(buf) -> list:
-    return list(buf) if isinstance(buf, tuple) else [buf]
-
-
-def _unparts(parts: list, like):
-    return tuple(parts) if isinstance(like, tuple) else parts[0]
+def put_rows_of(bufs: list, idx: mx.array, rows: list) -> list:
+    """Every buffer of ``bufs`` (each (B, H, N, ...), one (B, H, N)) with ``buf[b, h, idx[b, h, i]] =
+    rows[b, h, i]`` (new arrays), through one shared index (ops.select.flat_rows)."""
+    lead = bufs[0].shape[:3]
+    if any(b.shape[:3] != lead for b in bufs):
+        raise ValueError(f"put_rows_of needs buffers of one (B, H, rows), got {[b.shape[:3] for b in bufs]}")
+    flat = flat_rows(idx, bufs[0])
+    return [_put_flat(b, flat, r) for b, r in zip(bufs, rows, strict=True)]
 
 
 @functools.lru_cache(maxsize=8)
 def _refiller(page: int):
     """The summaries of refilled pages written into theirs (kmin, kmax), as one compiled graph."""
     def refill(kmin, kmax, holes, keys, pos):
-        lo, hi = page_summaries(keys, pos, page, kmin.dtype)
-        return put_rows(kmin, holes, lo), put_rows(kmax, holes, hi)
+        return tuple(put_rows_of([kmin, kmax], holes, list(page_summaries(keys, pos, page, kmin.dtype))))
     return mx.compile(refill)
 
 
@@ -75,8 +73,9 @@ def _refiller(page: int):
 def _cold_writer(bits: int):
     """Cold rows quantized and written at ``rows`` of every buffer, as one compiled graph."""
     def write(rows, k, v, pos, keys, values, positions):
-        put = lambda buf, x: [put_rows(p, rows, r) for p, r in zip(buf, quantize_rows(x, bits, COLD_GROUP))]
-        return put(k, keys), put(v, values), put_rows(pos, rows, positions)
+        new = [*quantize_rows(keys, bits, COLD_GROUP), *quantize_rows(values, bits, COLD_GROUP), positions]
+        out = put_rows_of([*k, *v, pos], rows, new)
+        return out[:len(k)], out[len(k):-1], out[-1]
     return mx.compile(write)
 
 
@@ -84,8 +83,9 @@ def _cold_writer(bits: int):
 def _cold_reader(bits: int):
     """Gather + dequantize of cold rows (keys and values) as one compiled graph."""
     def read(rows, k, v, pos):
-        deq = lambda buf: mx.dequantize(*(gather_rows(p, rows) for p in buf), group_size=COLD_GROUP, bits=bits)
-        return deq(k), deq(v), gather_rows(pos, rows)
+        got = gather_rows_of([*k, *v, pos], rows)
+        deq = lambda parts: mx.dequantize(*parts, group_size=COLD_GROUP, bits=bits)
+        return deq(got[:len(k)]), deq(got[len(k):-1]), got[-1]
     return mx.compile(read)
 
 
@@ -154,10 +154,10 @@ class ColdTier:
             return
         bits, gs = cache.kv_bits, cache.kv_group_size
         k_raw, v_raw = cache.stored_raw("keys"), cache.stored_raw("values")
-        pos, gone = gather_evicted(kept, cache.stored("positions"), _parts(k_raw) + _parts(v_raw))
-        nk = len(_parts(k_raw))
-        keys = dequantize_rows(_unparts(gone[:nk], k_raw), bits, gs)
-        values = dequantize_rows(_unparts(gone[nk:], v_raw), bits, gs)
+        pos, gone = gather_evicted(kept, cache.stored("positions"), buf_parts(k_raw) + buf_parts(v_raw))
+        nk = len(buf_parts(k_raw))
+        keys = dequantize_rows(from_parts(gone[:nk], k_raw), bits, gs)
+        values = dequantize_rows(from_parts(gone[nk:], v_raw), bits, gs)
         parts = [keys, values, pos]
         if self.holes is not None:  # refill the pages the recall read back (whole pages: E >= their rows)
             holes, self.holes = self.holes, None
@@ -212,14 +212,14 @@ class ColdTier:
         bits, gs = cache.kv_bits, cache.kv_group_size
         k_raw, v_raw = cache.stored_raw("keys"), cache.stored_raw("values")
         dtype = buf_dtype(k_raw)  # the candidates converted once to the hot rows' storage
-        hot, cold = _parts(k_raw) + _parts(v_raw), _parts(quantize_rows(ck.astype(dtype), bits, gs)) + \
-            _parts(quantize_rows(cv.astype(dtype), bits, gs))
+        hot, cold = buf_parts(k_raw) + buf_parts(v_raw), buf_parts(quantize_rows(ck.astype(dtype), bits, gs)) + \
+            buf_parts(quantize_rows(cv.astype(dtype), bits, gs))
         fills = cache.extra_row_fields()  # recalled rows start from the method's fill
         hot += [cache.stored(name) for name in fills]
         cold += [mx.full(cpos.shape, fill, mx.float32) for fill in fills.values()]
         pos, joined = join_in_order(cache.stored("positions"), cpos, hot, cold)  # rows stay in position order
-        nk, nv = len(_parts(k_raw)), len(_parts(v_raw))
-        cache.keys, cache.values = _unparts(joined[:nk], k_raw), _unparts(joined[nk:nk + nv], v_raw)
+        nk, nv = len(buf_parts(k_raw)), len(buf_parts(v_raw))
+        cache.keys, cache.values = from_parts(joined[:nk], k_raw), from_parts(joined[nk:nk + nv], v_raw)
         for name, rows in zip(fills, joined[nk + nv:], strict=True):
             cache.row_extras[name] = rows
         cache.positions = pos

@@ -11,7 +11,7 @@ import functools
 import mlx.core as mx
 
 from .attention import group_queries
-from .select import gather_rows
+from .select import gather_rows_of
 
 PAD = 2**31 - 1  # position of padding rows (same sentinel as caches.storage.PAD_POSITION)
 _KEPT_LAST = 2**30  # sorts kept rows after evicted ones (one constant for every row count: compiled once)
@@ -89,7 +89,8 @@ def pick_pages(queries: mx.array, kmin: mx.array, kmax: mx.array, m: int) -> mx.
 def _ordered(hot_pos, cold_pos, hot, cold):
     pos = mx.concatenate([hot_pos, cold_pos], axis=2)
     order = mx.argsort(pos, axis=-1).astype(mx.int32)
-    return gather_rows(pos, order), [gather_rows(mx.concatenate([h, c], axis=2), order) for h, c in zip(hot, cold)]
+    out = gather_rows_of([pos] + [mx.concatenate([h, c], axis=2) for h, c in zip(hot, cold)], order)
+    return out[0], out[1:]
 
 
 def join_in_order(hot_pos: mx.array, cold_pos: mx.array, hot: list, cold: list):
@@ -101,8 +102,8 @@ def join_in_order(hot_pos: mx.array, cold_pos: mx.array, hot: list, cold: list):
 @mx.compile
 def _gone(kept, positions, buffers):
     rows = positions.shape[-1]
-    idx = evicted_rows(kept, rows)
-    return gather_rows(positions, idx), [gather_rows(b, idx) for b in buffers]
+    out = gather_rows_of([positions, *buffers], evicted_rows(kept, rows))
+    return out[0], out[1:]
 
 
 def gather_evicted(kept: mx.array, positions: mx.array, buffers: list):

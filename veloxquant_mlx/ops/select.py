@@ -31,6 +31,24 @@ def keep_top_rows(scores: mx.array, k: int, n_sink: int, n_recent: int) -> mx.ar
     return _forced_top(scores, forced, k).astype(mx.int32)
 
 
+def flat_rows(idx: mx.array, like: mx.array) -> mx.array:
+    """Row indices ``idx`` (B, H, k; or broadcast to it) of buffers shaped like ``like`` (B, H, rows, ...), as
+    indices into them flattened to (B * H * rows, ...): one index for every buffer moved alike.
+
+    The offsets are an arange with a step, not ``arange * rows``: inside mx.compile a Python scalar
+    becomes a literal of the fused kernel, so every new row count recompiled it (~1 s on the CPU)."""
+    B, H, rows = like.shape[:3]
+    offsets = mx.arange(0, B * H * rows, rows, dtype=mx.int32).reshape(B, H, 1)
+    return (idx.astype(mx.int32) + offsets).reshape(-1)
+
+
+def take_rows(x: mx.array, flat: mx.array, k: int) -> mx.array:
+    """The rows ``flat`` (from :func:`flat_rows`) of ``x`` (B, H, rows, ...): (B, H, k, ...)."""
+    B, H, rows = x.shape[:3]
+    rest = x.shape[3:]
+    return mx.take(x.reshape(B * H * rows, *rest), flat, axis=0).reshape(B, H, k, *rest)
+
+
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
     """``x[b, h, idx[b, h, i], ...]`` for x of shape (B, H, rows, ...) and idx (B, H, k).
 
@@ -39,10 +57,17 @@ def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
     dominated the eviction step). Pass the whole contiguous buffer, not a sliced view, so the
     reshape is free.
     """
-    B, H, rows = x.shape[:3]
-    rest = x.shape[3:]
-    # The offsets as an arange with a step, not ``arange * rows``: inside mx.compile a Python scalar
-    # becomes a literal of the fused kernel, so every new row count recompiled it (~1 s on the CPU).
-    offsets = mx.arange(0, B * H * rows, rows, dtype=mx.int32).reshape(B, H, 1)
-    flat = x.reshape(B * H * rows, *rest)
-    return mx.take(flat, (idx.astype(mx.int32) + offsets).reshape(-1), axis=0).reshape(B, H, idx.shape[-1], *rest)
+    return take_rows(x, flat_rows(idx, x), idx.shape[-1])
+
+
+def gather_rows_of(buffers, idx: mx.array) -> list:
+    """:func:`gather_rows` of every buffer (each (B, H, rows, ...), the same rows) with one shared index:
+    each further buffer costs its gather only (MLX's compile does not merge the index arithmetic)."""
+    buffers = list(buffers)
+    if not buffers:
+        return []
+    lead = buffers[0].shape[:3]
+    if any(b.shape[:3] != lead for b in buffers):
+        raise ValueError(f"gather_rows_of needs buffers of one (B, H, rows), got {[b.shape[:3] for b in buffers]}")
+    flat = flat_rows(idx, buffers[0])
+    return [take_rows(b, flat, idx.shape[-1]) for b in buffers]
