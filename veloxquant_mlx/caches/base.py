@@ -29,7 +29,7 @@ from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .batch import BatchMerge
 from .policy import OnePass, PromptPolicy, PromptState
-from .quant import buf_parts, from_parts, row_dim, rows_map
+from .quant import buf_parts, from_parts, row_dim
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage, with_headroom
