@@ -3,8 +3,10 @@ rule, a figure's provenance, the BLAS preload, timing helpers and the peer packa
 
 Scripts run as ``python benchmark_scripts/<name>.py`` and import this file as a sibling module (the
 script's folder is on the import path by Python's own rule); the package itself is installed with
-``pip install -e .``. Only the standard library is imported at the top: the peer workers of
-bench_vs_kvpress / bench_vs_origin import this file inside venvs that lack this package.
+``pip install -e .``; the repository's lab (``lab/``, not in the wheel) is imported from the checkout
+this file sits in (its root is appended to the import path here, once). Only the standard library is
+imported at the top: the peer workers of bench_vs_kvpress / bench_vs_origin import this file inside
+venvs that lack this package.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the lab (lab/: reports, provenance; not shipped) imports from this checkout
+    sys.path.append(str(ROOT))
 FIGURES = ROOT / "figures"
 MIB = 1024 * 1024
 BENCH_CACHE = Path(os.environ.get("VELOXQUANT_BENCH_CACHE", Path.home() / ".cache" / "veloxquant-bench")).expanduser()
@@ -30,19 +34,19 @@ __all__ = ["ROOT", "FIGURES", "MIB", "BENCH_CACHE", "budget", "tiny_llama", "tin
 
 
 def commit() -> str:
-    from veloxquant_mlx.evaluation.provenance import commit as head
+    from lab.provenance import commit as head
 
     return head()
 
 
 def command_line() -> str:
-    from veloxquant_mlx.evaluation.provenance import command_line as line
+    from lab.provenance import command_line as line
 
     return line()
 
 
 def resumed(old, new) -> dict:
-    from veloxquant_mlx.evaluation.provenance import resumed as merge
+    from lab.provenance import resumed as merge
 
     return merge(old, new)
 
@@ -84,7 +88,7 @@ def tiny_tokenizer():
 def provenance(labels=None, regime: str = "end", command: str | None = None) -> dict:
     """A figure's ``"provenance"``: commit, command (this run's by default), date, behaviour fingerprint
     of every label it holds."""
-    from veloxquant_mlx.evaluation.provenance import provenance as record
+    from lab.provenance import provenance as record
 
     return record(command or command_line(), labels, regime)
 

@@ -136,7 +136,7 @@ def needle_rank(scorers: list) -> int:
     top 99 / 176 free rows hold each needle token, by prediction and by truth (docs/methods/kvzap.md)."""
     import numpy as np
 
-    from veloxquant_mlx.evaluation.kvzap_collect import kvzip_plus_rows
+    from veloxquant_mlx.methods.kvzap.collect import kvzip_plus_rows
     from veloxquant_mlx.evaluation.needle import key_token_spans
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR, load_scorer
@@ -190,7 +190,7 @@ def main(argv=None):
     from veloxquant_mlx.evaluation.labels import make_caches, method_specs
     from veloxquant_mlx.platform.blas import blas_info
     from veloxquant_mlx.config import budget_for
-    from veloxquant_mlx.evaluation.provenance import command_line, provenance
+    from lab.provenance import command_line, provenance
     from veloxquant_mlx.evaluation.retrieval import prose_text
     from veloxquant_mlx.evaluation.results import load_eval_model
 

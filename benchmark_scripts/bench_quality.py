@@ -31,15 +31,15 @@ import mlx.core as mx
 
 import _common
 from _common import FIGURES, preload_blas, provenance, run_subcommands
-from veloxquant_mlx.evaluation import recall_cost
-from veloxquant_mlx.evaluation import recall_followup as rf
+from lab import recall_cost
+from lab import recall_followup as rf
+from lab import report_quant as rq
+from lab.report_paired import _paired_outcomes
+from lab.report_passkey import _passkey_index
+from lab.stats import fmt_ci, fmt_p, paired, wilson
 from veloxquant_mlx.evaluation.eval_model import eos_ids
-from veloxquant_mlx.evaluation import report_quant as rq
-from veloxquant_mlx.evaluation.report_paired import _paired_outcomes
-from veloxquant_mlx.evaluation.report_passkey import _passkey_index
 from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.results import load_eval_model, quiet_cache_warnings
-from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired, wilson
 
 
 # ================================================================================================
@@ -80,7 +80,7 @@ def plan(methods, curve, curve_densities, depths, bits=BITS):
 def quant_main(argv=None) -> int:
     from veloxquant_mlx.cli import build_parser
     from veloxquant_mlx.cli.eval import _md_path, run_harness
-    from veloxquant_mlx.evaluation.report import write_report
+    from lab.report import write_report
 
     preload_blas(num_threads=None)
     own = argparse.ArgumentParser(prog="bench_quality.py quant-passkey", description=QUANT_DOC,

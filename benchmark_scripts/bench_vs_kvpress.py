@@ -160,7 +160,7 @@ def main() -> int:
     from veloxquant_mlx.evaluation.passkey import extract_digits
     from veloxquant_mlx.evaluation.results import load_eval_model
     from veloxquant_mlx.evaluation.retrieval import make_prompt
-    from veloxquant_mlx.evaluation.stats import fmt_ci, fmt_p, paired
+    from lab.stats import fmt_ci, fmt_p, paired
 
     _, tok, _ = load_eval_model("bundled")
     prompts = []

@@ -1,4 +1,4 @@
-"""Offline synthetic planted-anomaly benchmark suite (thin CLI over veloxquant_mlx.evaluation.planted).
+"""Offline synthetic planted-anomaly benchmark suite (thin CLI over lab.planted).
 
     python benchmark_scripts/benchmark_planted.py            # full run (< 30 min on 2 CPU cores)
     python benchmark_scripts/benchmark_planted.py --quick    # < 1 min smoke run
@@ -21,8 +21,8 @@ import os
 
 from _common import ROOT
 
-from veloxquant_mlx.evaluation import planted as P
-from veloxquant_mlx.evaluation.provenance import command_line, provenance
+from lab import planted as P
+from lab.provenance import command_line, provenance
 
 DOC_HEADER = """# Benchmarks
 

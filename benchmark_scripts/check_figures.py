@@ -4,7 +4,7 @@
     python benchmark_scripts/check_figures.py --root DIR # another checkout (figures/, README.md, docs/)
     python benchmark_scripts/check_figures.py stamp FIG.json --commit C --command "python ..." --methods full nexus
 
-Recomputes every method's behaviour fingerprint (veloxquant_mlx.evaluation.provenance: a few seconds
+Recomputes every method's behaviour fingerprint (lab.provenance: a few seconds
 on a tiny random model), reads the ``provenance`` of every JSON under figures/, and calls a figure
 stale when it has no provenance, carries a ``stale_reason``, or stores a fingerprint that differs
 from the current one for any method it covers. A doc (README.md, docs/**/*.md) quotes a figure when
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from _common import ROOT
-from veloxquant_mlx.evaluation.provenance import commit, fingerprint, stale_methods
+from lab.provenance import commit, fingerprint, stale_methods
 
-PROV = ROOT / "veloxquant_mlx" / "evaluation" / "provenance.py"
+PROV = ROOT / "lab" / "provenance.py"
 STAMP_DOC = "``stamp``" + __doc__.split("``stamp``", 1)[1]
 
 
@@ -110,8 +110,14 @@ def fingerprint_at(rev: str, methods) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         arc = subprocess.run(["git", "archive", rev, "veloxquant_mlx"], cwd=ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=arc.stdout, check=True)
-        (Path(tmp) / "veloxquant_mlx" / "evaluation" / "provenance.py").write_text(PROV.read_text())
-        code = ("import json, sys; from veloxquant_mlx.evaluation.provenance import fingerprint; "
+        (Path(tmp) / "lab").mkdir()  # today's fingerprint code over that commit's package
+        (Path(tmp) / "lab" / "__init__.py").write_text("")
+        (Path(tmp) / "lab" / "provenance.py").write_text(PROV.read_text())
+        fit = Path(tmp) / "veloxquant_mlx" / "methods" / "kvzap" / "collect.py"
+        if (fit.parent.is_dir() and not fit.exists()
+                and (Path(tmp) / "veloxquant_mlx" / "evaluation" / "kvzap_collect.py").exists()):
+            fit.write_text("from veloxquant_mlx.evaluation.kvzap_collect import tiny_scorer  # noqa: F401\n")
+        code = ("import json, sys; from lab.provenance import fingerprint; "
                 f"print(json.dumps(fingerprint({list(methods)!r})))")
         r = subprocess.run([sys.executable, "-c", code], cwd=tmp, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": tmp})

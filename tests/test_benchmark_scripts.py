@@ -32,8 +32,12 @@ def test_at_most_twelve_files_and_the_helper_is_one_of_them():
 
 
 def test_no_script_patches_the_import_path():
-    offenders = [p.name for p in _scripts() if "sys.path" in p.read_text()]
+    """Only the helper touches it, once: it appends the checkout's root so scripts import the lab (lab/)."""
+    offenders = [p.name for p in _scripts() if p.stem != HELPER and "sys.path" in p.read_text()]
     assert offenders == []
+    helper = [line.strip() for line in (FOLDER / f"{HELPER}.py").read_text().splitlines() if "sys.path" in line]
+    assert helper == ["if str(ROOT) not in sys.path:  # the lab (lab/: reports, provenance; not shipped) imports "
+                      "from this checkout", "sys.path.append(str(ROOT))"], helper
 
 
 def test_scripts_import_no_other_script_and_no_test_module():

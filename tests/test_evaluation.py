@@ -1,6 +1,6 @@
 """End-to-end checks of the real-model evaluation harness on ``--quick`` (tiny random llama, byte
-tokenizer): cells are written, a re-run skips finished cells, errors become cells, the report is
-generated, and an eviction cache whose budget covers the whole sequence equals the full cache."""
+tokenizer): cells are written, a re-run skips finished cells, errors become cells, the lab's report
+is generated, and an eviction cache whose budget covers the whole sequence equals the full cache."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from veloxquant_mlx.cli import main  # noqa: E402
-from veloxquant_mlx.evaluation import report  # noqa: E402
-from veloxquant_mlx.evaluation.report_paired import needle_cut_summary  # noqa: E402
-from veloxquant_mlx.evaluation.report_passkey import PasskeyGrid, _passkey_tables, passkey_coverage  # noqa: E402
+from lab import report  # noqa: E402
+from lab.report_paired import needle_cut_summary  # noqa: E402
+from lab.report_passkey import PasskeyGrid, _passkey_tables, passkey_coverage  # noqa: E402
 from veloxquant_mlx.evaluation import results as R  # noqa: E402
 from veloxquant_mlx.evaluation.perplexity import streaming_nll  # noqa: E402
 from veloxquant_mlx.evaluation.passkey import prose_paragraphs  # noqa: E402
@@ -198,6 +198,12 @@ def test_run_cells_calls_after_cell_once_per_stored_cell(tmp_path):
 
 
 def test_cli_quick_end_to_end(tmp_path):
+    """The lab's eval (the package's harness, stamped, then the report) and its report command."""
+    from lab.cli import main as lab_main
+
+    def _run(*argv):
+        assert lab_main(list(argv)) == 0
+
     out, md = str(tmp_path / "eval"), str(tmp_path / "results.md")
     common = ["--quick", "--out-dir", out, "--results-md", md, "--no-progress"]
     pk = ["eval", "passkey", *common, "--methods", "full", "nexus", "snapkv", "streaming",
@@ -241,7 +247,8 @@ def test_cli_quick_end_to_end(tmp_path):
     assert per["kvcache"]["kv_kept_bytes_end"] > per["kvcache"]["kv_kept_bytes_after_prefill"]
     assert per["kvcache"]["kv_bytes_end"] >= per["kvcache"]["kv_bytes_after_prefill"]
 
-    _run("eval", "report", "--out-dir", out, "--results-md", md)
+    assert "provenance" in json.loads((tmp_path / "eval" / "speed.json").read_text())
+    _run("report", "--out-dir", out, "--results-md", md)
     text = (tmp_path / "results.md").read_text()
     for needle in ("Passkey accuracy", "Streaming perplexity", "Decode throughput", "KV memory", "Reading"):
         assert needle in text
@@ -372,18 +379,19 @@ def test_reading_calls_a_difference_only_where_mcnemar_supports_it(tmp_path):
 
 def test_passkey_out_name_writes_its_own_file(tmp_path):
     out = tmp_path / "eval"
-    _run("eval", "passkey", "--quick", "--out-dir", str(out), "--no-progress", "--no-report", "--methods", "full",
+    _run("eval", "passkey", "--quick", "--out-dir", str(out), "--no-progress", "--methods", "full",
          "--contexts", "640", "--depths", "0.5", "--n-keys", "1", "--regimes", "prefill",
          "--out-name", "study.json")
     assert not (out / "passkey.json").exists()
     data = json.loads((out / "study.json").read_text())
-    assert len(data["cells"]) == 1 and "provenance" in data
+    # a user's run writes its cells and no report; the repository's provenance stamp is the lab's (python -m lab eval)
+    assert len(data["cells"]) == 1 and "provenance" not in data and not (out / "results.md").exists()
 
 
 def test_speed_table_limit_column_pairs_rounds():
     """×limit is decode tok/s over RotatingKVCache's, paired round by round (median [min–max]), not a
     ratio of medians: a cache that is 2× the limit in one round and 0.5× in another reads 1.00× [0.50–2.00]."""
-    from veloxquant_mlx.evaluation.report_perf import _speed_block, limit_ratios
+    from lab.report_perf import _speed_block, limit_ratios
 
     def rec(tps):
         return {"decode_tps": sorted(tps)[1], "prefill_tps": 10.0, "segments": [{"decode_tps": t} for t in tps],
@@ -438,4 +446,4 @@ def test_user_runs_never_touch_the_published_grid(tmp_path, monkeypatch, capsys)
     assert is_published(published) and not is_published(tmp_path)
     _run("eval", "passkey", "--max-cells", "1", *small)  # the bare command: the user's folder
     data = json.loads((tmp_path / "veloxquant_eval" / "passkey.json").read_text())
-    assert len(data["cells"]) == 1 and (tmp_path / "veloxquant_eval" / "results.md").exists()
+    assert len(data["cells"]) == 1 and not (tmp_path / "veloxquant_eval" / "results.md").exists()  # reports: the lab

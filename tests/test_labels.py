@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from veloxquant_mlx.config import KVCacheConfig
+from lab.stamp import pinned_options
 from veloxquant_mlx.evaluation import labels as L
 from veloxquant_mlx.registry import get_method
 
@@ -42,7 +43,7 @@ def test_label_resolves_as_before(label):
             L.method_specs([label])
         return
     spec = L.method_specs([label])[0]
-    pinned = L.pinned_options(label)
+    pinned = pinned_options(label)
     got = {"method": spec.method, "is_full": spec.is_full, "mlx_cache": spec.mlx_cache, "quant": list(spec.quant),
            "pinned": repr(sorted(pinned.items())) if pinned else None, "prefill_only": spec.prefill_only}
     assert got == {k: v for k, v in before.items() if k != "config"}
@@ -105,12 +106,12 @@ def test_suffixes_apply_to_any_method_label():
 
 
 def test_a_spec_is_a_label_with_the_fingerprint_key_of_its_setting():
-    from veloxquant_mlx.evaluation.provenance import key_of
+    from lab.provenance import key_of
 
     spec = L.method_specs(["nexus:n_samples=none"])[0]
     assert spec.config(512) == L.method_specs(["nexus-topk"])[0].config(512)
-    pinned = L.pinned_options("nexus:n_samples=none")
-    assert key_of("nexus:n_samples=none", options=pinned) == key_of("nexus-topk", options=L.pinned_options("nexus-topk"))
+    pinned = pinned_options("nexus:n_samples=none")
+    assert key_of("nexus:n_samples=none", options=pinned) == key_of("nexus-topk", options=pinned_options("nexus-topk"))
     assert key_of("snapkv:allocation=ada") == key_of("snapkv-ada") == "snapkv:ada"
     assert key_of("h2o:kv_bits=4", "stream") == "h2o:stream" and key_of("full:kv_bits=4") == "full"
     with pytest.raises(ValueError, match="unknown key 'windw'"):

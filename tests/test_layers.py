@@ -34,6 +34,18 @@ def _layers() -> list[list[str]]:
     return [[m.strip() for m in layer.replace("|", ":").split(":")] for layer in layers]
 
 
+def ignored_imports() -> set[tuple[str, str]]:
+    """(importer, imported) edges the contracts name as exceptions (their ``ignore_imports``)."""
+    contracts = _pyproject()["tool"]["importlinter"]["contracts"]
+    return {tuple(x.strip() for x in edge.split("->")) for c in contracts for edge in c.get("ignore_imports", ())}
+
+
+def contract_graph() -> dict[str, set[str]]:
+    """The package's import graph less the contracts' named exceptions (what the contracts check)."""
+    ignored = ignored_imports()
+    return {m: {t for t in edges if (m, t) not in ignored} for m, edges in import_graph(ROOT, PACKAGE).items()}
+
+
 def module_files(src: Path, package: str) -> dict[str, Path]:
     """Dotted module name -> file, for every .py under ``src/package``."""
     out = {}
@@ -137,7 +149,13 @@ def test_no_import_cycle_counting_deferred_imports():
 
 
 def test_imports_point_down_the_layers_counting_deferred_imports():
-    assert layer_violations(import_graph(ROOT, PACKAGE), _layers(), PACKAGE) == []
+    assert layer_violations(contract_graph(), _layers(), PACKAGE) == []
+
+
+def test_every_named_exception_is_an_import_that_exists():
+    """An ``ignore_imports`` line that no longer matches an import is stale: drop it."""
+    graph = import_graph(ROOT, PACKAGE)
+    assert ignored_imports() and all(t in graph.get(m, ()) for m, t in ignored_imports()), ignored_imports()
 
 
 def test_the_ast_check_sees_a_deferred_upward_import_and_cycle(tmp_path):
@@ -169,3 +187,17 @@ def test_lint_imports_keeps_every_contract():
 def test_no_module_over_500_lines():
     sizes = {m: len(p.read_text().splitlines()) for m, p in module_files(ROOT, PACKAGE).items()}
     assert {m: n for m, n in sizes.items() if n > 500} == {}
+
+
+def test_the_package_never_imports_the_lab_and_the_wheel_ships_only_the_package():
+    """lab/ (reports, provenance, the planted benchmark) regenerates this repository's docs: the package
+    must run without it, and setuptools must not pick it up."""
+    bad = []
+    for mod, path in module_files(ROOT, PACKAGE).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            bad += [f"{mod} imports {n}" for n in names if n.split(".")[0] == "lab"]
+    assert bad == []
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert include and all(p.split(".")[0].rstrip("*") == PACKAGE for p in include), include

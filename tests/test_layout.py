@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from test_layers import PACKAGE, ROOT, import_graph, module_files
+from test_layers import PACKAGE, ROOT, contract_graph, import_graph, module_files
 
 import veloxquant_mlx.methods  # noqa: F401  (registers every method)
 from veloxquant_mlx.registry import get_method, methods
@@ -46,7 +46,7 @@ def test_every_registered_method_lives_under_methods():
 
 
 def test_no_method_imports_another_method():
-    bad = [(m, t) for m, edges in _graph().items() if _method_of(m)
+    bad = [(m, t) for m, edges in contract_graph().items() if _method_of(m)
            for t in edges if _method_of(t) and _method_of(t) != _method_of(m)]
     assert not bad, f"a method imports another method (move what they share to caches/ or ops/): {bad}"
 

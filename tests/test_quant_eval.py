@@ -50,7 +50,7 @@ def test_shared_quantized_prefill_equals_lone_runs(bits, group):
 
 
 def test_full_quantized_labels_fingerprint_as_full():
-    from veloxquant_mlx.evaluation.provenance import key_of
+    from lab.provenance import key_of
 
     assert key_of("full-4bit") == key_of("full-8bit-g32") == "full"
     assert key_of("nexus-4bit-g32") == "nexus"
@@ -69,7 +69,7 @@ def test_quant_report_pairs_each_label_with_its_fp_method(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
     import bench_quality as Q
 
-    from veloxquant_mlx.evaluation import report_quant as RQ
+    from lab import report_quant as RQ
 
     assert (RQ.fp_label("nexus-4bit-g32"), RQ.storage("nexus-4bit-g32"), RQ.fp_label("full-8bit")) == \
         ("nexus", "4bit-g32", "full")
@@ -140,7 +140,7 @@ def test_recall_summary_counts_every_turn_and_refuses_to_resume_another_setting(
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
     import bench_quality as Q
 
-    from veloxquant_mlx.evaluation import recall_followup as RF
+    from lab import recall_followup as RF
 
     rows = [{"index": i, "cells": {
         "nexus": {"turns": _turns([True, False, True, False], [0, 1.0, 1.0, 2.0]), "resident_bytes_end": 10},
@@ -160,7 +160,7 @@ def test_recall_summary_counts_every_turn_and_refuses_to_resume_another_setting(
 
 
 def test_recall_provenance_keeps_the_first_commit_and_marks_other_code_stale():
-    from veloxquant_mlx.evaluation import recall_followup as RF
+    from lab import recall_followup as RF
 
     a = {"commit": "aaa", "fingerprint": {"full": "f" * 12, "nexus": "n" * 12}}
     b = {"commit": "bbb", "fingerprint": {"full": "f" * 12, "nexus": "n" * 12}}
@@ -175,7 +175,7 @@ def test_recall_provenance_keeps_the_first_commit_and_marks_other_code_stale():
 
 def test_recall_cost_tiers_name_each_page_count_and_refuse_none():
     from veloxquant_mlx.config import KVCacheConfig
-    from veloxquant_mlx.evaluation.recall_cost import cost_tiers
+    from lab.recall_cost import cost_tiers
 
     one = cost_tiers(["memory", "disk"], [8], 4)
     assert list(one) == ["none", "memory", "disk"]  # one page count: the tiers keep their names

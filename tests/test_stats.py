@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from veloxquant_mlx.evaluation.stats import binom_cdf, fmt_ci, mcnemar_exact, paired, wilson
+from lab.stats import binom_cdf, fmt_ci, mcnemar_exact, paired, wilson
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [

@@ -197,7 +197,7 @@ def test_number_stop():
 def test_report_counts_and_pairs(tmp_path):
     import json
 
-    from veloxquant_mlx.evaluation.report_tasks import outcomes, table, write_tasks_report
+    from lab.report_tasks import outcomes, table, write_tasks_report
 
     cells = {}
     for i in range(6):
@@ -226,7 +226,7 @@ def _task_run(tmp_path, name, *extra):
     from veloxquant_mlx.cli import main
 
     out = tmp_path / name
-    argv = ["eval", "tasks", "--quick", "--out-dir", str(out), "--no-progress", "--no-report",
+    argv = ["eval", "tasks", "--quick", "--out-dir", str(out), "--no-progress",
             "--tasks", "niah_single", "followup", "--lengths", "700", "--n-prompts", "1", "--n-facts", "2",
             "--methods", "full", "rotating", "nexus", "snapkv", "--densities", "0.2",
             "--budgets", "300", "--question", "in", "out", *extra]
@@ -305,13 +305,15 @@ def test_long_report_counts_prompts_and_pairs_with_rotating(tmp_path):
     from veloxquant_mlx.cli import main
 
     t, s = tmp_path / "t", tmp_path / "s"
-    assert main(["eval", "tasks", "--quick", "--out-dir", str(t), "--no-progress", "--no-report", "--tasks",
+    assert main(["eval", "tasks", "--quick", "--out-dir", str(t), "--no-progress", "--tasks",
                  "niah_single", "--lengths", "700", "--n-prompts", "2", "--methods", "full", "rotating", "nexus"]) == 0
-    assert main(["eval", "speed", "--quick", "--out-dir", str(s), "--no-progress", "--no-report", "--methods",
+    assert main(["eval", "speed", "--quick", "--out-dir", str(s), "--no-progress", "--methods",
                  "kvcache", "rotating", "nexus", "--contexts", "640", "--repeats", "2", "--decode-tokens", "4"]) == 0
     md = tmp_path / "long.md"
-    assert main(["eval", "long-report", "--tasks", str(t), str(tmp_path / "missing"), "--speed", str(s),
-                 "--md", str(md), "--figs", str(tmp_path / "figs")]) == 0
+    from lab.cli import main as lab_main
+
+    assert lab_main(["long-report", "--tasks", str(t), str(tmp_path / "missing"), "--speed", str(s),
+                     "--md", str(md), "--figs", str(tmp_path / "figs")]) == 0
     text = md.read_text()
     cells = json.loads((t / "tasks.json").read_text())["cells"]
     k = sum(c["correct"] for c in cells.values() if c["method"] == "nexus")
@@ -335,7 +337,7 @@ def test_lengths_over_the_models_context_are_refused():
 
 
 def test_long_report_pairs_question_inside_and_left_out():
-    from veloxquant_mlx.evaluation.report_long import question_pairs
+    from lab.report_long import question_pairs
 
     cells = {}
     for i in range(4):

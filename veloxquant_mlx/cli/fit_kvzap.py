@@ -1,6 +1,6 @@
 """``python -m veloxquant_mlx fit-kvzap --model NAME --out FILE``: fit a KVzap scorer for one model.
 
-The data and the fit live in ``evaluation/kvzap_collect.py`` (KVzip+ scores and hidden states of text
+The data and the fit live in ``methods/kvzap/collect.py`` (KVzip+ scores and hidden states of text
 windows) and ``methods/kvzap/fit.py`` (the ridge regression).
 
 The default text ships with Python: the docstrings of a fixed list of standard-library modules (and
@@ -15,6 +15,13 @@ import sys
 from .args import CLIError, load_model_for_cli
 
 
+def _command_line() -> str:
+    """The running command as a user would type it (the scorer's metadata records it)."""
+    import shlex
+
+    return "python -m veloxquant_mlx " + shlex.join(sys.argv[1:])
+
+
 def cmd_fit_kvzap(args):
     if args.context < 16:
         raise CLIError(f"--context must be >= 16 tokens, got {args.context}")
@@ -25,9 +32,8 @@ def cmd_fit_kvzap(args):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"--out {args.out!r}: folder {out_dir!r} does not exist")
-    from ..evaluation.kvzap_collect import (STDLIB_MODULES, fit_scorer, interleaved_windows, stdlib_sources,
-                                            stdlib_text, windows)
-    from ..evaluation.provenance import command_line
+    from ..methods.kvzap.collect import (STDLIB_MODULES, fit_scorer, interleaved_windows, stdlib_sources,
+                                         stdlib_text, windows)
 
     if args.text:
         with open(args.text, encoding="utf-8") as f:
@@ -45,7 +51,7 @@ def cmd_fit_kvzap(args):
     token_lists = [list(tokenizer.encode(t)) for t in texts]
     wins = (windows(token_lists[0], args.context, args.texts) if len(token_lists) == 1
             else interleaved_windows(token_lists, args.context, args.texts))
-    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True, command=command_line(),
+    meta = fit_scorer(model, tokenizer, wins, args.out, source, progress=True, command=_command_line(),
                       data_dir=args.data_dir, kind=args.kind, mlp={"hidden": args.hidden})
     print(f"wrote {args.out}: {len(meta['layers'])} layers, {meta['provenance']['tokens']} tokens")
     print(f"held-out fit (mean over layers): {meta['quality']['mean']}")

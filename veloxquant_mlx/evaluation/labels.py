@@ -195,15 +195,6 @@ def method_specs(names=None, ablations: bool = True) -> list:
     return out
 
 
-def pinned_options(label: str) -> dict | None:
-    """The method options a figure label pins (``nexus-reservoir`` -> {"prompt_top_k": False}), for its
-    fingerprint key; None for a plain method or a label this code does not know."""
-    try:
-        return MethodSpec(label, spec_of(label)).opts or None
-    except ValueError:
-        return None
-
-
 def make_caches(model, spec: MethodSpec, budget: int, seed: int = 0, prompt_eviction: str = "end"):
     """Fresh per-layer caches: mlx-lm's KVCache for the full cache, else the eviction cache with
     ``prompt_eviction`` ("end": compress when the prompt ends; "stream": also at every chunk)."""

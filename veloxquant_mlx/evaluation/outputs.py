@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -27,6 +28,7 @@ class RunControl:
     max_cells: int | None = None  # at most this many unfinished cells; 0: a dry run
     progress: bool = True
     publish: bool = False  # allow out_dir inside the published figures/
+    stamp: Callable | None = None  # stamp(store) after every stored cell and at the end (the lab's provenance)
 
 
 def published_dirs() -> list:

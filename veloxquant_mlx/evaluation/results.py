@@ -1,5 +1,5 @@
 """Shared plumbing of the real-model evaluation: model loading and the resumable JSON cell store (the
-method labels are ``labels.py``; the report generated from the JSON files is ``report.py``).
+method labels are ``labels.py``; the repository's report from the JSON files is ``lab/report.py``).
 
 Every experiment (passkey, perplexity, speed) is a list of *cells*; a cell has a string id built
 from its grid coordinates. Finished cells are written to ``<out_dir>/<experiment>.json`` one at a
@@ -22,7 +22,7 @@ from pathlib import Path
 from ..registry import FULL  # noqa: F401 (re-exported)
 from .eval_model import ByteTokenizer, load_eval_model, machine_info, tiny_model  # noqa: F401 (re-exported)
 from .labels import (ROTATING, MethodSpec, _ada_base, _is_ada, make_caches, method_specs,  # noqa: F401 (re-exported)
-                     pinned_options, rotating_caches)
+                     rotating_caches)
 
 
 DEFAULT_OUT_DIR = "figures/eval"  # the published grid: written only with --publish
@@ -108,27 +108,12 @@ class ResultStore:
             self._write(data)
             return True
 
-    def fingerprint_keys(self, data: dict) -> list:
-        """The fingerprint keys the file's cells depend on: each cell's label (and the labels of a
-        speed cell's caches) with the setting it ran and the method options the label pins."""
-        from .provenance import key_of
-
-        cells = [c for c in data["cells"].values() if isinstance(c, dict)]
-        # passkey's "decode" regime and streaming perplexity run prompt_eviction="stream"
-        stream = {"decode": True, None: self.experiment == "perplexity"}
-        runs = {(c["method"], "stream" if stream.get(c.get("regime"), False) else "end") for c in cells if "method" in c}
-        runs |= {(m, "end") for c in cells for m in c.get("caches", ())}
-        options = {label: pinned_options(label) for label in {label for label, _ in runs}}  # once per label
-        return sorted({key_of(label, regime, options[label]) for label, regime in runs})
-
-    def stamp(self):
-        """Provenance for the methods of every cell in the file (stale when it extends cells of other code)."""
-        from .provenance import command_line, provenance, resumed
-
+    def edit(self, change):
+        """Apply ``change(data)`` to the file's contents under the lock and write the result (the lab's
+        provenance stamp goes through here)."""
         with self._locked():
             data = self.load()
-            new = provenance(command_line(), self.fingerprint_keys(data) or None)
-            data["provenance"] = resumed(data["provenance"], new) if "provenance" in data else new
+            change(data)
             self._write(data)
 
     def update_meta(self, meta: dict | None = None, grid: dict | None = None, run: dict | None = None):
@@ -216,18 +201,20 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
 def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
     """The end of every ``eval`` harness: run the unfinished cells with ``control``'s shard / time
     budget / max-cells / progress (:class:`.outputs.RunControl`), record the run in the JSON's meta,
-    print the counts."""
+    print the counts. ``control.stamp(store)``, when set, runs after every stored cell and at the end."""
     if not store.write:
         mine = [cid for k, (cid, _) in enumerate(cells) if k % control.shard[1] == control.shard[0]]
         done = store.done()
         print(f"{store.experiment}: {len(mine)} cells planned in {store.path}, {sum(c in done for c in mine)} "
               f"finished, {sum(c not in done for c in mine)} to run; --max-cells 0: nothing written")
         return 0
+    stamp = (lambda: control.stamp(store)) if control.stamp is not None else None
     res = run_cells(store, cells, run_one, shard=control.shard, time_budget=control.time_budget,
                     max_cells=control.max_cells, desc=store.experiment, progress=control.progress,
-                    # a partial file (committed mid-run, or a killed run) carries provenance too
-                    after_cell=store.stamp)
+                    # a partial file (committed mid-run, or a killed run) carries the stamp too
+                    after_cell=stamp)
     store.update_meta(run={"finished": now(), "shard": list(control.shard), **res})
-    store.stamp()
+    if stamp is not None:
+        stamp()
     print(f"{store.experiment}: {res}")
     return 0

@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 
 from .report_format import md_row, md_table, pyplot
-from .results import FULL, ROTATING
+from veloxquant_mlx.evaluation.results import FULL, ROTATING
 from .stats import fmt_ci, fmt_p, paired, wilson
-from .tasks import get_task, task_names, turn_columns
+from veloxquant_mlx.evaluation.tasks import get_task, task_names, turn_columns
 
 # Paired comparisons printed besides "vs full" (both labels must be present).
 PAIRS = (("nexus", "nexus-prompt-topk"), ("nestedkv", "nexus"), ("nestedkv", "nexus-prompt-topk"),

@@ -19,14 +19,14 @@ import time
 
 import mlx.core as mx
 
-from ..builder import KVCacheBuilder
-from ..config import budget_for
-from ..decode import eval_state, last_prompt_step, prefill
-from .fanout import shared_pass
+from veloxquant_mlx.builder import KVCacheBuilder
+from veloxquant_mlx.config import budget_for
+from veloxquant_mlx.decode import eval_state, last_prompt_step, prefill
+from veloxquant_mlx.evaluation.fanout import shared_pass
 from .recall_followup import recall_options
-from .task_prompts import continuation, reply_text
-from .task_run import PREFILL_STEP, greedy_until
-from .tasks import build
+from veloxquant_mlx.evaluation.task_prompts import continuation, reply_text
+from veloxquant_mlx.evaluation.task_run import PREFILL_STEP, greedy_until
+from veloxquant_mlx.evaluation.tasks import build
 
 
 def cost_tiers(tiers, pages, bits: int, page: int = 32) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from .report_format import _color, _ctx_label, _err_cells, _ok_cells, _order, _save_figure, _style, md_row, md_table, pyplot
-from .results import FULL
+from veloxquant_mlx.evaluation.results import FULL
 
 
 def _perplexity_tables(data, lines, figs_dir, figures):

@@ -1,5 +1,5 @@
 """Planted-anomaly benchmark suite: determinism, that the generators plant what they claim, and
-sanity floors on the results (veloxquant_mlx.evaluation.planted)."""
+sanity floors on the results (lab.planted)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx import methods
-from veloxquant_mlx.evaluation import planted as P
+from lab import planted as P
 
 # --quick-sized, further reduced so two runs fit the test budget.
 TINY = P.SuiteConfig(seeds=(0, 1), nested_small=(320,), nested_small_budgets=(16, 128), nested_paper=(),

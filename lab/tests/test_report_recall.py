@@ -1,7 +1,7 @@
 """report_recall: per-turn outcomes, the paired counts against the method without recall, and the
 resident-bytes points, on a hand-made follow-up result."""
 
-from veloxquant_mlx.evaluation import report_recall as rr
+from lab import report_recall as rr
 
 
 def _cell(turns, resident):

@@ -4,7 +4,7 @@ every table's average with its Wilson interval (matplotlib, the ``bench`` extra)
 from __future__ import annotations
 
 from .report_format import _REGIME_NAME, _color, _ctx_label, _mean, _save_figure, _style, pyplot, wilson_bars
-from .results import FULL, _is_ada
+from veloxquant_mlx.evaluation.results import FULL, _is_ada
 from .stats import wilson
 
 

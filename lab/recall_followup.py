@@ -14,13 +14,13 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..builder import KVCacheBuilder
-from ..caches.accounting import COLD_KEYS, kv_report
-from ..caches.quant import model_caches
-from ..config import budget_for
+from veloxquant_mlx.builder import KVCacheBuilder
+from veloxquant_mlx.caches.accounting import COLD_KEYS, kv_report
+from veloxquant_mlx.caches.quant import model_caches
+from veloxquant_mlx.config import budget_for
 from .provenance import resumed
-from .task_run import run_prompt
-from .tasks import build
+from veloxquant_mlx.evaluation.task_run import run_prompt
+from veloxquant_mlx.evaluation.tasks import build
 
 TIERS = ("none", "memory", "disk", "memory-hold", "disk-hold")
 

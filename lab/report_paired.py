@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .report_format import _REGIME_NAME, _ci_cell, _mean, _order, _pct, md_row, md_table
-from .results import FULL
+from veloxquant_mlx.evaluation.results import FULL
 from .stats import fmt_p, paired
 
 

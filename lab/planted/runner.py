@@ -13,10 +13,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ...platform.blas import openblas_preloaded
-from ...config import KVCacheConfig, budget_for
-from ...config_spec import parse_spec
-from ...registry import get_method, methods as registered_methods
+from veloxquant_mlx.platform.blas import openblas_preloaded
+from veloxquant_mlx.config import KVCacheConfig, budget_for
+from veloxquant_mlx.config_spec import parse_spec
+from veloxquant_mlx.registry import get_method, methods as registered_methods
 from .scenarios import (D, H_KV, H_Q, NESTED_KINDS, SCALE, Scenario, attention_probs, make_bridge,
                         make_erosion, make_heavy, make_nested)
 

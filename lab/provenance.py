@@ -28,7 +28,7 @@ from pathlib import Path
 
 FULL = "full"
 _PROMPT_LEN, _BUDGET, _DECODE, _CHUNK, _VOCAB = 512, 192, 40, 128, 128
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 _cache: dict = {}  # method -> hash, per process (the code does not change under a running process)
 
 
@@ -56,7 +56,7 @@ def _run(model, caches, prefill_step: int) -> list:
     import mlx.core as mx
     import numpy as np
 
-    from ..decode import feed_prompt, greedy, step
+    from veloxquant_mlx.decode import feed_prompt, greedy, step
 
     x = mx.array(_prompt())
     feed_prompt(model, x, caches, prefill_step)
@@ -82,7 +82,7 @@ _SETTINGS = {"end": ({}, 2048), "stream": ({"prompt_eviction": "stream"}, _CHUNK
 def _config(method: str, setting: str, options: dict | None = None):
     """A KVCacheConfig for one setting (and pinned method options), or the refusal's text (a method
     that refuses Ada-KV)."""
-    from ..config import KVCacheConfig
+    from veloxquant_mlx.config import KVCacheConfig
 
     core = {k: v for k, v in (options or {}).items() if k in KEYED_CORE_FIELDS}
     opts = {f"{method}_{k}": v for k, v in (options or {}).items() if k not in KEYED_CORE_FIELDS}
@@ -118,7 +118,7 @@ def method_fingerprint(key: str) -> str:
         return _cache[key]
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..builder import KVCacheBuilder
+    from veloxquant_mlx.builder import KVCacheBuilder
 
     head, _, setting = key.partition(":")
     setting = setting or "end"
@@ -150,7 +150,7 @@ def _with_tiny_scorer(model, method, setting, options):
     fixed random windows, in a temporary folder (deterministic up to the BLAS's summation order)."""
     import tempfile
 
-    from .kvzap_collect import tiny_scorer
+    from veloxquant_mlx.methods.kvzap.collect import tiny_scorer
 
     global _SCORER_DIR
     if _SCORER_DIR is None:
@@ -170,7 +170,7 @@ _SCORER_DIR = None
 
 
 def all_keys() -> list:
-    from ..registry import methods
+    from veloxquant_mlx.registry import methods
 
     return [FULL] + [f"{m}{s}" for m in methods() for s in ("", ":stream", ":ada")]
 
@@ -189,7 +189,7 @@ def method_of(label: str) -> str:
     """The registry method behind a figure's label: ``nexus-topk`` / ``nexus_topk`` -> ``nexus``,
     ``snapkv-ada`` / ``snapkv+ada`` -> ``snapkv`` (the longest registered name the label starts
     with); mlx-lm's own caches (``kvcache``, ``rotating``) -> ``full``; anything else as is."""
-    from ..registry import methods
+    from veloxquant_mlx.registry import methods
 
     if label in (FULL, "kvcache", "rotating") or label.startswith(FULL + "-"):  # full-4bit: QuantizedKVCache
         return FULL
@@ -204,7 +204,7 @@ def key_of(label: str, regime: str = "end", options: dict | None = None) -> str:
     (``nexus-reservoir`` -> ``nexus[prompt_top_k=False]``). A spec string used as a label
     (``snapkv:allocation=ada``) has the key of its method, options and allocation."""
     if "=" in label.partition(":")[2] and "[" not in label:
-        from ..config_spec import parse_spec
+        from veloxquant_mlx.config_spec import parse_spec
 
         m, core, pinned = parse_spec(label)
         pinned = {**pinned, **{k: core[k] for k in KEYED_CORE_FIELDS if k in core}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .results import FULL, _ada_base, _is_ada
+from veloxquant_mlx.evaluation.results import FULL, _ada_base, _is_ada
 from .stats import wilson
 
 

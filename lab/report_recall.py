@@ -2,7 +2,7 @@
 per turn, each row's accuracy with its Wilson interval, paired (exact McNemar) against the same method
 without recall and against the full cache; and the figure "all turns right against resident KV bytes".
 
-    python -m veloxquant_mlx.evaluation.report_recall figures/recall/followup_gemma3.json [...] \
+    python -m lab.report_recall figures/recall/followup_gemma3.json [...] \
         --out docs/results_recall.md --figs-dir figures/recall
 """
 

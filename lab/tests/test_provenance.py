@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from veloxquant_mlx.methods.h2o.cache import H2OKVCache
-from veloxquant_mlx.evaluation import provenance as P
+from lab import provenance as P
+from lab.stamp import stamp_store
 from veloxquant_mlx.evaluation.results import ResultStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark_scripts"))
 import check_figures  # noqa: E402
 
 
@@ -81,7 +82,7 @@ def test_result_store_stamps_the_methods_of_its_cells(tmp_path, fresh_cache):
     store = ResultStore(tmp_path / "x.json", "passkey")
     store.put("a", {"method": "streaming"})
     store.put("b", {"method": "full"})
-    store.stamp()
+    stamp_store(store)
     prov = json.loads((tmp_path / "x.json").read_text())["provenance"]
     assert set(prov["fingerprint"]) == {"streaming", "full"} and "stale_reason" not in prov
     assert prov["fingerprint"] == P.fingerprint(["streaming", "full"])
@@ -89,7 +90,7 @@ def test_result_store_stamps_the_methods_of_its_cells(tmp_path, fresh_cache):
     data = json.loads((tmp_path / "x.json").read_text())
     data["provenance"]["fingerprint"]["streaming"] = "0" * 12
     (tmp_path / "x.json").write_text(json.dumps(data))
-    store.stamp()
+    stamp_store(store)
     assert "streaming" in json.loads((tmp_path / "x.json").read_text())["provenance"]["stale_reason"]
 
 
@@ -106,7 +107,7 @@ def test_a_run_cut_short_keeps_the_provenance_of_the_cells_it_stored(tmp_path, f
         return {"correct": True}
 
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(store, cells, run_one, RunControl(out_dir=str(tmp_path), progress=False))
+        run_experiment(store, cells, run_one, RunControl(out_dir=str(tmp_path), progress=False, stamp=stamp_store))
     data = json.loads((tmp_path / "x.json").read_text())
     assert list(data["cells"]) == ["a"]
     assert data["provenance"]["fingerprint"] == P.fingerprint(["full"])
@@ -157,7 +158,7 @@ def test_check_figures_main_exit_code(tmp_path, monkeypatch):
 
 
 def test_generated_report_names_its_source_and_says_when_it_is_stale(tmp_path, fresh_cache):
-    from veloxquant_mlx.evaluation.report import _source_line
+    from lab.report import _source_line
 
     lines = []
     _source_line(tmp_path, "speed", {"cells": {}}, lines)  # no provenance
@@ -181,7 +182,7 @@ def test_stamp_keeps_what_an_older_provenance_recorded():
 def test_labels_that_pin_options_get_their_own_key(fresh_cache):
     """nexus-reservoir pins prompt_top_k=False: its key hashes that config, so its cells stay fresh when
     Nexus's default moves, and the key differs from the default's exactly when behaviour does."""
-    from veloxquant_mlx.evaluation.results import pinned_options
+    from lab.stamp import pinned_options
 
     opts = pinned_options("nexus-reservoir")
     assert opts == {"prompt_top_k": False} and pinned_options("nexus") is None and pinned_options("nope") is None
@@ -197,7 +198,7 @@ def test_labels_that_pin_options_get_their_own_key(fresh_cache):
 def test_a_label_naming_a_real_models_scorer_fingerprints_its_file(tmp_path):
     # a kvzap label with scorer=FILE (fitted for another model than the tiny fingerprint model) hashes
     # the method's code on the tiny model plus the file's bytes: no error, and a changed file shows
-    from veloxquant_mlx.evaluation.provenance import key_of, method_fingerprint
+    from lab.provenance import key_of, method_fingerprint
     from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR
 
     f = tmp_path / "s.safetensors"

@@ -7,7 +7,7 @@ import statistics
 from .report_format import _REGIME_NAME, _ci_avg, _ci_cell, _ctx_label, _ok_cells, _order, _pct, md_row, md_table
 from .report_paired import _needle_cut_table, _paired_table
 from .report_passkey_figures import passkey_figures
-from .results import FULL, _ada_base, _is_ada
+from veloxquant_mlx.evaluation.results import FULL, _ada_base, _is_ada
 
 
 def passkey_summary(data) -> dict:
