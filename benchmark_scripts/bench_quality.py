@@ -78,9 +78,11 @@ def plan(methods, curve, curve_densities, depths, bits=BITS):
 
 
 def quant_main(argv=None) -> int:
-    from veloxquant_mlx.cli import build_parser
-    from veloxquant_mlx.cli.eval import _md_path, run_harness
+    from lab.cli import report_path
     from lab.report import write_report
+    from lab.stamp import stamp_store
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.eval import run_harness
 
     preload_blas(num_threads=None)
     own = argparse.ArgumentParser(prog="bench_quality.py quant-passkey", description=QUANT_DOC,
@@ -90,6 +92,8 @@ def quant_main(argv=None) -> int:
     own.add_argument("--curve", default=None, help="method for the equal-memory curve (stage B)")
     own.add_argument("--curve-densities", nargs="+", type=float, default=[0.1, 0.35, 0.5])
     own.add_argument("--depths", choices=("25", "13"), default="25", help="the SmolLM2 (25) or Gemma (13) grid")
+    own.add_argument("--results-md", default=None, help="the report (default <out-dir>/results.md)")
+    own.add_argument("--no-report", action="store_true", help="do not regenerate the report after the run")
     own.add_argument("--dequantized-prefill", action="store_true",
                      help="quantized passes read the stored rows dequantized through float attention (faster on "
                           "the CPU, not what a lone mlx_lm.generate run computes; cells say quant_prefill)")
@@ -100,9 +104,10 @@ def quant_main(argv=None) -> int:
                                       "--methods", *labels])
     args.plan = tuple(stages)  # the passkey harness's settings take the stages as they are
     args.dequantized_prefill = a.dequantized_prefill
+    args.stamp = stamp_store  # the figure's provenance after every cell (python -m lab eval's stamp)
     rc = run_harness("passkey", args)
-    if not args.no_report:
-        write_report(args.out_dir, _md_path(args))
+    if not a.no_report:
+        write_report(args.out_dir, report_path(args.out_dir, a.results_md))
     return rc
 
 

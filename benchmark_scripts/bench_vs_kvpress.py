@@ -111,7 +111,7 @@ def ensure_hf_model(py: Path) -> None:
 
 def run_ours(args, labels) -> dict:
     if not args.skip_ours:
-        base = [sys.executable, "-m", "veloxquant_mlx", "--fast-blas", "eval", "passkey", "--contexts",
+        base = [sys.executable, "-m", "lab", "--fast-blas", "eval", "passkey", "--contexts",  # stamped
                 str(args.context), "--haystacks", *args.haystacks, "--densities", str(args.density),
                 "--regimes", "prefill", "--n-keys", "1", "--depths", *map(str, args.depths),
                 "--out-dir", str(args.out_dir), "--out-name", "ours.json", "--no-report"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from veloxquant_mlx.evaluation.results import DEFAULT_OUT_DIR, DEFAULT_RESULTS_MD, USER_OUT_DIR
 
 
-def _md_path(out_dir, results_md):
+def report_path(out_dir, results_md=None):
     """The report path: docs/results.md for the project's own results folder, else next to the JSON
     (so a --quick or scratch run never overwrites the published report)."""
     if results_md is not None:
@@ -44,14 +44,14 @@ def _eval(args, rest) -> int:
     else:
         from .report import write_report
 
-        print(f"wrote {write_report(run.out_dir, _md_path(run.out_dir, args.results_md))}")
+        print(f"wrote {write_report(run.out_dir, report_path(run.out_dir, args.results_md))}")
     return rc
 
 
 def _report(args) -> int:
     from .report import write_report
 
-    print(f"wrote {write_report(args.out_dir, _md_path(args.out_dir, args.results_md))}")
+    print(f"wrote {write_report(args.out_dir, report_path(args.out_dir, args.results_md))}")
     return 0
 
 
