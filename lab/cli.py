@@ -27,15 +27,15 @@ def report_path(out_dir, results_md=None):
 
 def _eval(args, rest) -> int:
     from veloxquant_mlx.cli import build_parser
-    from veloxquant_mlx.cli.eval import _control, run_harness
-    from veloxquant_mlx.evaluation.outputs import writes
+    from veloxquant_mlx.cli.eval import run_harness
+    from veloxquant_mlx.evaluation.outputs import RunControl, writes
 
     from .stamp import stamp_store
 
     run = build_parser().parse_args(["eval", *rest])  # the package's flags, checked by its own parser
     run.stamp = stamp_store
     rc = run_harness(run.eval_command, run)
-    if args.no_report or not writes(_control(run)):
+    if args.no_report or not writes(RunControl(out_dir=run.out_dir, max_cells=run.max_cells)):  # a dry run: none
         return rc
     if run.eval_command == "tasks":
         from .report_tasks import write_tasks_report
