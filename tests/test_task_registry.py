@@ -53,7 +53,7 @@ def test_registry_lists_the_built_in_tasks_in_report_order():
 
 @pytest.mark.filterwarnings("ignore:.*receives a new prompt")
 def test_a_task_registered_in_one_module_runs_through_eval_tasks(tmp_path, tiny_task):
-    from veloxquant_mlx.cli import main
+    from lab.cli import main  # the package's eval tasks, then the lab's tasks report (tasks.md)
     from veloxquant_mlx.evaluation.results import ByteTokenizer
 
     inst, toks = tiny_task.build(ByteTokenizer(), 400, 0)
