@@ -260,6 +260,31 @@ def test_disk_file_is_owned_removed_on_free_and_copied_on_deepcopy(tmp_path):
     assert not os.path.exists(twin_path)
 
 
+def test_a_killed_processs_files_go_with_the_next_disk_tier(tmp_path):
+    """A SIGKILLed owner cannot remove its file: the next disk tier opened in that folder removes every
+    file whose owner's pid no longer runs, and leaves live owners' files and other names alone."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time; sys.path.insert(0, 'tests'); from conftest import make_cache; "
+            f"c = make_cache('streaming', small=True, recall='disk', recall_dir={str(tmp_path)!r}); "
+            "print(c.cold.path, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = child.stdout.readline().strip()
+    finally:
+        child.kill()
+        child.wait()
+    assert os.path.exists(orphan) and f"-{child.pid}-" in os.path.basename(orphan)
+    live = make_cache("streaming", small=True, recall="disk", recall_dir=str(tmp_path))
+    other = tmp_path / "veloxquant-recall-notapid.bin"
+    other.write_bytes(b"")
+    assert not os.path.exists(orphan)  # gone with the second tier's start
+    assert os.path.exists(live.cold.path)
+    again = make_cache("streaming", small=True, recall="disk", recall_dir=str(tmp_path))
+    assert os.path.exists(live.cold.path) and os.path.exists(again.cold.path) and other.exists()
+
+
 def test_failed_disk_write_drops_nothing(tmp_path, monkeypatch):
     cache = make_cache("streaming", small=True, budget=32, recall="disk", recall_dir=str(tmp_path), recall_page=8)
     k = mx.random.normal((1, 2, 100, D))
