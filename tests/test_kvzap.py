@@ -284,8 +284,6 @@ def test_global_layers_hold_their_shares_through_decode_save_and_load(model, tmp
         assert c.positions.shape[2] == s + c.slack + 1  # and its buffers hold that share, not the budget
     save_prompt_cache(tmp_path / "g.safetensors", caches)
     assert [c.layer_share for c in load_prompt_cache(tmp_path / "g.safetensors")] == shares
-    with pytest.raises(ValueError, match="prompt_eviction='end'"):  # refused when the config is built
-        kvzap(kvzap_layers="global", prompt_eviction="stream")
 
 
 def test_default_is_one_ranking_across_layers_with_ada_heads(model):
@@ -305,12 +303,45 @@ def test_default_is_one_ranking_across_layers_with_ada_heads(model):
         assert c.evictions >= 2 and real.sum() <= real.shape[0] * (s + c.slack)
     with pytest.raises(ValueError, match=r"allocation='ada' \(kvzap's default\)"):
         KVCacheConfig("kvzap", budget=24, recall="memory")
-    stream = KVCacheBuilder.for_model(model, cfg.replace(prompt_eviction="stream"))  # auto: per layer there
+    stream = KVCacheBuilder.for_model(model, cfg.replace(prompt_eviction="stream"))  # auto: one ranking there too
     feed(model, stream, random_prompt(90, seed=23))
-    for c in stream:  # (Ada heads: the layer's total, not each head, is bounded)
-        real = np.array(c.stored("positions"))[0] != PAD_POSITION
-        assert not c.global_layers and c.layer_share is None and real.sum() <= real.shape[0] * (24 + c.slack)
+    assert all(c.global_layers and c.layer_share is not None for c in stream)
     assert KVCacheConfig("kvzap", budget=24, recall="memory", allocation="uniform").recall == "memory"
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "ada"])
+def test_streaming_ranks_every_chunk_across_layers_and_keeps_the_whole_prompts_top_rows(allocation):
+    """prompt_eviction="stream": after every chunk's forward one ranking of all layers' rows (the total
+    stays layers x heads x budget while the prompt streams in). A row's score is fixed when it arrives,
+    so the first layer, whose hidden states do not depend on what was evicted, ends with exactly the
+    whole prompt's top rows at its share: nothing it evicted early would have been kept at the end."""
+    model = make_tiny_model("llama", layers=4)
+    path = fit_tiny_scorer(model)
+    n, budget, step, L = 201, 24, 16, 4
+    prompt = random_prompt(n, seed=5)
+    cfg = KVCacheConfig("kvzap", budget=budget, n_sink=4, recent=4, allocation=allocation,
+                        prompt_eviction="stream", max_head_factor=100.0)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    H, totals = None, []
+    for i in range(0, n - 1, step):
+        model(mx.array([prompt[i:min(i + step, n - 1)]]), cache=caches)
+        H = caches[0].keys.shape[1]
+        totals.append(sum(int((np.array(c.stored("positions")) != PAD_POSITION).sum()) for c in caches))
+    slack = caches[0].slack  # ranked once the prompt passes budget + slack, then after every chunk
+    assert max(totals) <= L * H * (budget + slack) and all(abs(t - L * H * budget) <= L * H for t in totals[4:])
+    shares = [c.layer_share for c in caches]
+    assert all(c.evictions >= 5 for c in caches) and len(set(shares)) > 1
+    pred = predicted(model, path, prompt[:-1])[0]  # layer 0: the embeddings' scores, as streamed
+    free = np.arange(4, n - 1 - 4)
+    pos = np.array(caches[0].stored("positions"))[0]
+    kept = [set(pos[h].tolist()) - {PAD_POSITION} - set(range(4)) - set(range(n - 5, n)) for h in range(H)]
+    k = H * (shares[0] - 8)
+    if allocation == "uniform":
+        want = [set(free[np.argsort(-pred[h, free], kind="stable")[:shares[0] - 8]].tolist()) for h in range(H)]
+    else:  # one ranking of the layer's (row, head) pairs
+        thr = np.sort(pred[:, free].ravel())[::-1][k - 1]
+        want = [set(free[pred[h, free] >= thr].tolist()) for h in range(H)]
+    assert kept == want
 
 
 def test_global_layers_with_a_cold_tier_lose_nothing_and_keep_their_shares(model, tmp_path):

@@ -260,6 +260,31 @@ def test_disk_file_is_owned_removed_on_free_and_copied_on_deepcopy(tmp_path):
     assert not os.path.exists(twin_path)
 
 
+def test_a_killed_processs_files_go_with_the_next_disk_tier(tmp_path):
+    """A SIGKILLed owner cannot remove its file: the next disk tier opened in that folder removes every
+    file whose owner's pid no longer runs, and leaves live owners' files and other names alone."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time; sys.path.insert(0, 'tests'); from conftest import make_cache; "
+            f"c = make_cache('streaming', small=True, recall='disk', recall_dir={str(tmp_path)!r}); "
+            "print(c.cold.path, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = child.stdout.readline().strip()
+    finally:
+        child.kill()
+        child.wait()
+    assert os.path.exists(orphan) and f"-{child.pid}-" in os.path.basename(orphan)
+    live = make_cache("streaming", small=True, recall="disk", recall_dir=str(tmp_path))
+    other = tmp_path / "veloxquant-recall-notapid.bin"
+    other.write_bytes(b"")
+    assert not os.path.exists(orphan)  # gone with the second tier's start
+    assert os.path.exists(live.cold.path)
+    again = make_cache("streaming", small=True, recall="disk", recall_dir=str(tmp_path))
+    assert os.path.exists(live.cold.path) and os.path.exists(again.cold.path) and other.exists()
+
+
 def test_failed_disk_write_drops_nothing(tmp_path, monkeypatch):
     cache = make_cache("streaming", small=True, budget=32, recall="disk", recall_dir=str(tmp_path), recall_page=8)
     k = mx.random.normal((1, 2, 100, D))
@@ -610,3 +635,35 @@ def test_compiled_recall_composites_match_numpy(rows, K):
     bound = np.array(quest_bounds(q, lo, hi))
     want = np.sort(np.argsort(-bound, axis=-1, kind="stable")[..., :5], -1)
     assert np.array_equal(np.array(pick_pages(q, lo, hi, 5)), want)
+
+
+# -- a streamed prompt recalls at its end with its last queries ---------------------------------------
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("method", ["nexus", "morphkv"])
+def test_streamed_prompt_recalls_what_its_question_needs_at_its_end(method, tier, tmp_path):
+    """prompt_eviction="stream" with a cold tier: the chunks evict the needle row (their queries point
+    away from it) into the cold tier; the prompt's last chunk (the question) points at it, so at the
+    prompt's last token its queries recall the needle's page and the end compression keeps it. The disk
+    tier writes at every chunk's eviction: nothing evicted waits in memory while the prompt streams."""
+    kw = {"recall_dir": str(tmp_path)} if tier == "disk" else {}
+    cache = make_cache(method, small=True, budget=48, recall=tier, recall_page=8, recall_pages=2,
+                       prompt_eviction="stream", allocation="uniform", **kw)
+    rng, (H, Hq, N), u, keys = needle_keys()
+    values = keys * 2 + 1
+    q = rng.normal(size=(1, Hq, N, D)).astype(np.float32) * 0.1
+    q[..., :4] = -1.0  # the text's queries never attend to the needle
+    q[:, :, -12:] = u * 4  # the question's do
+    q = mx.array(q)
+    pending = []
+    for a in range(0, N - 1, 16):  # the prompt in chunks, then its last token alone
+        b = min(a + 16, N - 1)
+        cache.update_and_fetch(keys[:, :, a:b], values[:, :, a:b])
+        cache.observe_queries(q[:, :, a:b])
+        pending.append(len(getattr(cache.cold, "pending", ())))
+    assert cache.evictions >= 2 and cache.cold.recalls == 0 and max(pending) == 0
+    assert all(NEEDLE not in row for row in hot_positions(cache)[0])
+    cache.update_and_fetch(keys[:, :, N - 1:], values[:, :, N - 1:])
+    cache.observe_queries(q[:, :, N - 1:])
+    assert cache.cold.recalls == 1 and all(NEEDLE in row for row in hot_positions(cache)[0])
+    assert cache.size() <= cache.budget + cache.slack
+    assert_nothing_lost(cache)

@@ -321,6 +321,8 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         self.on_queries(queries)
         if self.cold is not None and self.cold.armed:
             self._recall(queries, scale)
+        elif self.cold is not None and self.prompt.open and self._streams_prompt():
+            self.cold.note_queries(queries)  # the streamed prompt's last queries recall at its end
         if self.prompt.ending:
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():

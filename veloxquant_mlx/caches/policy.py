@@ -66,6 +66,10 @@ class PromptPolicy:
             self.cold.arm(turn=True)  # a new turn on a cache that has evicted: recall with its queries
         elif self.cold is not None and S == 1 and not p.open and self.offset > 0:
             self.cold.decode_step()  # recall_every: every Nth decode step recalls with its query
+        elif self.cold is not None and S == 1 and p.open and self._streams_prompt():
+            # The streamed prompt's last token: the pages the prompt's last queries (the question's,
+            # noted at every chunk in _observe) need come back, and its end compression picks.
+            self.cold.arm(turn=True, queries=self.cold.q)
         if S > 1 and p.saw_decode:
             warnings.warn(
                 f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
@@ -130,6 +134,10 @@ class PromptPolicy:
         """Compress once when the prompt ends? Prefill-only methods always; decode-bounded methods
         under ``prompt_eviction="end"`` (the paper's prefill + decode setting)."""
         return self.prefill_only or self.config.prompt_eviction == "end"
+
+    def _streams_prompt(self) -> bool:
+        """Prompt chunks evict as they stream in (``prompt_eviction="stream"``, a decode-bounded method)."""
+        return self.config.prompt_eviction == "stream" and not self.prefill_only
 
     def _evicts_during(self, S: int) -> bool:
         """Does a step of S new tokens run threshold evictions? Prompt chunks (S > 1) only under

@@ -119,8 +119,10 @@ class ColdTier:
     def check_head_dim(self, head_dim: int) -> None:
         """Called with the first keys a cache receives (before anything is stored or dropped)."""
 
-    def arm(self, turn: bool = False) -> None:
-        self.armed, self.q, self.turn = self.n_pages > 0, None, turn
+    def arm(self, turn: bool = False, queries: mx.array | None = None) -> None:
+        """Recall at the end of the input that starts now; ``queries``: ones it already saw (a streamed
+        prompt's last chunk), joined by the ones still to come."""
+        self.armed, self.q, self.turn = self.n_pages > 0, queries, turn
 
     def turn_recalled(self) -> bool:
         """A new input recalled pages that no eviction has refilled yet (what recall_hold holds)."""
@@ -174,8 +176,8 @@ class ColdTier:
             whole = [a[:, :, :n] for a in parts]
             self._add_summaries(*summarize_pages(whole[0], whole[2], self.page, summary_dtype(whole[0].dtype)))
             self.store(*whole)
-        if cache.compressing_prompt:
-            self.flush()
+        if cache.compressing_prompt or cache.prompt.open:  # (open: a streamed prompt's chunk)
+            self.flush()  # the disk tier writes now, so a streamed prompt holds no pending rows
 
     def _add_summaries(self, lo, hi):
         n = lo.shape[2]

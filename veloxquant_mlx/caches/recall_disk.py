@@ -6,7 +6,9 @@ so bfloat16 needs no conversion) and positions. Nothing of it stays resident: re
 wait in memory ("pending", counted as resident) until :meth:`DiskTier.flush`, which runs at the end of
 a prompt's one-shot compression and at each recall (the one host sync per layer of this tier, never
 per decode token). The file is removed when the tier is freed or the process exits normally; a deep
-copy (mlx-lm's prompt-cache reuse) gets its own copy of the file.
+copy (mlx-lm's prompt-cache reuse) gets its own copy of the file. A killed process cannot remove its
+files: they stay in ``recall_dir`` (default: the system temp folder) until the next disk tier opened
+there removes every file whose owner's pid no longer runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,34 @@ def make_cold_tier(config):
     return (MemoryTier if config.recall == "memory" else DiskTier)(config)
 
 
+PREFIX = "veloxquant-recall-"  # + the owner's pid + "-": a killed owner's files are found by it
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _sweep_dead(folder: str) -> None:
+    """Remove the files a killed process (SIGKILL, a crash) left in ``folder``: its pid no longer runs.
+    Files of live processes, and names this tier did not write, are left alone."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(PREFIX) and name.endswith(".bin")):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            _remove(os.path.join(folder, name))
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
@@ -54,8 +84,9 @@ class DiskTier(ColdTier):
         self.pending = []  # (keys, values, positions) of pages not written yet, in page order
 
     def _open_file(self) -> None:
+        _sweep_dead(self.folder or tempfile.gettempdir())
         try:
-            fd, self.path = tempfile.mkstemp(prefix="veloxquant-recall-", suffix=".bin", dir=self.folder)
+            fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".bin", dir=self.folder)
         except OSError as e:
             raise ValueError(f"recall='disk' cannot create its file in "
                              f"{self.folder or tempfile.gettempdir()!r}: {e.strerror or e}") from None

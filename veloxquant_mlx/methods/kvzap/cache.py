@@ -48,12 +48,14 @@ class KVzapOptions:
     # "each": every layer keeps ``budget`` rows per head. "global": at a prompt's end one ranking of every
     # layer's predicted log KVzip+ scores decides each layer's share (KVzip's non-uniform layer budget,
     # KVzip Sec. 3; the surrogates regress one target scale, so their predictions compare across layers),
-    # and decode keeps each layer at its share. The total stays layers x heads x budget. "auto" (default):
-    # "global" under prompt_eviction="end", where it was measured best on the paired passkey grids of two
-    # models (docs/methods/kvzap.md), "each" under "stream" (its chunks evict before the prompt ends).
+    # and decode keeps each layer at its share. The total stays layers x heads x budget. Under
+    # prompt_eviction="stream" the ranking runs after every prompt chunk's forward instead: scores are
+    # fixed when a row arrives, so a row in the whole prompt's top set is in the top set of every chunk
+    # that holds it (docs/methods/kvzap.md, "Streaming"). "auto" (default) is "global" in both modes,
+    # measured best on the paired passkey grids of two models (docs/methods/kvzap.md).
     # Tiny test shapes (small=) keep "each": the generic per-layer contract tests; test_kvzap tests the rest.
     layers: str = option("auto", choices=("auto", "each", "global"), small="each",
-                         doc="budget across layers: auto (global at prompt_eviction=end) | each | global")
+                         doc="budget across layers: auto (= global) | each | global")
 
 
 # -- model identity ------------------------------------------------------------------------------------
@@ -206,13 +208,7 @@ class KVzapCache(EvictionCache):
         self.scorer_file = None  # (path, sha256) of the scorer in use
         self.layer_share = None  # layers="global": this layer's rows per head since a prompt's end
         self._share_due = False  # layers="global": compression deferred to after the forward
-
-    @classmethod
-    def check_config(cls, config):
-        if config.options.layers == "global" and config.prompt_eviction != "end":
-            raise ValueError("kvzap layers='global' compresses at the prompt's end: it needs "
-                             f"prompt_eviction='end', not {config.prompt_eviction!r} (layers='auto', the "
-                             "default, splits per layer there)")
+        self._ranking_possible = True  # False once a forward ran without the builder's model wrapper
 
     def extra_row_fields(self):
         return {"zap_score": 0.0}
@@ -280,6 +276,9 @@ class KVzapCache(EvictionCache):
             params = self._layer_weights(keys.shape[1])
             s = _score_compiled[len(params)](x, *params)
         self.row_extras["zap_score"][:, :, prev:prev + S] = s
+        if (self._streams_globally(S) and self._ranking_possible and not self._share_due
+                and self.offset > self.budget + self.slack):
+            self._defer_ranking()
 
     def _unscored(self, prev, S):
         """No scorer or no hidden state: a cache built without the builder ranks rows by recency (a
@@ -296,9 +295,31 @@ class KVzapCache(EvictionCache):
     # -- layers="global": one ranking across layers at each prompt's end -------------------------------
     @property
     def global_layers(self) -> bool:
-        """Does a prompt's end rank every layer's rows together (layers "global", or "auto" under "end")?"""
-        layers = self.options.layers
-        return layers == "global" or (layers == "auto" and self.config.prompt_eviction == "end")
+        """Does one ranking of every layer's rows split the budget (layers "global" or "auto")?"""
+        return self.options.layers in ("global", "auto")
+
+    def _streams_globally(self, S: int) -> bool:
+        """A prompt chunk under prompt_eviction="stream" with one ranking across layers: the chunk's
+        eviction waits for the forward's end, when every layer holds its rows (run_model_pass)."""
+        return S > 1 and self.global_layers and self.config.prompt_eviction == "stream"
+
+    def evict_threshold(self) -> int:
+        if self._share_due:  # this forward's eviction is the ranking after it (run_model_pass)
+            return self._rows + 1
+        return super().evict_threshold()
+
+    def _defer_ranking(self) -> None:
+        """Ask for the ranking across layers after this forward; without the builder's model wrapper
+        each layer evicts on its own (warned once)."""
+        if forward.defer(self):
+            self._share_due = True
+            return
+        self._ranking_possible = False
+        if "no pass" not in _warned:
+            _warned.add("no pass")
+            warnings.warn("kvzap layers='global' needs the caches built by KVCacheBuilder (its model "
+                          "wrapper runs the ranking after the forward): each layer keeps its own budget",
+                          stacklevel=5)
 
     def keep_rows(self) -> int:
         # The layer's share sizes the decode threshold and the buffers too (base evict_threshold and
@@ -309,21 +330,17 @@ class KVzapCache(EvictionCache):
 
     def _end_prompt(self):
         if self.global_layers and self.offset > self.budget and not self._holds_recall():
-            if forward.defer(self):  # after the forward, with every layer's rows: run_model_pass
+            self._defer_ranking()  # after the forward, with every layer's rows: run_model_pass
+            if self._share_due:
                 self.prompt.ending = False
-                self._share_due = True
                 return
-            if "no pass" not in _warned:
-                _warned.add("no pass")
-                warnings.warn("kvzap layers='global' needs the caches built by KVCacheBuilder (its model "
-                              "wrapper runs the ranking after the forward): each layer keeps its own budget",
-                              stacklevel=4)
         super()._end_prompt()
 
     @classmethod
     def run_model_pass(cls, driver, seq):
-        """After the forward whose prompt end every kvzap layer of this sequence deferred: one ranking
-        of all their rows, then each compresses to its share (no model pass runs)."""
+        """After the forward whose prompt end (or, streaming, whose prompt chunk) every kvzap layer of
+        this sequence deferred: one ranking of all their rows, then each compresses to its share (no
+        model pass runs)."""
         due = [c for c, _ in seq if isinstance(c, cls) and c._share_due]
         if not due:
             return
