@@ -136,7 +136,7 @@ def needle_rank(scorers: list) -> int:
     top 99 / 176 free rows hold each needle token, by prediction and by truth (docs/methods/kvzap.md)."""
     import numpy as np
 
-    from veloxquant_mlx.methods.kvzap.collect import kvzip_plus_rows
+    from veloxquant_mlx.evaluation.kvzap_fit import kvzip_plus_rows
     from veloxquant_mlx.evaluation.needle import key_token_spans
     from veloxquant_mlx.evaluation.retrieval import make_prompt
     from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR, load_scorer

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     preload_blas()
     from veloxquant_mlx.config import budget_for
     from veloxquant_mlx.evaluation.passkey import make_passkey_prompt
-    from veloxquant_mlx.evaluation.stats import paired, wilson
+    from lab.stats import paired, wilson
     from veloxquant_mlx.models import load_model
 
     table, chunk = paired_table(args.files, args.context, args.density)

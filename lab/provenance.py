@@ -150,7 +150,7 @@ def _with_tiny_scorer(model, method, setting, options):
     fixed random windows, in a temporary folder (deterministic up to the BLAS's summation order)."""
     import tempfile
 
-    from veloxquant_mlx.methods.kvzap.collect import tiny_scorer
+    from veloxquant_mlx.evaluation.kvzap_fit import tiny_scorer
 
     global _SCORER_DIR
     if _SCORER_DIR is None:

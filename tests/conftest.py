@@ -46,7 +46,7 @@ os.environ["VELOXQUANT_KVZAP_PATH"] = str(KVZAP_DIR)
 
 def fit_tiny_scorer(model) -> Path:
     """Fit (once per model identity) and store a kvzap scorer for a tiny test model."""
-    from veloxquant_mlx.methods.kvzap.collect import tiny_scorer
+    from veloxquant_mlx.evaluation.kvzap_fit import tiny_scorer
 
     return tiny_scorer(model, KVZAP_DIR, tiny_tokenizer())
 

@@ -16,7 +16,7 @@ from mlx_lm.generate import batch_generate, generate_step
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.caches.storage import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
-from veloxquant_mlx.methods.kvzap.collect import hidden_states, split_windows, windows
+from veloxquant_mlx.evaluation.kvzap_fit import hidden_states, split_windows, windows
 from veloxquant_mlx.methods.kvzap.cache import (KVzapCache, find_scorer, load_scorer, model_identity,
                                           read_scorer_metadata, save_scorer)
 from veloxquant_mlx.methods.kvzap.fit import keep_overlap, r2, ridge, spearman

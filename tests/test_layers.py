@@ -152,10 +152,10 @@ def test_imports_point_down_the_layers_counting_deferred_imports():
     assert layer_violations(contract_graph(), _layers(), PACKAGE) == []
 
 
-def test_every_named_exception_is_an_import_that_exists():
-    """An ``ignore_imports`` line that no longer matches an import is stale: drop it."""
-    graph = import_graph(ROOT, PACKAGE)
-    assert ignored_imports() and all(t in graph.get(m, ()) for m, t in ignored_imports()), ignored_imports()
+def test_the_contracts_name_no_exception():
+    """Every import points down the layers as it is: no ``ignore_imports`` line excuses one (kvzap's fit
+    driver, which runs the model through the builder, sits in evaluation/ for that reason)."""
+    assert ignored_imports() == set()
 
 
 def test_the_ast_check_sees_a_deferred_upward_import_and_cycle(tmp_path):

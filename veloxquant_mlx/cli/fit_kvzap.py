@@ -1,6 +1,6 @@
 """``python -m veloxquant_mlx fit-kvzap --model NAME --out FILE``: fit a KVzap scorer for one model.
 
-The data and the fit live in ``methods/kvzap/collect.py`` (KVzip+ scores and hidden states of text
+The data and the fit live in ``evaluation/kvzap_fit.py`` (KVzip+ scores and hidden states of text
 windows) and ``methods/kvzap/fit.py`` (the ridge regression).
 
 The default text ships with Python (``--corpus mixed``, the text every shipped scorer was fitted on):
@@ -33,7 +33,7 @@ def cmd_fit_kvzap(args):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"--out {args.out!r}: folder {out_dir!r} does not exist")
-    from ..methods.kvzap.collect import (STDLIB_MODULES, fit_scorer, interleaved_windows, stdlib_sources,
+    from ..evaluation.kvzap_fit import (STDLIB_MODULES, fit_scorer, interleaved_windows, stdlib_sources,
                                          stdlib_text, windows)
 
     if args.text:

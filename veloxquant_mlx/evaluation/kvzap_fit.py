@@ -91,10 +91,10 @@ def kvzip_plus_rows(model, tokenizer, ids: list, n_sink: int = 4) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from ...builder import KVCacheBuilder
-    from ...config import KVCacheConfig
-    from ..kvzip import KVzipCache
-    from ...tap import install_hidden_tap
+    from ..builder import KVCacheBuilder
+    from ..config import KVCacheConfig
+    from ..methods.kvzip import KVzipCache
+    from ..tap import install_hidden_tap
 
     n = len(ids)
     cfg = KVCacheConfig("kvzip", budget=n - 1, n_sink=n_sink, allocation="uniform", kvzip_normalize="plus",
@@ -132,7 +132,7 @@ def hidden_states(model, ids: list, layers: list) -> dict:
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ...tap import install_hidden_tap
+    from ..tap import install_hidden_tap
 
     class Capture:  # a layer's own cache that also records the input the tap hands it
         def __init__(self, inner):
@@ -160,7 +160,7 @@ def collect(model, tokenizer, wins: list, bar=None, data_dir=None) -> dict:
     collection's version) and read back on a later run, so a long fit resumes and refits are cheap."""
     import numpy as np
 
-    from .fit import log_targets
+    from ..methods.kvzap.fit import log_targets
 
     data: dict = {}
     for ids in wins:
@@ -184,7 +184,7 @@ def _rows_file(model, ids: list, data_dir):
     import json
     from pathlib import Path
 
-    from .cache import model_identity
+    from ..methods.kvzap.cache import model_identity
 
     if data_dir is None:
         return None
@@ -219,8 +219,8 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
     """Fit and write a scorer for ``model`` on token windows ``wins``; returns the file's metadata.
     ``command``: what the provenance records as the command (default: this process's argv). ``kind``:
     "linear" (ridge) or "mlp" (``mlp``: hidden, epochs, lr, batch; default ``MLP_DEFAULTS``)."""
-    from .cache import model_identity, read_scorer_metadata, save_scorer
-    from .fit import MLP_DEFAULTS, fit_layers, fit_mlp_layers, summarize
+    from ..methods.kvzap.cache import model_identity, read_scorer_metadata, save_scorer
+    from ..methods.kvzap.fit import MLP_DEFAULTS, fit_layers, fit_mlp_layers, summarize
 
     if kind not in ("linear", "mlp"):
         raise ValueError(f"kvzap scorer kind must be 'linear' or 'mlp', got {kind!r}")
@@ -233,8 +233,8 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
         from tqdm import tqdm
 
         bar = tqdm(total=len(wins), desc="fit-kvzap", unit="text", file=sys.stderr)
-    from ...builder import KVCacheBuilder
-    from ...model_pass import model_pass_installed
+    from ..builder import KVCacheBuilder
+    from ..model_pass import model_pass_installed
 
     fresh = not (KVCacheBuilder.installed(model) or model_pass_installed(model))
     try:
@@ -288,7 +288,7 @@ def tiny_scorer(model, folder, tokenizer=None, seed: int = 1000):
 
     import numpy as np
 
-    from .cache import model_identity
+    from ..methods.kvzap.cache import model_identity
 
     ident = model_identity(model)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
