@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import warnings
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from .caches.base import EvictionCache
 from .config import KVCacheConfig
 from .caches.shard import HeadShard
+from .model_dims import config_field
 from .distributed import attach as attach_group, layer_span, resolve_group
 from .model_pass import install_model_pass, remove_model_pass
 from .prompt_cache import load_prompt_cache as read_prompt_cache
-from .tap import install_hidden_tap, install_query_tap, remove_query_tap
+from .tap import bind_latent_queries, install_hidden_tap, install_query_tap, remove_query_tap
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
@@ -51,6 +52,18 @@ def _install_glue(model, classes, tokenizer=None) -> bool:
     return tapped
 
 
+# Config fields of models whose layers read another layer's cache (KV shared across layers): an eviction in
+# the owning layer would change what the reading layers attend to, and our caches do not serve those reads.
+_SHARED_KV_FIELDS = ("num_kv_reuse_layers", "num_kv_shared_layers", "use_cla")
+
+
+def _refuse_shared_kv(model) -> None:
+    shared = [(f, config_field(model, f)) for f in _SHARED_KV_FIELDS if config_field(model, f)]
+    if shared:
+        raise ValueError(f"{type(model).__module__} shares KV rows across layers ({shared[0][0]}={shared[0][1]!r}): "
+                         "eviction is not supported; run it with mlx-lm's own caches")
+
+
 class KVCacheBuilder:
     """Registry front door: ``KVCacheBuilder.for_model(model, config)`` -> one fresh cache per layer."""
 
@@ -72,6 +85,7 @@ class KVCacheBuilder:
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        _refuse_shared_kv(model)
         base = _model_layer_caches(model)
         cls = config.cache_class
         tapped = _install_glue(model, [cls], tokenizer)
@@ -88,19 +102,30 @@ class KVCacheBuilder:
                 "(measurably worse; see docs/architecture.md)", stacklevel=2)
         start, n = layer_span(model, len(base))
         group = resolve_group(model, group)
-        caches = []
-        for i, c in enumerate(base):
-            if type(c) is KVCache or isinstance(c, EvictionCache):
-                ev = cls(config, layer_idx=start + i, n_layers=n)
-                ev.dist = HeadShard(group) if group is not None else None
-                ev.queries_from_keys = not tapped
-                ev.tap_active = tapped
-                caches.append(ev)
-            else:
-                caches.append(c)
+        ours = []
+
+        def evicting(c, i):
+            if not (type(c) is KVCache or isinstance(c, EvictionCache)):
+                return c  # sliding window, SSM, ...: the model's own cache
+            ev = cls(config, layer_idx=start + i, n_layers=n)
+            ev.dist = HeadShard(group) if group is not None else None
+            ev.queries_from_keys = not tapped
+            ev.tap_active = tapped
+            ours.append(ev)
+            return ev
+
+        # A CacheList layer (an SSM state beside the attention's KVCache: falcon_h1, baichuan_m1) keeps its
+        # other parts and gets an eviction cache for its attention part.
+        caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
+                  for i, c in enumerate(base)]
+        if not ours:
+            kinds = sorted({type(c).__name__ for c in base})
+            raise ValueError(f"{type(model).__module__} has no full-attention KV cache to evict (its layers keep "
+                             f"{', '.join(kinds)}): run it with mlx-lm's own caches")
+        bind_latent_queries(model, caches)  # MLA layers: queries in the latent's space (tap.py)
         attach = getattr(cls, "attach_model", None)  # a method that needs the model itself (e.g. its identity)
         if attach is not None:
-            attach(model, [c for c in caches if isinstance(c, cls)])
+            attach(model, [c for c in ours if isinstance(c, cls)])
         return caches
 
     @staticmethod
@@ -113,6 +138,7 @@ class KVCacheBuilder:
         if not _install_glue(model, ours, tokenizer) and any(c.tap_active for c in ours):
             raise ValueError(f"these caches were built with the query tap, and {type(model).__module__} does not "
                              "call mlx-lm's scaled_dot_product_attention: they cannot run on this model")
+        bind_latent_queries(model, caches)
         return attach_group(caches, resolve_group(model, group))
 
     @staticmethod
