@@ -1,0 +1,150 @@
+"""Every architecture file of the installed mlx-lm, built tiny (tests/mlx_lm_archs.py), gets one of three
+statuses from the library, and the test checks the one the table expects (``EXPECT``):
+
+- evicts: with a budget above the prompt, ``for_model``'s caches give exactly mlx-lm's greedy tokens and
+  logits; with a small budget every eviction cache evicts, and the query-aware method saw real queries
+  through the tap (or, ``keys as queries``, keys stood in with the one warning);
+- refused: ``for_model`` raises one clear line before any prefill.
+
+An architecture file missing from the table fails as ``unknown architecture``. ``--write-architectures``
+writes docs/architectures.md from the results (tests/architectures_page.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from architectures_page import write as write_page
+from conftest import small_config
+from mlx_lm_archs import ARCHS, EVICTS, KEYS_AS_QUERIES, REFUSED, CannotRun, NoTinyConfig, architecture_files, build
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.base import EvictionCache
+from veloxquant_mlx.model_dims import model_dims
+
+PROMPT, NEW, CHUNK = 40, 4, 16  # a prompt fed in chunks (mlx-lm's prefill), then greedy decode
+BUDGET = 16  # evicting runs: well below the prompt
+RESULTS: dict = {}  # name -> (status, detail), for the docs page
+
+
+def _run(model, caches, prompt=None):
+    """Greedy tokens and every step's logits, fed as mlx_lm.generate feeds them."""
+    x = mx.array(prompt or np.random.default_rng(1).integers(1, 120, PROMPT).tolist())
+    done = 0
+    while x.shape[0] - done > 1:
+        m = min(CHUNK, x.shape[0] - done - 1)
+        model(x[None, done:done + m], cache=caches)
+        mx.eval([c.state for c in caches])
+        done += m
+    ids, toks, logits = x[-1:], [], []
+    for _ in range(NEW):
+        out = model(ids[None], cache=caches)[0, -1].astype(mx.float32)
+        ids = mx.argmax(out, keepdims=True)
+        mx.eval(ids, out)
+        toks.append(int(ids.item()))
+        logits.append(np.array(out))
+    return toks, np.stack(logits)
+
+
+def _ours(caches) -> list:
+    """The eviction caches among ``caches``, those inside a CacheList layer included."""
+    flat = [x for c in caches for x in getattr(c, "caches", (c,))]
+    return [c for c in flat if isinstance(c, EvictionCache)]
+
+
+def _record(name, status, detail=""):
+    RESULTS[name] = (status, detail)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_page(request):
+    """``--write-architectures``: write docs/architectures.md from this run's results (every architecture ran)."""
+    yield
+    if request.config.getoption("--write-architectures"):
+        missing = sorted(set(architecture_files()) - set(RESULTS))
+        assert not missing, f"--write-architectures needs every architecture's test to run; missing {missing}"
+        write_page({n: {"status": s, "detail": d} for n, (s, d) in RESULTS.items()})
+
+
+@pytest.mark.parametrize("name", architecture_files())
+def test_architecture(name):
+    row = ARCHS.get(name)
+    if row is None:
+        _record(name, "unknown", "not in tests/mlx_lm_archs.py")
+        pytest.fail(f"unknown architecture {name!r}: add it to tests/mlx_lm_archs.py's ARCHS")
+    if isinstance(row, (CannotRun, NoTinyConfig)):
+        _record(name, "not run" if isinstance(row, CannotRun) else "not tested", row.reason)
+        pytest.skip(f"{name}: {row.reason}")
+    try:
+        _check(name, row[1])
+    except BaseException as e:
+        if not isinstance(e, pytest.skip.Exception):
+            _record(name, "FAILS", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise
+
+
+def _check(name, expected):
+    assert expected in (EVICTS, KEYS_AS_QUERIES, REFUSED), (name, expected)
+    model = build(name)
+    if expected == REFUSED:
+        with pytest.raises(ValueError) as err:
+            KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET))
+        line = str(err.value)
+        assert line and "\n" not in line, f"{name}: the refusal is not one line: {line!r}"
+        _record(name, REFUSED, line)
+        return
+
+    reference = _run(model, make_prompt_cache(model))
+    # Exact with nothing evicted: the budget holds the prompt and every new token.
+    with warnings.catch_warnings(record=True) as caught:  # the no-tap warning comes once per model
+        warnings.simplefilter("always")
+        full = KVCacheBuilder.for_model(model, KVCacheConfig("snapkv", budget=PROMPT + NEW + 64))
+    no_tap = [str(w.message) for w in caught if "scaled_dot_product_attention" in str(w.message)]
+    if expected == EVICTS:
+        assert not no_tap, f"{name}: {no_tap}"
+    else:
+        assert no_tap, f"{name}: expected the one warning that keys stand in for queries"
+    ours = _ours(full)
+    assert ours, f"{name}: for_model built no eviction cache, and did not refuse"
+    toks, logits = _run(model, full)
+    assert toks == reference[0], f"{name}: greedy tokens differ from mlx-lm's caches with nothing evicted"
+    np.testing.assert_array_equal(logits, reference[1], err_msg=f"{name}: logits differ with nothing evicted")
+    assert all(c.evictions == 0 for c in ours)
+
+    # Evicting: a query-free method and a query-aware one.
+    for method in ("streaming", "snapkv"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            caches = KVCacheBuilder.for_model(model, small_config(method, budget=BUDGET))
+        ours = _ours(caches)
+        toks, _ = _run(model, caches)
+        assert len(toks) == NEW
+        assert all(c.evictions > 0 for c in ours), f"{name} {method}: a layer did not evict"
+        assert all(c._rows <= BUDGET + c.slack for c in ours), f"{name} {method}: rows above the budget"
+        if method == "snapkv":
+            if expected == EVICTS:
+                assert all(c.tap_active and not c.queries_from_keys and c.queries_observed > 0 for c in ours), \
+                    f"{name}: the tap did not hand real queries to every eviction cache"
+            else:
+                assert all(c.queries_from_keys for c in ours), f"{name}: expected keys as queries"
+    how = [f"{len(ours)} of {len(caches)} layers evict"]
+    if any(getattr(c, "latent_query", None) is not None for c in ours):
+        how.append("MLA latents, scored with the absorbed query")
+    if any(type(c).__name__ == "CacheList" for c in caches):
+        how.append("the attention part of CacheList layers")
+    _record(name, expected, "; ".join(how))
+
+
+@pytest.mark.parametrize("name", [n for n in architecture_files()
+                                  if isinstance(ARCHS.get(n), tuple) and ARCHS[n][1] != REFUSED])
+def test_model_dims_read_every_architecture(name):
+    """The one reader of model dimensions (kvzap's identity, the CLI) gets this architecture's from its
+    real config (nested text_config, other field names), matching the layers the model builds."""
+    model = build(name)
+    dims = model_dims(model)
+    assert (dims.n_layers, dims.d_model, dims.n_heads) == (4, 64, 4), dims  # the table's TINY values
+    assert dims.n_kv_heads in (1, 2, 4) and dims.head_dim in (16, 32, 64), dims
