@@ -148,3 +148,53 @@ def test_model_dims_read_every_architecture(name):
     dims = model_dims(model)
     assert (dims.n_layers, dims.d_model, dims.n_heads) == (4, 64, 4), dims  # the table's TINY values
     assert dims.n_kv_heads in (1, 2, 4) and dims.head_dim in (16, 32, 64), dims
+
+
+def test_mla_latent_query_scores_as_the_decompressed_keys():
+    """MLA: the tap's latent-space query scores a latent row exactly as the prefill query scores the key
+    decompressed from it (``q_nope . embed_q(latent)``), so methods rank the rows attention reads."""
+    from veloxquant_mlx.tap import LatentQuery
+
+    model = build("deepseek_v3")
+    attn = model.layers[0].self_attn
+    q_nope = mx.random.normal((1, attn.num_heads, 5, attn.qk_nope_head_dim))
+    latent = mx.random.normal((1, 1, 7, attn.kv_lora_rank))
+    absorbed = LatentQuery(attn)(q_nope)
+    assert absorbed.shape == (1, attn.num_heads, 5, attn.kv_lora_rank)
+    assert LatentQuery(attn)(absorbed) is absorbed  # decode hands the absorbed query already
+    direct = q_nope @ attn.embed_q(latent, transpose=False).swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(absorbed @ latent.swapaxes(-1, -2)), np.array(direct), rtol=1e-4, atol=1e-5)
+
+
+def test_mla_refuses_quantized_rows_in_one_line():
+    model = build("deepseek_v3")
+    with pytest.raises(ValueError, match="MLA latents") as err:
+        KVCacheBuilder.for_model(model, KVCacheConfig("snapkv", budget=64, kv_bits=8, kv_group_size=32))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["exaone", "gpt2", "dbrx", "llama4", "gemma3", "qwen3_5", "mistral3"])
+def test_kvzap_identity_reads_the_real_text_config(name):
+    """kvzap's identity (what a fitted scorer is matched on) from configs that spell or nest their fields
+    differently: num_layers, n_embd, d_model, text_config."""
+    from veloxquant_mlx.methods.kvzap import model_identity
+
+    ident = model_identity(build(name))
+    assert (ident["n_layers"], ident["d_model"], ident["n_kv_heads"]) == (4, 64, 2), ident
+    assert ident["architecture"] == name
+
+
+def test_model_dims_refuse_in_one_line():
+    class Bare:
+        pass
+
+    class Args:
+        model_type, hidden_size = "odd", 64  # no layer count under any known name
+
+    class NoLayers:
+        args = Args()
+
+    for model, words in ((Bare(), "no mlx-lm ModelArgs"), (NoLayers(), "cannot read the model's n_layers")):
+        with pytest.raises(ValueError, match=words) as err:
+            model_dims(model)
+        assert "\n" not in str(err.value)

@@ -115,7 +115,12 @@ class KVCacheBuilder:
             return ev
 
         # A CacheList layer (an SSM state beside the attention's KVCache: falcon_h1, baichuan_m1) keeps its
-        # other parts and gets an eviction cache for its attention part.
+        # other parts and gets an eviction cache for its attention part. Several KV caches in one layer (a
+        # sparse-attention indexer over the latent's rows: deepseek_v32; two attentions: longcat_flash) are
+        # refused: the layer's mask and the indexer's row numbers assume the rows of one cache.
+        if any(type(c) is CacheList and sum(type(x) is KVCache for x in c.caches) > 1 for c in base):
+            raise ValueError(f"{type(model).__module__} keeps several KV caches per layer (a sparse-attention "
+                             "indexer, or two attentions): eviction is not supported; run it with mlx-lm's own caches")
         caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
                   for i, c in enumerate(base)]
         if not ours:

@@ -55,10 +55,14 @@ def config_field(model, name):
     return None if cfg is None else _get(cfg, name)
 
 
-def _first(cfgs, names):
+def _first(cfgs, names, what):
     for cfg in cfgs:
         for name in names:
             v = _get(cfg, name)
+            if isinstance(v, (list, tuple)) and v:  # per layer (openelm): one value for the whole model
+                if len(set(v)) > 1:
+                    raise ValueError(f"{what}: the model's {name} varies by layer ({list(v)}): no single value")
+                v = v[0]
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
     return None
@@ -72,12 +76,12 @@ def model_dims(model) -> ModelDims:
     if cfg is None:
         raise ValueError(f"{what}: the model has no mlx-lm ModelArgs (model.args) to read its dimensions from")
     cfgs = [cfg] + [_get(cfg, n) for n in _NESTED if isinstance(_get(cfg, n), dict)]
-    found = {k: _first(cfgs, names) for k, names in _NAMES.items()}
+    found = {k: _first(cfgs, names, what) for k, names in _NAMES.items()}
     for k in ("n_layers", "d_model", "n_heads"):
         if found[k] is None:
             raise ValueError(f"{what}: cannot read the model's {k} from its config (looked for "
                              f"{', '.join(_NAMES[k])}, in text_config too)")
-    head_dim = _first(cfgs, ("head_dim",)) or found["d_model"] // found["n_heads"]
+    head_dim = _first(cfgs, ("head_dim",), what) or found["d_model"] // found["n_heads"]
     top = getattr(model, "args", None)
     model_type = _get(top, "model_type") or _get(cfg, "model_type") or what
     return ModelDims(str(model_type), found["n_layers"], found["d_model"], found["n_heads"],
