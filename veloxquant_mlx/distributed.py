@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .caches.shard import HeadShard, shard_of
+from .model_dims import model_dims
 
 
 # -- finding the groups of a loaded model ---------------------------------------------------------
@@ -55,8 +56,10 @@ def layer_span(model, n_local: int):
     if inner is None:
         return 0, n_local
     start = int(inner.start_idx)
-    args = getattr(model, "args", None)
-    total = getattr(args, "num_hidden_layers", None)
+    try:
+        total = model_dims(model).n_layers  # every spelling of the layer count, nested text_config too
+    except ValueError:
+        total = None
     if not isinstance(total, int) or total < start + n_local:
         total = len(getattr(inner, "layers", [])) or start + n_local  # rank 0 (last layers): end_idx
     return start, total
