@@ -57,11 +57,27 @@ def _install_glue(model, classes, tokenizer=None) -> bool:
 _SHARED_KV_FIELDS = ("num_kv_reuse_layers", "num_kv_shared_layers", "use_cla")
 
 
-def _refuse_shared_kv(model) -> None:
+def _evictable(c) -> bool:
+    return type(c) is KVCache or isinstance(c, EvictionCache)
+
+
+def _refuse_layers(model, base: list) -> None:
+    """One line where no layer of ``model`` (whose own caches are ``base``) can evict: layers that read
+    another layer's KV rows, several KV caches in one layer (a sparse-attention indexer over the latent's
+    rows: deepseek_v32; two attentions: longcat_flash; the layer's mask and the indexer's row numbers
+    assume the rows of one cache), or no full-attention KV cache at all (SSM, sliding windows only)."""
+    what, fix = type(model).__module__, "run it with mlx-lm's own caches"
     shared = [(f, config_field(model, f)) for f in _SHARED_KV_FIELDS if config_field(model, f)]
     if shared:
-        raise ValueError(f"{type(model).__module__} shares KV rows across layers ({shared[0][0]}={shared[0][1]!r}): "
-                         "eviction is not supported; run it with mlx-lm's own caches")
+        raise ValueError(f"{what} shares KV rows across layers ({shared[0][0]}={shared[0][1]!r}): eviction is "
+                         f"not supported; {fix}")
+    parts = [list(c.caches) if type(c) is CacheList else [c] for c in base]
+    if any(sum(map(_evictable, p)) > 1 for p in parts):
+        raise ValueError(f"{what} keeps several KV caches per layer (a sparse-attention indexer, or two "
+                         f"attentions): eviction is not supported; {fix}")
+    if not any(_evictable(x) for p in parts for x in p):
+        kinds = sorted({type(c).__name__ for c in base})
+        raise ValueError(f"{what} has no full-attention KV cache to evict (its layers keep {', '.join(kinds)}): {fix}")
 
 
 class KVCacheBuilder:
@@ -85,8 +101,8 @@ class KVCacheBuilder:
         """
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        _refuse_shared_kv(model)
         base = _model_layer_caches(model)
+        _refuse_layers(model, base)  # before anything is installed on the model
         cls = config.cache_class
         tapped = _install_glue(model, [cls], tokenizer)
         if config.kv_bits is not None and not tapped:
@@ -105,7 +121,7 @@ class KVCacheBuilder:
         ours = []
 
         def evicting(c, i):
-            if not (type(c) is KVCache or isinstance(c, EvictionCache)):
+            if not _evictable(c):
                 return c  # sliding window, SSM, ...: the model's own cache
             ev = cls(config, layer_idx=start + i, n_layers=n)
             ev.dist = HeadShard(group) if group is not None else None
@@ -115,18 +131,9 @@ class KVCacheBuilder:
             return ev
 
         # A CacheList layer (an SSM state beside the attention's KVCache: falcon_h1, baichuan_m1) keeps its
-        # other parts and gets an eviction cache for its attention part. Several KV caches in one layer (a
-        # sparse-attention indexer over the latent's rows: deepseek_v32; two attentions: longcat_flash) are
-        # refused: the layer's mask and the indexer's row numbers assume the rows of one cache.
-        if any(type(c) is CacheList and sum(type(x) is KVCache for x in c.caches) > 1 for c in base):
-            raise ValueError(f"{type(model).__module__} keeps several KV caches per layer (a sparse-attention "
-                             "indexer, or two attentions): eviction is not supported; run it with mlx-lm's own caches")
+        # other parts and gets an eviction cache for its attention part.
         caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
                   for i, c in enumerate(base)]
-        if not ours:
-            kinds = sorted({type(c).__name__ for c in base})
-            raise ValueError(f"{type(model).__module__} has no full-attention KV cache to evict (its layers keep "
-                             f"{', '.join(kinds)}): run it with mlx-lm's own caches")
         bind_latent_queries(model, caches)  # MLA layers: queries in the latent's space (tap.py)
         attach = getattr(cls, "attach_model", None)  # a method that needs the model itself (e.g. its identity)
         if attach is not None:

@@ -68,6 +68,12 @@ def _first(cfgs, names, what):
     return None
 
 
+def layer_count(model):
+    """The model's number of layers from its text config, under any of its spellings; None when absent."""
+    cfg = text_config(model)
+    return None if cfg is None else _first([cfg], _NAMES["n_layers"], type(model).__module__)
+
+
 def model_dims(model) -> ModelDims:
     """Layers, model width, query and KV heads and head width of ``model``, from its real config (see
     the module's docstring). Raises ValueError, one line, naming what is missing."""
