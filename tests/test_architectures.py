@@ -198,3 +198,14 @@ def test_model_dims_refuse_in_one_line():
         with pytest.raises(ValueError, match=words) as err:
             model_dims(model)
         assert "\n" not in str(err.value)
+
+
+def test_cachelist_layers_refuse_saving_in_one_line(tmp_path):
+    from veloxquant_mlx import save_prompt_cache
+
+    model = build("falcon_h1")
+    caches = KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET))
+    model(mx.array([list(range(1, 20))]), cache=caches)
+    with pytest.raises(ValueError, match="holds a CacheList") as err:
+        save_prompt_cache(tmp_path / "c.safetensors", caches, model=model)
+    assert "\n" not in str(err.value)
