@@ -209,3 +209,25 @@ def test_cachelist_layers_refuse_saving_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="holds a CacheList") as err:
         save_prompt_cache(tmp_path / "c.safetensors", caches, model=model)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear"])
+def test_mla_refuses_per_layer_budgets_in_one_line(name):
+    """An MLA model folds one mask, built for layer 0's rows, into every layer's rotary logits: layers that
+    keep different row counts (pyramidkv) would crash at the next multi-token input, so they are refused."""
+    with pytest.raises(ValueError, match="per-layer budgets") as err:
+        KVCacheBuilder.for_model(build(name), small_config("pyramidkv", budget=24))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.filterwarnings("ignore:.*already holds")  # a follow-up continues the cache on purpose
+@pytest.mark.parametrize("name", ["deepseek_v3", "mistral4", "falcon_h1"])
+def test_a_follow_up_input_after_eviction_runs(name):
+    """After the prompt was compressed, a second multi-token input (a follow-up turn) runs through MLA's
+    folded masks and CacheList layers, and evicts again."""
+    model = build(name)
+    caches = KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET))
+    _run(model, caches)
+    first = [c.evictions for c in _ours(caches)]
+    toks, _ = _run(model, caches, prompt=list(range(5, 45)))
+    assert len(toks) == NEW and all(c.evictions > e for c, e in zip(_ours(caches), first))

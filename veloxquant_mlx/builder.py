@@ -134,7 +134,10 @@ class KVCacheBuilder:
         # other parts and gets an eviction cache for its attention part.
         caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
                   for i, c in enumerate(base)]
-        bind_latent_queries(model, caches)  # MLA layers: queries in the latent's space (tap.py)
+        if bind_latent_queries(model, caches) and len({c.budget for c in ours}) > 1:  # MLA: latent-space queries
+            # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
+            raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
+                             "per-layer budgets are not supported; use a method that keeps one budget in every layer")
         attach = getattr(cls, "attach_model", None)  # a method that needs the model itself (e.g. its identity)
         if attach is not None:
             attach(model, [c for c in ours if isinstance(c, cls)])
