@@ -231,3 +231,12 @@ def test_a_follow_up_input_after_eviction_runs(name):
     first = [c.evictions for c in _ours(caches)]
     toks, _ = _run(model, caches, prompt=list(range(5, 45)))
     assert len(toks) == NEW and all(c.evictions > e for c, e in zip(_ours(caches), first))
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "baichuan_m1"])
+def test_model_pass_methods_refuse_cachelist_layers_in_one_line(name):
+    """kvzip's pass at the prompt's end finds deferred work among the top-level layer caches: inside a
+    CacheList it would never run (no eviction at all), so it is refused up front."""
+    with pytest.raises(ValueError, match="CacheList") as err:
+        KVCacheBuilder.for_model(build(name), small_config("kvzip", budget=BUDGET))
+    assert "\n" not in str(err.value)

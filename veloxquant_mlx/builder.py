@@ -134,6 +134,10 @@ class KVCacheBuilder:
         # other parts and gets an eviction cache for its attention part.
         caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
                   for i, c in enumerate(base)]
+        if cls.needs_model_pass and any(type(c) is CacheList for c in caches):
+            # the model pass finds the caches that deferred work among the model's top-level layer caches
+            raise ValueError(f"{config.method} runs a model pass at the prompt's end, which does not reach the "
+                             f"attention caches inside {type(model).__module__}'s CacheList layers: use another method")
         if bind_latent_queries(model, caches) and len({c.budget for c in ours}) > 1:  # MLA: latent-space queries
             # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
             raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
