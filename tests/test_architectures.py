@@ -13,6 +13,7 @@ writes docs/architectures.md from the results (tests/architectures_page.py).
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -240,3 +241,16 @@ def test_model_pass_methods_refuse_cachelist_layers_in_one_line(name):
     with pytest.raises(ValueError, match="CacheList") as err:
         KVCacheBuilder.for_model(build(name), small_config("kvzip", budget=BUDGET))
     assert "\n" not in str(err.value)
+
+
+def test_the_table_names_each_architecture_once():
+    """A dict literal keeps the last of two rows silently: the table must name each architecture once."""
+    import ast
+    import collections
+
+    import mlx_lm_archs
+
+    tree = ast.parse(Path(mlx_lm_archs.__file__).read_text())
+    (table,) = [n.value for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "ARCHS"]
+    twice = [k for k, n in collections.Counter(k.value for k in table.keys).items() if n > 1]
+    assert twice == []
