@@ -90,9 +90,11 @@ class KVCacheBuilder:
     def for_model(model, config: KVCacheConfig, group=None, tokenizer=None) -> list:
         """Fresh caches for every layer of ``model``.
 
-        Full-attention layers (those for which the model builds a plain ``KVCache``) get
-        ``config``'s eviction cache, seeded ``config.seed + layer``; every other layer (sliding
-        window, SSM, ...) keeps the model's own cache. Also installs the query tap.
+        Full-attention layers (those for which the model builds a plain ``KVCache``, alone or as the
+        attention part of a ``CacheList``) get ``config``'s eviction cache, seeded ``config.seed + layer``;
+        every other layer (sliding window, SSM, ...) keeps the model's own cache. Also installs the query
+        tap (MLA layers: queries in the latent's space, ``tap.bind_latent_queries``). A model where nothing
+        can evict is refused in one ValueError line before anything is installed (docs/architectures.md).
 
         Distributed (see veloxquant_mlx.distributed): on a tensor-parallel model the caches hold this
         rank's KV heads and combine head-wide selections over ``group`` (default: the group the model
