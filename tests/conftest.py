@@ -206,6 +206,8 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False, help="run slow real-model tests")
+    parser.addoption("--write-architectures", action="store_true", default=False,
+                     help="tests/test_architectures.py writes docs/architectures.md from its results")
 
 
 def pytest_collection_modifyitems(config, items):

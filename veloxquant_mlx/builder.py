@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import warnings
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 
 from .caches.base import EvictionCache
 from .config import KVCacheConfig
 from .caches.shard import HeadShard
+from .model_dims import config_field
 from .distributed import attach as attach_group, layer_span, resolve_group
 from .model_pass import install_model_pass, remove_model_pass
 from .prompt_cache import load_prompt_cache as read_prompt_cache
-from .tap import install_hidden_tap, install_query_tap, remove_query_tap
+from .tap import bind_latent_queries, install_hidden_tap, install_query_tap, remove_query_tap
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
@@ -51,6 +52,34 @@ def _install_glue(model, classes, tokenizer=None) -> bool:
     return tapped
 
 
+# Config fields of models whose layers read another layer's cache (KV shared across layers): an eviction in
+# the owning layer would change what the reading layers attend to, and our caches do not serve those reads.
+_SHARED_KV_FIELDS = ("num_kv_reuse_layers", "num_kv_shared_layers", "use_cla")
+
+
+def _evictable(c) -> bool:
+    return type(c) is KVCache or isinstance(c, EvictionCache)
+
+
+def _refuse_layers(model, base: list) -> None:
+    """One line where no layer of ``model`` (whose own caches are ``base``) can evict: layers that read
+    another layer's KV rows, several KV caches in one layer (a sparse-attention indexer over the latent's
+    rows: deepseek_v32; two attentions: longcat_flash; the layer's mask and the indexer's row numbers
+    assume the rows of one cache), or no full-attention KV cache at all (SSM, sliding windows only)."""
+    what, fix = type(model).__module__, "run it with mlx-lm's own caches"
+    shared = [(f, config_field(model, f)) for f in _SHARED_KV_FIELDS if config_field(model, f)]
+    if shared:
+        raise ValueError(f"{what} shares KV rows across layers ({shared[0][0]}={shared[0][1]!r}): eviction is "
+                         f"not supported; {fix}")
+    parts = [list(c.caches) if type(c) is CacheList else [c] for c in base]
+    if any(sum(map(_evictable, p)) > 1 for p in parts):
+        raise ValueError(f"{what} keeps several KV caches per layer (a sparse-attention indexer, or two "
+                         f"attentions): eviction is not supported; {fix}")
+    if not any(_evictable(x) for p in parts for x in p):
+        kinds = sorted({type(c).__name__ for c in base})
+        raise ValueError(f"{what} has no full-attention KV cache to evict (its layers keep {', '.join(kinds)}): {fix}")
+
+
 class KVCacheBuilder:
     """Registry front door: ``KVCacheBuilder.for_model(model, config)`` -> one fresh cache per layer."""
 
@@ -61,9 +90,11 @@ class KVCacheBuilder:
     def for_model(model, config: KVCacheConfig, group=None, tokenizer=None) -> list:
         """Fresh caches for every layer of ``model``.
 
-        Full-attention layers (those for which the model builds a plain ``KVCache``) get
-        ``config``'s eviction cache, seeded ``config.seed + layer``; every other layer (sliding
-        window, SSM, ...) keeps the model's own cache. Also installs the query tap.
+        Full-attention layers (those for which the model builds a plain ``KVCache``, alone or as the
+        attention part of a ``CacheList``) get ``config``'s eviction cache, seeded ``config.seed + layer``;
+        every other layer (sliding window, SSM, ...) keeps the model's own cache. Also installs the query
+        tap (MLA layers: queries in the latent's space, ``tap.bind_latent_queries``). A model where nothing
+        can evict is refused in one ValueError line before anything is installed (docs/architectures.md).
 
         Distributed (see veloxquant_mlx.distributed): on a tensor-parallel model the caches hold this
         rank's KV heads and combine head-wide selections over ``group`` (default: the group the model
@@ -73,6 +104,7 @@ class KVCacheBuilder:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         base = _model_layer_caches(model)
+        _refuse_layers(model, base)  # before anything is installed on the model
         cls = config.cache_class
         tapped = _install_glue(model, [cls], tokenizer)
         if config.kv_bits is not None and not tapped:
@@ -88,19 +120,33 @@ class KVCacheBuilder:
                 "(measurably worse; see docs/architecture.md)", stacklevel=2)
         start, n = layer_span(model, len(base))
         group = resolve_group(model, group)
-        caches = []
-        for i, c in enumerate(base):
-            if type(c) is KVCache or isinstance(c, EvictionCache):
-                ev = cls(config, layer_idx=start + i, n_layers=n)
-                ev.dist = HeadShard(group) if group is not None else None
-                ev.queries_from_keys = not tapped
-                ev.tap_active = tapped
-                caches.append(ev)
-            else:
-                caches.append(c)
+        ours = []
+
+        def evicting(c, i):
+            if not _evictable(c):
+                return c  # sliding window, SSM, ...: the model's own cache
+            ev = cls(config, layer_idx=start + i, n_layers=n)
+            ev.dist = HeadShard(group) if group is not None else None
+            ev.queries_from_keys = not tapped
+            ev.tap_active = tapped
+            ours.append(ev)
+            return ev
+
+        # A CacheList layer (an SSM state beside the attention's KVCache: falcon_h1, baichuan_m1) keeps its
+        # other parts and gets an eviction cache for its attention part.
+        caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
+                  for i, c in enumerate(base)]
+        if cls.needs_model_pass and any(type(c) is CacheList for c in caches):
+            # the model pass finds the caches that deferred work among the model's top-level layer caches
+            raise ValueError(f"{config.method} runs a model pass at the prompt's end, which does not reach the "
+                             f"attention caches inside {type(model).__module__}'s CacheList layers: use another method")
+        if bind_latent_queries(model, caches) and len({c.budget for c in ours}) > 1:  # MLA: latent-space queries
+            # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
+            raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
+                             "per-layer budgets are not supported; use a method that keeps one budget in every layer")
         attach = getattr(cls, "attach_model", None)  # a method that needs the model itself (e.g. its identity)
         if attach is not None:
-            attach(model, [c for c in caches if isinstance(c, cls)])
+            attach(model, [c for c in ours if isinstance(c, cls)])
         return caches
 
     @staticmethod
@@ -113,6 +159,7 @@ class KVCacheBuilder:
         if not _install_glue(model, ours, tokenizer) and any(c.tap_active for c in ours):
             raise ValueError(f"these caches were built with the query tap, and {type(model).__module__} does not "
                              "call mlx-lm's scaled_dot_product_attention: they cannot run on this model")
+        bind_latent_queries(model, caches)
         return attach_group(caches, resolve_group(model, group))
 
     @staticmethod

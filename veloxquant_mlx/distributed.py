@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .caches.shard import HeadShard, shard_of
+from .model_dims import layer_count
 
 
 # -- finding the groups of a loaded model ---------------------------------------------------------
@@ -55,8 +56,7 @@ def layer_span(model, n_local: int):
     if inner is None:
         return 0, n_local
     start = int(inner.start_idx)
-    args = getattr(model, "args", None)
-    total = getattr(args, "num_hidden_layers", None)
+    total = layer_count(model)  # every spelling of the layer count, nested text_config too
     if not isinstance(total, int) or total < start + n_local:
         total = len(getattr(inner, "layers", [])) or start + n_local  # rank 0 (last layers): end_idx
     return start, total

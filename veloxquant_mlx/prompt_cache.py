@@ -77,6 +77,9 @@ def save_prompt_cache(path: str, caches: list, metadata: dict | None = None, mod
     model the caches belong to, recorded so :func:`load_prompt_cache` can refuse another model's file."""
     arrays, layers = {}, []
     for i, c in enumerate(caches):
+        if isinstance(getattr(c, "caches", None), (list, tuple)):  # CacheList: states of several caches
+            raise ValueError(f"layer {i} holds a {type(c).__name__} ({', '.join(type(x).__name__ for x in c.caches)}): "
+                             "saving such layers is not supported")
         st = c.state
         if isinstance(st, dict):
             kind = "dict"

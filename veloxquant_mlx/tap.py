@@ -25,15 +25,17 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
     out = None
     attend = getattr(cache, "observe_and_attend", None)
+    to_rows = getattr(cache, "latent_query", None)  # MLA: the query in the space of the cached rows
+    seen = queries if to_rows is None else to_rows(queries)
     plain = all(v is None for v in kwargs.values()) and not hasattr(cache, "bits")
-    if attend is not None and plain and (mask is None or isinstance(mask, str)):
+    if attend is not None and plain and to_rows is None and (mask is None or isinstance(mask, str)):
         # One pass: a method whose scoring computes the attention weights returns the output too (the
         # positional causal mask it applies is the "causal"/None mask mlx-lm built, per layer).
         out = attend(queries, scale)
     else:
-        observe(queries, scale)
+        observe(seen, scale)
     if out is None:
-        mask = cache.attention_mask(mask, queries)
+        mask = _layer_mask(cache, mask, seen)
         out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
     # The state this step updated (scores, query window, positions) is consumed by no output, and
     # mlx_lm.generate evaluates only the tokens in decode: tie it to this layer's output so it is
@@ -44,6 +46,67 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
 
 
 tapped_scaled_dot_product_attention.__veloxquant_tap__ = True
+
+
+def _layer_mask(cache, mask, queries):
+    """This layer's mask (``cache.attention_mask``). A floating mask holds additive scores, not positions
+    (MLA adds its rotary logits there): it is kept as it is, with only this layer's padding rows hidden."""
+    if not (isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)):
+        return cache.attention_mask(mask, queries)
+    hide = cache.attention_mask("causal" if queries.shape[2] > 1 else None, queries)
+    if not isinstance(hide, mx.array):
+        return mask
+    return mx.where(hide, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
+
+
+# -- multi-head latent attention (MLA: deepseek_v3, kimi_linear, glm4_moe_lite, mistral4, ...) ----------
+# The cache stores one latent row per token (keys: the compressed KV, values: the rotary key part), shared
+# by every head. At decode the model hands attention the absorbed query ``embed_q(q_nope)``, in the
+# latent's space; at prefill it hands the per-head ``q_nope`` (or ``[q_nope, q_rope]``) against keys
+# decompressed from the latent. The tap maps the prefill query into the latent's space the same way
+# (``embed_q`` of its no-rope part), so a method scores rows against the latent it evicts, with the query
+# that decode attention uses. The rotary part of the logits (in the mask) is not part of the score.
+class LatentQuery:
+    """``queries`` (B, H, S, any width) -> the absorbed query (B, H, S, kv_lora_rank) of an MLA module."""
+
+    def __init__(self, attn):
+        self.attn = attn
+        self.rank, self.nope = int(attn.kv_lora_rank), int(attn.qk_nope_head_dim)
+
+    def __deepcopy__(self, memo):  # a scratch copy of the cache shares the model's module
+        return self
+
+    def __call__(self, queries):
+        if queries.shape[-1] == self.rank:  # decode: already absorbed
+            return queries
+        return self.attn.embed_q(queries[..., :self.nope])
+
+
+def _is_mla(attn) -> bool:
+    return attn is not None and hasattr(attn, "embed_q") and hasattr(attn, "kv_lora_rank")
+
+
+def bind_latent_queries(model, caches: list) -> int:
+    """Give the query-observing caches of ``model``'s MLA layers their :class:`LatentQuery`. Refuses, in
+    one line, what MLA cannot take: quantized rows, and a shape whose query widths are ambiguous. Returns
+    how many caches were bound."""
+    n = 0
+    for attn, c in zip(attention_modules(model), caches):
+        inner = [x for x in getattr(c, "caches", (c,)) if hasattr(x, "observe_queries")]
+        if not inner or not _is_mla(attn):
+            continue
+        nope, rope, rank = (int(getattr(attn, k, 0) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                     "kv_lora_rank"))
+        if any(hasattr(x, "bits") for x in inner):
+            raise ValueError(f"{type(model).__module__} caches MLA latents, which mlx-lm attends to unquantized: "
+                             "use kv_bits=None")
+        if not nope or rank in (nope, nope + rope):
+            raise ValueError(f"{type(model).__module__}: MLA with qk_nope_head_dim={nope}, qk_rope_head_dim={rope} "
+                             f"and kv_lora_rank={rank} hands attention queries whose space cannot be told apart")
+        for x in inner:
+            x.latent_query = LatentQuery(attn)
+        n += len(inner)
+    return n
 
 
 def _model_module_names(model) -> list:

@@ -386,7 +386,7 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
             raise NotImplementedError(
                 "eviction caches serve full-attention layers only; sliding-window layers keep "
                 "mlx-lm's RotatingKVCache (KVCacheBuilder.for_model does this)")
-        if N == 1 and not return_array:
+        if N == 1:  # as mlx-lm's KVCache, even with return_array (phi3small adds the mask it gets to its scores)
             return None
         if return_array:
             return create_causal_mask(N, offset=self._rows)

@@ -11,6 +11,7 @@ import sys
 
 from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant, default_kv_group_size
 from ..config_spec import option_key, parse_spec
+from ..model_dims import config_field, model_dims
 from ..options import parse_value as _parse_text
 from ..registry import FULL, get_method, methods
 
@@ -216,18 +217,10 @@ def _flags(extra):
     return ", ".join("--" + k[5:].replace("__", "-").replace("_", "-") for k in extra)
 
 
-def _model_args(model):
-    """The model's ModelArgs (mlx-lm models keep them as ``args``; multimodal wrappers on their text model)."""
-    for obj in (model, getattr(model, "language_model", None)):
-        if getattr(obj, "args", None) is not None:
-            return obj.args
-    return None
-
-
 def model_context_length(model):
     """The context the model was trained for (``max_position_embeddings``; GGUF: ``<arch>.context_length``),
     or None when the model does not say."""
-    n = getattr(_model_args(model), "max_position_embeddings", None)
+    n = config_field(model, "max_position_embeddings")  # the text config, nested or not
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
@@ -251,9 +244,10 @@ def fit_kv_group(model, args) -> None:
     chosen = group is not None  # in --method or --kv-group-size
     if group is None:
         group = default_kv_group_size(bits)
-    a = _model_args(model)
-    head_dim = getattr(a, "head_dim", None) or (a.hidden_size // a.num_attention_heads if
-                                                getattr(a, "num_attention_heads", None) else None)
+    try:
+        head_dim = model_dims(model).head_dim
+    except ValueError:  # dimensions the config does not say: nothing to check against
+        head_dim = None
     if bits is None or not head_dim or head_dim % group == 0:
         return
     fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]

@@ -30,6 +30,7 @@ import mlx.nn as nn
 from ...caches import forward
 from ...caches.base import EvictionCache
 from ...caches.layer_shares import global_layer_shares
+from ...model_dims import model_dims
 from ...options import option
 from ...registry import register
 
@@ -59,25 +60,15 @@ class KVzapOptions:
 
 
 # -- model identity ------------------------------------------------------------------------------------
-def _args(model):
-    args = getattr(model, "args", None)
-    if args is None:
-        raise ValueError(f"kvzap needs a model with mlx-lm ModelArgs (model.args); {type(model).__name__} has none")
-    return args
-
-
 def model_identity(model) -> dict:
     """What a scorer is fitted for: architecture and shapes from ``model.args``, plus a hash of a few
     weight tensors (the embedding's first rows and every norm weight, which tensor parallelism does not
     shard), so two models of the same shape differ."""
     from mlx.utils import tree_flatten
 
-    args = _args(model)
-    d = int(args.hidden_size)
-    n_heads = int(args.num_attention_heads)
-    ident = {"architecture": str(args.model_type), "n_layers": int(args.num_hidden_layers), "d_model": d,
-             "n_kv_heads": int(getattr(args, "num_key_value_heads", None) or n_heads),
-             "head_dim": int(getattr(args, "head_dim", None) or d // n_heads)}
+    dims = model_dims(model)  # nested text_config and every field spelling; one-line ValueError otherwise
+    ident = {"architecture": dims.model_type, "n_layers": dims.n_layers, "d_model": dims.d_model,
+             "n_kv_heads": dims.n_kv_heads, "head_dim": dims.head_dim}
     h = hashlib.sha256()
     for name, w in sorted(tree_flatten(model.parameters())):
         if name.endswith("embed_tokens.weight"):

@@ -1,0 +1,75 @@
+"""docs/architectures.md from tests/test_architectures.py's results: every architecture of the installed
+mlx-lm and what the library gives it, with the mlx-lm and mlx versions and the date.
+
+    python -m pytest -q tests/test_architectures.py --write-architectures   # runs the test, writes the page
+
+A test that fails shows up as FAILS on the page.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
+
+MEANING = {
+    "evicts": "full-attention layers evict; the methods score with the real queries (query tap)",
+    "keys as queries": "evicts; the model computes attention itself, so keys stand in for queries (one warning)",
+    "refused": "`for_model` refuses in one line, before any work (the message is quoted)",
+    "not run": "mlx-lm itself does not run this architecture here",
+    "not tested": "the test's table has no tiny config for it yet",
+    "FAILS": "the test fails (its first line is quoted)",
+    "unknown": "new in this mlx-lm: add it to tests/mlx_lm_archs.py",
+}
+
+
+def write(results: dict, path: Path = PAGE) -> None:
+    """Render ``results`` ({name: {"status", "detail"}}) for the installed mlx-lm, dated today."""
+    import mlx.core as mx
+    import mlx_lm
+
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    path.write_text(render(results, mlx_lm.__version__, mx.__version__, date))
+
+
+def render(results: dict, mlx_lm_version: str, mlx_version: str, date: str) -> str:
+    counts = {}
+    for r in results.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines = [
+        "# Architectures",
+        "",
+        f"Every architecture file of mlx-lm {mlx_lm_version} (mlx {mlx_version}, CPU), built from a tiny random",
+        "config (hidden 64, 4 layers, 4 query / 2 KV heads, small experts, sliding windows of 8), and what",
+        "`KVCacheBuilder.for_model` gives it. \"evicts\" means: with a budget above the prompt the tokens and",
+        "logits equal mlx-lm's own caches exactly; with a small budget every eviction cache evicts (streaming",
+        "and snapkv), and snapkv saw the real queries.",
+        "",
+        f"Generated on {date} by `python -m pytest -q tests/test_architectures.py --write-architectures` from",
+        "that test's results (the table of tiny configs: `tests/mlx_lm_archs.py`). Do not edit by hand.",
+        "",
+        " · ".join(f"{s}: {n}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1])),
+        "",
+        "| status | meaning |",
+        "|---|---|",
+        *(f"| {s} | {m} |" for s, m in MEANING.items() if s in counts),
+        "",
+        "Notes. MLA models (deepseek_v3, kimi_linear, glm4_moe_lite, mistral4, ...) cache one latent row per",
+        "token; eviction removes latent rows, and query-aware methods score them with the absorbed query",
+        "(`embed_q` of the no-rope query part: the query decode attention uses), the rotary part of the logits",
+        "left out of the score. Quantized rows (`kv_bits`) and per-layer budgets (pyramidkv) are refused for",
+        "MLA: the model folds one mask, built for the first layer's rows, into every layer. Layers whose cache",
+        "is a `CacheList` (falcon_h1, baichuan_m1) evict their attention part; kvzip's model pass is refused",
+        "there. Refused in one line: layers that read another layer's KV rows (afm7, gemma3n, gemma4 with",
+        "shared KV, hunyuan with cross-layer attention), several KV caches in one layer (deepseek_v32's and",
+        "glm_moe_dsa's indexers, longcat_flash's two attentions), and no full-attention KV cache at all",
+        "(recurrent state, sliding windows only, deepseek_v41's own layer cache).",
+        "",
+        "| architecture | status | detail |",
+        "|---|---|---|",
+    ]
+    for name, r in sorted(results.items()):
+        detail = r["detail"].replace("|", "\\|")
+        lines.append(f"| {name} | {r['status']} | {detail} |")
+    return "\n".join(lines) + "\n"
