@@ -3,10 +3,10 @@ the full cache, beside the KV it holds at its peak (through plain ``generate_ste
 
 Reads the passkey result files named on the command line (``eval passkey`` JSONs; a cell's label is its
 method, plus ``:stream`` for the ``decode`` regime, i.e. ``prompt_eviction="stream"`` with its prefill
-chunk), keeps the prompts every label ran (paired), and measures each label's KV bytes once on one
+chunk), pairs each label with the full cache on the prompts both ran, and measures each label's KV bytes once on one
 prompt of the same length: the largest ``sum(c.nbytes)`` right after any layer's update (the KV part of
-the peak) and after generation. Writes ``figures/choosing/summary.json`` and the figure
-``figures/choosing/accuracy_vs_peak.png`` (accuracy with its Wilson 95 % interval against KV peak bytes).
+the peak) and after generation. Writes ``figures/choosing/summary_<model>.json`` and the figure
+``figures/choosing/accuracy_vs_peak_<model>.png`` (accuracy with its Wilson 95 % interval against KV peak bytes).
 
     python benchmark_scripts/choosing.py figures/eval/choosing/passkey_end.json figures/eval/choosing/passkey_stream.json
 """
@@ -32,7 +32,8 @@ def prompt_of(cell: dict) -> tuple:
 
 
 def paired_table(files, context: int, density: float) -> tuple:
-    """({label: {prompt: correct}} restricted to the prompts every label ran, {label: chunk})."""
+    """({label: {prompt: correct}} restricted to the prompts the label and the full cache both ran,
+    {label: prefill chunk}). A label in several files keeps every prompt it ran."""
     by_label, chunk = {}, {}
     for f in files:
         data = json.loads(Path(f).read_text())
@@ -45,25 +46,17 @@ def paired_table(files, context: int, density: float) -> tuple:
             lab = label_of(c)
             by_label.setdefault(lab, {})[prompt_of(c)] = bool(c["correct"])
             chunk[lab] = step if c["regime"] == "decode" else c.get("prefill_step", 2048)
-    common = set.intersection(*(set(v) for v in by_label.values())) if by_label else set()
-    return {lab: {p: v[p] for p in common} for lab, v in by_label.items()}, chunk
+    full = by_label.get("full", {})
+    return {lab: {p: v[p] for p in v if p in full} for lab, v in by_label.items()}, chunk
 
 
 def caches_for(model, label: str, budget: int):
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    """The label's caches as the harness builds them (full, full-8bit, rotating, a method or ablation
+    label), with prompt_eviction="stream" for a ``:stream`` label."""
+    from veloxquant_mlx.evaluation.labels import make_caches, method_specs
 
-    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-    from veloxquant_mlx.caches.quant import model_caches
-
-    method, _, mode = label.partition(":stream")
-    if method == "full":
-        return model_caches(model)
-    if method in ("full-8bit", "full-4bit"):
-        return model_caches(model, int(method.split("-")[1][0]))
-    if method == "rotating":
-        return [RotatingKVCache(max_size=budget, keep=4) if type(c) is KVCache else c for c in model_caches(model)]
-    return KVCacheBuilder.for_model(model, KVCacheConfig.parse(
-        method, budget=budget, prompt_eviction="stream" if label.endswith(":stream") else "end"))
+    name, stream = (label[:-len(":stream")], True) if label.endswith(":stream") else (label, False)
+    return make_caches(model, method_specs([name])[0], budget, prompt_eviction="stream" if stream else "end")
 
 
 def kv_bytes(model, prompt, label: str, budget: int, step: int) -> dict:
@@ -114,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--out-dir", type=Path, default=OUT)
+    p.add_argument("--labels", nargs="+", default=None, help="only these labels (default: every label found)")
     args = p.parse_args(argv)
     preload_blas()
     from veloxquant_mlx.config import budget_for
@@ -122,28 +116,36 @@ def main(argv=None) -> int:
     from veloxquant_mlx.models import load_model
 
     table, chunk = paired_table(args.files, args.context, args.density)
+    if args.labels:
+        table = {lab: v for lab, v in table.items() if lab in set(args.labels) | {"full"}}
+    out = args.out_dir / f"summary_{args.model}.json"
+    measured = {}  # KV bytes of a label already measured at this setting (they do not depend on the prompts)
     if "full" not in table:
         raise SystemExit("the files hold no full-cache cells at this context: nothing to pair against")
     model, tokenizer = load_model(args.model)
     prompt, _ = make_passkey_prompt(tokenizer, args.context, 0.5, "12345")
     budget = budget_for(args.density, len(prompt))
+    setting = {"model": args.model, "context": args.context, "density": args.density, "budget": budget}
+    if out.exists():
+        old = json.loads(out.read_text())
+        if {k: old["setting"].get(k) for k in setting} == setting:
+            measured = {r["label"]: {k: r[k] for k in ("kv_peak_bytes", "kv_after_bytes")} for r in old["rows"]}
     rows = []
     for lab, res in sorted(table.items()):
         k, n = sum(res.values()), len(res)
         row = {"label": lab, "correct": k, "prompts": n, "accuracy": k / n if n else float("nan"),
                "ci": list(wilson(k, n)), "prefill_step": chunk[lab],
                "vs_full": paired(table["full"], res) if lab != "full" else None,
-               **kv_bytes(model, prompt, lab, budget, chunk[lab])}
+               **(measured.get(lab) or kv_bytes(model, prompt, lab, budget, chunk[lab]))}
         rows.append(row)
         print(f"{lab:>24}: {k}/{n}  KV peak {row['kv_peak_bytes'] / MIB:6.2f} MiB, after {row['kv_after_bytes'] / MIB:6.2f} MiB",
               flush=True)
-    res = {"setting": {"model": args.model, "context": args.context, "density": args.density, "budget": budget,
-                       "files": [str(f) for f in args.files]}, "rows": rows}
+    res = {"setting": {**setting, "files": [str(f) for f in args.files]}, "rows": rows}
     stamp(res, sorted({r["label"].split(":")[0] for r in rows} - {"full", "full-8bit", "full-4bit", "rotating"}))
-    write_json(args.out_dir / "summary.json", res)
-    n = min(r["prompts"] for r in rows)
-    figure(rows, args.out_dir / "accuracy_vs_peak.png",
-           f"SmolLM2-135M, passkey {args.context} tokens, {int(100 * args.density)} % budget ({budget} rows), {n} paired prompts")
+    write_json(out, res)
+    figure(rows, args.out_dir / f"accuracy_vs_peak_{args.model}.png",
+           f"{args.model}, passkey {args.context} tokens, {int(100 * args.density)} % budget ({budget} rows); "
+           "each point: its prompts paired with the full cache's")
     return 0
 
 
