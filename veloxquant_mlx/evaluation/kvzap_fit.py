@@ -289,12 +289,13 @@ def tiny_scorer(model, folder, tokenizer=None, seed: int = 1000):
     import numpy as np
 
     from ..methods.kvzap.cache import model_identity
+    from ..model_dims import config_field
 
     ident = model_identity(model)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(folder) / f"{ident['architecture']}-{key}.safetensors"
     if (path, seed) not in _TINY_SCORERS and not path.exists():
-        vocab = int(model.args.vocab_size)
+        vocab = int(config_field(model, "vocab_size"))
         wins = [np.random.default_rng(seed + s).integers(0, vocab, size=48).tolist() for s in range(5)]
         with warnings.catch_warnings():  # e.g. kvzip's note that a tiny model has no tokenizer
             warnings.simplefilter("ignore")

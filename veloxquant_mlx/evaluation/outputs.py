@@ -57,8 +57,9 @@ def writes(control: RunControl) -> bool:
 
 def model_context(model) -> int | None:
     """The model's trained context (``max_position_embeddings``), None when it does not say."""
-    args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
+    from ..model_dims import config_field
+
+    n = config_field(model, "max_position_embeddings")  # nested text_config too
     return int(n) if n else None
 
 
