@@ -242,6 +242,27 @@ def check_context(model, prompt_tokens: int, new_tokens: int = 0, allow: bool = 
                    "shorten it, or pass --allow-past-context to run past it anyway")
 
 
+def note_budget_past_context(model, config) -> None:
+    """A one-line note when the budget is at least the model's context: such a cache never evicts."""
+    ctx = model_context_length(model)
+    if config is not None and ctx is not None and config.budget >= ctx:
+        print(f"note: --budget {config.budget:,} is at least the model's context ({ctx:,} tokens): "
+              f"nothing will be evicted, the cache holds every token as the full cache would", file=sys.stderr)
+
+
+def read_text(path: str, flag: str = "--prompt-file") -> str:
+    """The UTF-8 text of ``path`` ('-': standard input); a one-line error naming the file otherwise."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{flag} {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: {e.strerror}") from None
+
+
 def fit_kv_group(model, args) -> None:
     """Check --kv-group-size against the model's head_dim before any work. A default group that does not
     divide it is replaced (with a warning) by the largest supported one that does; one the user asked
@@ -290,6 +311,13 @@ def load_model_for_cli(spec):
     # check_context refuses a prompt past the context in one line; transformers' own notice would be a second
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     return load_model(None if spec in (None, "bundled") else spec)
+
+
+def kv_summary(kv: dict) -> str:
+    """The KV line ``generate`` prints and ``serve`` logs per request, from
+    :func:`veloxquant_mlx.caches.accounting.kv_report`: allocated bytes against the full cache's."""
+    return (f"KV cache: allocated {fmt_bytes(kv['allocated_bytes'])} = {kv['fraction']:.2f}x of the full "
+            f"cache's {fmt_bytes(kv['full_bytes'])} (kept rows {fmt_bytes(kv['kept_bytes'])})")
 
 
 def fmt_bytes(n):

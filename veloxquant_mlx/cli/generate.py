@@ -13,7 +13,7 @@ from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, cache_spec, check_context, check_flags_against_file,
-                   config_from_args, describe_file_config, fit_kv_group, fmt_bytes, full_quant,
+                   config_from_args, describe_file_config, fit_kv_group, fmt_bytes, full_quant, kv_summary,
                    load_compressed_document, load_model_for_cli, prompt_bar, question_tokens)
 
 
@@ -124,9 +124,7 @@ def cmd_generate(args):
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
-    print(f"KV cache: allocated {fmt_bytes(out['allocated_bytes'])} = {out['fraction']:.2f}x of the full "
-          f"cache's {fmt_bytes(out['full_bytes'])} (kept rows {fmt_bytes(out['kept_bytes'])}); "
-          f"process peak memory {out['peak_memory_gb']:.3f} GB")
+    print(f"{kv_summary(out)}; process peak memory {out['peak_memory_gb']:.3f} GB")
     if config is not None and out["other_allocated_bytes"]:
         print(f"  of which the model's own caches (layers without eviction, e.g. sliding-window "
               f"RotatingKVCache): {fmt_bytes(out['other_allocated_bytes'])}")
