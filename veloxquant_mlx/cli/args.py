@@ -51,6 +51,35 @@ class _Given(argparse.Action):
         setattr(namespace, _GIVEN, set(getattr(namespace, _GIVEN, ())) | {self.dest})
 
 
+def ranged(kind, low=None, high=None):
+    """An argparse ``type=``: a number of ``kind`` within [low, high] (None: unbounded), else one line."""
+    span = f"in [{low}, {high}]" if low is not None and high is not None else \
+        f">= {low}" if low is not None else f"<= {high}"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} {span}, "
+                                             f"got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
+
+
+def add_sampling_args(parser, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, when=""):
+    """mlx_lm's sampling flags (its defaults), each checked for its range."""
+    parser.add_argument("--temp", type=ranged(float, 0.0), default=temp,
+                        help=f"sampling temperature{when}, >= 0 (0: greedy)")
+    parser.add_argument("--top-p", type=ranged(float, 0.0, 1.0), default=top_p,
+                        help=f"nucleus top-p{when}, in [0, 1] (1: off)")
+    parser.add_argument("--top-k", type=ranged(int, 0), default=top_k, help=f"top-k{when} (0: off)")
+    parser.add_argument("--min-p", type=ranged(float, 0.0, 1.0), default=min_p,
+                        help=f"min-p{when}, in [0, 1] (0: off)")
+
+
 def given_flags(args) -> set:
     """The dests of the cache flags typed on the command line (method options count whenever present)."""
     return set(getattr(args, _GIVEN, ())) | {k for k in vars(args) if k.startswith("opt__")}

@@ -33,7 +33,7 @@ from decimal import Decimal, InvalidOperation
 from .. import distributed
 from ..builder import KVCacheBuilder
 from ..registry import FULL
-from .args import CLIError, add_cache_args, config_from_args, full_quant, load_model_for_cli
+from .args import CLIError, add_cache_args, add_sampling_args, config_from_args, full_quant, load_model_for_cli
 from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
 from .serve_requests import handler_class, response_generator_class
 
@@ -86,10 +86,7 @@ def add_parser(sub):
     g.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
                    help="CORS allowed origins, comma separated (default *)")
     g.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer when a request sets none (default 512)")
-    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature when a request sets none (default 0.0: greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p when a request sets none (default 1.0: off)")
-    g.add_argument("--top-k", type=int, default=0, help="top-k when a request sets none (default 0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min-p when a request sets none (default 0.0: off)")
+    add_sampling_args(g, when=" when a request sets none")
     g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together (default 32)")
     g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default 8)")
     g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
