@@ -416,14 +416,14 @@ def test_serve_takes_a_method_spec(monkeypatch):
                         lambda model, tok, config, model_name, **o: seen.append(dict(config=config, **o)))
     monkeypatch.setattr(serve_mod, "load_model_for_cli", lambda spec: (None, None))
     monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
-    args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
     assert seen[-1]["config"] == KVCacheConfig.parse("h2o:budget=64,kv_bits=4,allocation=ada")
     assert "kv_bits" not in seen[-1]  # our caches quantize their rows: requests stay batchable
-    args = build_parser().parse_args(["serve", "--method", "full:kv_bits=8", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--method", "full:kv_bits=8", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
     assert seen[-1]["config"] is None and (seen[-1]["kv_bits"], seen[-1]["kv_group_size"]) == (8, 64)
-    args = build_parser().parse_args(["serve", "--method", "h2o:bugdet=64", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--method", "h2o:bugdet=64", "--port", str(free_port())])
     with pytest.raises(CLIError, match="unknown key 'bugdet'; valid keys for h2o"):
         serve_mod.cmd_serve(args)
 
