@@ -524,8 +524,7 @@ def test_system_prompt_prefill_response_and_template_config_reach_the_template()
 
 def test_mlx_lm_generate_flags_run_or_say_why_not(capsys, tiny_cli):
     rc, out, err = _main(capsys, "generate", "--prompt", _words(10), "--max-tokens", "4", "--method", "full",
-                         "--system-prompt", "t9", "--chat-template-config", '{"x": 1}', "--extra-eos-token", "t7",
-                         "--verbose", "False")
+                         "--system-prompt", "t9", "--chat-template-config", '{"x": 1}', "--verbose", "False")
     assert rc == 0, err
     assert "=" * 10 not in out and "KV cache" not in out  # --verbose False: the answer only
     rc, out, err = _main(capsys, "generate", "--prompt", _words(600), "--max-tokens", "4", "--method", "full",
@@ -559,3 +558,23 @@ def test_budget_at_least_the_context_notes_that_nothing_is_evicted(capsys, tiny_
     rc, _, err = _main(capsys, "generate", "--prompt", _words(10), "--max-tokens", "2", "--method", "streaming",
                        "--budget", "64")
     assert rc == 0 and "nothing will be evicted" not in err
+
+
+def test_extra_eos_token_ends_the_answer(capsys, tiny_cli, monkeypatch):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from conftest import make_tiny_model, tiny_tokenizer
+    from veloxquant_mlx.cli import generate
+
+    # a wrapper of its own: add_eos_token must not reach the tokenizer other tests share
+    monkeypatch.setattr(generate, "load_model_for_cli",
+                        lambda spec: (make_tiny_model("llama"), TokenizerWrapper(tiny_tokenizer()._tokenizer)))
+    shared_eos = set(tiny_tokenizer().eos_token_ids)
+    base = ["generate", "--prompt", _words(10, 3), "--max-tokens", "12", "--method", "full"]
+    rc, out, err = _main(capsys, *base)
+    assert rc == 0 and "Generation: 12 tokens" in out, err
+    third = _generated_text(out).split()[2]
+    rc, out, err = _main(capsys, *base, "--extra-eos-token", third)
+    assert rc == 0, err
+    assert "Generation: 3 tokens" in out and third not in _generated_text(out).split()
+    assert set(tiny_tokenizer().eos_token_ids) == shared_eos
