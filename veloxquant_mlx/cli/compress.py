@@ -8,7 +8,7 @@ of that file each time and continues it with the question, so one compressed doc
 number of questions. With a chat template the document opens a user turn and the question closes it
 (the template's tail is stored in the file's metadata).
 
-Loading the file for a question lives in ``cli.args`` (shared with ``generate``).
+Loading the file for a question lives in ``cli.document`` (shared with ``generate``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
-from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, cache_spec, check_context, config_from_args,
-                   fit_kv_group, fmt_bytes, load_model_for_cli, note_budget_past_context, prompt_bar, read_text)
+from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
+                   load_model_for_cli, note_budget_past_context, prompt_bar, read_text)
+from .document import DOCUMENT_FORMAT
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
 

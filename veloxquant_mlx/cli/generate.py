@@ -13,10 +13,10 @@ from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
-from .args import (CLIError, add_cache_args, add_sampling_args, cache_spec, check_context, check_flags_against_file,
-                   config_from_args, describe_file_config, fit_kv_group, fmt_bytes, full_quant, kv_summary,
-                   load_compressed_document, load_model_for_cli, note_budget_past_context, prompt_bar,
-                   question_tokens, ranged, read_text)
+from .args import (CLIError, add_cache_args, add_sampling_args, cache_spec, check_context, config_from_args,
+                   fit_kv_group, fmt_bytes, full_quant, kv_summary, load_model_for_cli, note_budget_past_context,
+                   prompt_bar, ranged, read_text)
+from .document import check_flags_against_file, describe_file_config, load_compressed_document, question_tokens
 
 
 DEFAULT_PROMPT = "Write a haiku about memory."
