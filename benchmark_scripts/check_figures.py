@@ -113,9 +113,8 @@ def fingerprint_at(rev: str, methods) -> tuple:
         (Path(tmp) / "lab").mkdir()  # today's fingerprint code over that commit's package
         (Path(tmp) / "lab" / "__init__.py").write_text("")
         (Path(tmp) / "lab" / "provenance.py").write_text(PROV.read_text())
-        fit = Path(tmp) / "veloxquant_mlx" / "methods" / "kvzap" / "collect.py"
-        if (fit.parent.is_dir() and not fit.exists()
-                and (Path(tmp) / "veloxquant_mlx" / "evaluation" / "kvzap_collect.py").exists()):
+        fit = Path(tmp) / "veloxquant_mlx" / "evaluation" / "kvzap_fit.py"  # its name since 2026-12-05
+        if not fit.exists() and (fit.parent / "kvzap_collect.py").exists():
             fit.write_text("from veloxquant_mlx.evaluation.kvzap_collect import tiny_scorer  # noqa: F401\n")
         code = ("import json, sys; from lab.provenance import fingerprint; "
                 f"print(json.dumps(fingerprint({list(methods)!r})))")

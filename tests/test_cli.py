@@ -86,6 +86,7 @@ def test_demo_passkey_at_20_percent(capsys):
     assert list(table) == ["full", "nexus", "snapkv"], out
     assert table["full"][:2] == ("68043", True), out  # the full cache finds the key
     assert table["nexus"][:2] == ("68043", True), out  # so does Nexus, keeping 20% of the prompt
+    assert table["snapkv"][1] is False, out  # the README says SnapKV misses it on this prompt
     full_alloc = table["full"][2]
     for name, (_, _, alloc, fraction, peak) in table.items():
         assert alloc > 0 and peak > alloc, out
@@ -443,3 +444,137 @@ def test_a_kvzap_document_continues_in_a_fresh_model(capsys, tmp_path, tiny_cli)
     rc, stdout, err = _main(capsys, "generate", "--prompt-cache", str(out), "--prompt", "t5 t6 t7", "--max-tokens", "3")
     assert rc == 0, err
     assert tiny_cli["loads"] == 2 and "Generation: 3 tokens" in stdout
+
+
+# -- mlx_lm.generate's flags --------------------------------------------------------------------------------
+def test_prompt_dash_reads_standard_input(capsys, tiny_cli, monkeypatch):
+    import io
+
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(12), "--max-tokens", "6", "--method", "full")
+    assert rc == 0, err
+    monkeypatch.setattr("sys.stdin", io.StringIO(_words(12)))
+    rc, piped, err = _main(capsys, "generate", "--prompt", "-", "--max-tokens", "6", "--method", "full")
+    assert rc == 0, err
+    assert "Prompt: 12 tokens" in piped and _generated_text(piped) == _generated_text(out)
+
+
+def test_prompt_file_and_its_errors_name_the_file(capsys, tmp_path, tiny_cli):
+    doc = tmp_path / "question.txt"
+    doc.write_text(_words(12))
+    rc, from_file, err = _main(capsys, "generate", "--prompt-file", str(doc), "--max-tokens", "6", "--method", "full")
+    assert rc == 0, err
+    rc, inline, _ = _main(capsys, "generate", "--prompt", _words(12), "--max-tokens", "6", "--method", "full")
+    assert _generated_text(from_file) == _generated_text(inline) and "Prompt: 12 tokens" in from_file
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"t1 t2 \xff\xfe t3")
+    loads = tiny_cli["loads"]
+    for argv in (["generate", "--prompt-file", str(bad), "--method", "full"],
+                 ["compress", "--prompt-file", str(bad), "--out", str(tmp_path / "d.safetensors")]):
+        rc, _, err = _main(capsys, *argv)
+        assert rc == 2 and tiny_cli["loads"] == loads  # refused before the model loads
+        _one_error_line(err, rf"--prompt-file {bad}: not UTF-8 text \(byte 0xff at offset 6\)")
+    rc, _, err = _main(capsys, "generate", "--prompt-file", str(doc), "--prompt", "t1", "--method", "full")
+    assert rc == 2
+    _one_error_line(err, "--prompt or --prompt-file, not both")
+
+
+def test_sampling_flags_reach_the_sampler(capsys, tiny_cli):
+    """top-k 1 keeps only the most likely token: at temperature 1 it must equal the greedy answer (and
+    min-p / top-p / XTC flags parse and run)."""
+    base = ["generate", "--prompt", _words(10, 3), "--max-tokens", "12", "--method", "full"]
+    rc, greedy, err = _main(capsys, *base)
+    assert rc == 0, err
+    rc, top1, err = _main(capsys, *base, "--temp", "1.0", "--top-k", "1", "--seed", "5")
+    assert rc == 0, err
+    assert _generated_text(top1) == _generated_text(greedy)
+    rc, _, err = _main(capsys, *base, "--temp", "0.7", "--top-p", "0.9", "--min-p", "0.05",
+                       "--xtc-probability", "0.5", "--min-tokens-to-keep", "2")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("flag,value,pattern", [
+    ("--temp", "-1", r"--temp: must be >= 0.0"), ("--top-p", "1.5", r"--top-p: must be in \[0.0, 1.0\]"),
+    ("--top-k", "-2", r"--top-k: must be >= 0"), ("--min-p", "-0.1", r"--min-p"),
+    ("--max-tokens", "0", r"--max-tokens/-m: must be >= 1"), ("--verbose", "maybe", r"True or False")])
+def test_sampling_values_out_of_range_are_one_line_errors(capsys, flag, value, pattern):
+    for command in (["generate"], ["serve"]) if flag not in ("--max-tokens", "--verbose") else (["generate"],):
+        rc, out, err = _main(capsys, *command, flag, value)
+        assert rc == 2 and out == ""
+        _one_error_line(err, pattern)
+
+
+def test_system_prompt_prefill_response_and_template_config_reach_the_template():
+    from veloxquant_mlx.cli.generate import encode_prompt
+
+    seen = {}
+
+    class Templated:
+        has_chat_template = True
+
+        def apply_chat_template(self, messages, **kw):
+            seen.update(messages=messages, **kw)
+            return [1, 2, 3]
+
+    assert encode_prompt(Templated(), "hi", True, system_prompt="be brief", prefill_response="Sure,",
+                         template_kwargs={"enable_thinking": False}) == [1, 2, 3]
+    assert seen["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "Sure,"}]
+    assert seen["continue_final_message"] and not seen["add_generation_prompt"] and seen["enable_thinking"] is False
+
+
+def test_mlx_lm_generate_flags_run_or_say_why_not(capsys, tiny_cli):
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(10), "--max-tokens", "4", "--method", "full",
+                         "--system-prompt", "t9", "--chat-template-config", '{"x": 1}', "--verbose", "False")
+    assert rc == 0, err
+    assert "=" * 10 not in out and "KV cache" not in out  # --verbose False: the answer only
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(600), "--max-tokens", "4", "--method", "full",
+                         "--max-kv-size", "64", "--prefill-step-size", "32")
+    assert rc == 0, err
+    fraction = float(out.split("KV cache: allocated")[1].split("= ")[1].split("x")[0])
+    assert fraction < 0.5  # mlx-lm's RotatingKVCache of 64 tokens, not a full cache of 604
+    for argv, pattern in [(["--max-kv-size", "64"], "--max-kv-size is mlx-lm's RotatingKVCache"),
+                          (["--draft-model", "x"], "--draft-model is not supported here: speculative"),
+                          (["--adapter-path", "x"], "--adapter-path is not supported"),
+                          (["--chat-template-config", "{bad"], "--chat-template-config is not JSON")]:
+        rc, _, err = _main(capsys, "generate", "--prompt", "t1", *argv)
+        assert rc == 2 and tiny_cli["loads"] == 2
+        _one_error_line(err, pattern)
+
+
+def test_fast_blas_is_accepted_after_the_subcommand():
+    from veloxquant_mlx.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["generate", "--fast-blas"], ["--fast-blas", "generate"], ["eval", "passkey", "--fast-blas"],
+                 ["serve", "--fast-blas"], ["compress", "--prompt-file", "x", "--out", "y", "--fast-blas"]):
+        assert parser.parse_args(argv).fast_blas is True, argv
+    assert parser.parse_args(["generate"]).fast_blas is False
+
+
+def test_budget_at_least_the_context_notes_that_nothing_is_evicted(capsys, tiny_cli):
+    rc, _, err = _main(capsys, "generate", "--prompt", _words(10), "--max-tokens", "2", "--method", "streaming",
+                       "--budget", "5000")
+    assert rc == 0 and "--budget 5,000 is at least the model's context (4,096 tokens): nothing will be evicted" in err
+    rc, _, err = _main(capsys, "generate", "--prompt", _words(10), "--max-tokens", "2", "--method", "streaming",
+                       "--budget", "64")
+    assert rc == 0 and "nothing will be evicted" not in err
+
+
+def test_extra_eos_token_ends_the_answer(capsys, tiny_cli, monkeypatch):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from conftest import make_tiny_model, tiny_tokenizer
+    from veloxquant_mlx.cli import generate
+
+    # a wrapper of its own: add_eos_token must not reach the tokenizer other tests share
+    monkeypatch.setattr(generate, "load_model_for_cli",
+                        lambda spec: (make_tiny_model("llama"), TokenizerWrapper(tiny_tokenizer()._tokenizer)))
+    shared_eos = set(tiny_tokenizer().eos_token_ids)
+    base = ["generate", "--prompt", _words(10, 3), "--max-tokens", "12", "--method", "full"]
+    rc, out, err = _main(capsys, *base)
+    assert rc == 0 and "Generation: 12 tokens" in out, err
+    third = _generated_text(out).split()[2]
+    rc, out, err = _main(capsys, *base, "--extra-eos-token", third)
+    assert rc == 0, err
+    assert "Generation: 3 tokens" in out and third not in _generated_text(out).split()
+    assert set(tiny_tokenizer().eos_token_ids) == shared_eos

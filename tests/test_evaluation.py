@@ -235,3 +235,22 @@ def test_user_runs_never_touch_the_published_grid(tmp_path, monkeypatch, capsys)
     _run("eval", "passkey", "--max-cells", "1", *small)  # the bare command: the user's folder
     data = json.loads((tmp_path / "veloxquant_eval" / "passkey.json").read_text())
     assert len(data["cells"]) == 1 and not (tmp_path / "veloxquant_eval" / "results.md").exists()  # reports: the lab
+
+
+def test_max_cells_counts_json_records_in_summary_bar_and_file_and_leaves_no_lock(tmp_path, capsys):
+    """Prefill-only cells of one prompt share a pass and finish together: --max-cells, the summary's
+    'ran', the progress bar and the JSON all count those records, and no lock file is left behind."""
+    import re
+
+    out = tmp_path / "runs"
+    small = ["--quick", "--methods", "full", "h2o", "snapkv", "--contexts", "640", "--depths", "0.5",
+             "--n-keys", "2", "--regimes", "prefill", "--densities", "0.2", "--out-dir", str(out)]
+    _run("eval", "passkey", "--max-cells", "2", *small)
+    captured = capsys.readouterr()
+    data = json.loads((out / "passkey.json").read_text())
+    ran = int(re.search(r"'ran': (\d+)", captured.out).group(1))
+    assert ran == len(data["cells"]) >= 2  # one prompt's three methods share a pass: 3 records, all counted
+    assert ran < 6  # the second prompt never started
+    bar = re.findall(r"(\d+)/(\d+) \[", captured.err)[-1]
+    assert (int(bar[0]), int(bar[1])) == (ran, 6)
+    assert sorted(p.name for p in out.iterdir()) == ["passkey.json"]  # no .lock (nor temporary) file

@@ -409,7 +409,7 @@ def test_mlp_fit_learns_what_a_linear_map_cannot():
 
 
 def test_an_mlp_scorer_scores_rows_in_the_cache_and_a_refit_reuses_the_collected_windows(tmp_path, monkeypatch):
-    from veloxquant_mlx.methods.kvzap import collect
+    from veloxquant_mlx.evaluation import kvzap_fit as collect
     from veloxquant_mlx.methods.kvzap.fit import mlp_predict
     from conftest import tiny_tokenizer
 

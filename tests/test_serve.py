@@ -64,7 +64,8 @@ def start_server(model_arg, flags, log_path, timeout=120):
     proc = subprocess.Popen(
         [sys.executable, "-m", "veloxquant_mlx", "serve", "--model", str(model_arg), *flags,
          "--port", str(port), "--prefill-step-size", str(STEP), "--max-tokens", str(MAX_TOKENS)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_CACHE": str(Path(log_path).parent / "no-hf-cache")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -102,7 +103,7 @@ def served(tmp_path_factory):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     try:
         yield {"url": url, "client": client, "model": model, "tokenizer": tokenizer,
-               "log": root / "server.log", "proc": proc}
+               "log": root / "server.log", "proc": proc, "model_dir": model_dir}
     finally:
         stop_server(proc)
 
@@ -146,7 +147,7 @@ def test_concurrent_answers_equal_standalone_generations(served):
     assert caches[0].evictions > 0  # the budget really evicted (40 + 10 tokens > 16 + 4)
     log = served["log"].read_text()
     assert "continuous batching on" in log
-    assert "KV allocated" in log  # each finished request logs its allocated KV bytes
+    assert "KV cache: allocated" in log  # each finished request logs its allocated KV bytes
 
 
 @pytest.mark.integration
@@ -205,6 +206,165 @@ def test_second_turn_continues_the_first_turns_cache(served):
     assert caches[0].evictions > 0
     assert reply.choices[0].message.content == standalone(served, p2[caches[0].offset:], caches)[0]
     assert "prompt cache: reusing" in served["log"].read_text()
+
+
+CONTEXT = 4096  # the tiny model's max_position_embeddings
+
+
+def post(served, path, body, timeout=60):
+    """(status, JSON body) of a POST to the server."""
+    req = urllib.request.Request(served["url"] + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def wait_for_log(served, text, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in served["log"].read_text():
+            return served["log"].read_text()
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in the server log:\n{served['log'].read_text()[-3000:]}")
+
+
+def cpu_seconds(pid):
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.integration
+def test_prompt_past_the_context_gets_400_naming_it_and_the_server_keeps_serving(served):
+    messages = [{"role": "user", "content": words(CONTEXT + 20, 10)}]
+    status, body = post(served, "/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+    assert status == 400, body
+    assert f"context is {CONTEXT:,} tokens" in body["error"] and f"{len(template(served, messages)):,}" in body["error"]
+    ok = [{"role": "user", "content": words(9, 11)}]
+    assert chat(served["client"], ok).choices[0].message.content == standalone(served, template(served, ok))[0]
+
+
+@pytest.mark.integration
+def test_max_tokens_is_capped_at_what_the_context_leaves(served):
+    messages = [{"role": "user", "content": words(CONTEXT - 30, 12)}]
+    room = CONTEXT - len(template(served, messages))
+    assert 0 < room < 40
+    client = openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=90)
+    reply = client.completions.create(model="default_model", prompt=words(CONTEXT - 30, 12),
+                                      max_tokens=99_999_999, temperature=0.0)
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= CONTEXT
+    assert reply.choices[0].finish_reason == "length"
+    assert "max_tokens 99999999 capped at" in served["log"].read_text()
+
+
+@pytest.mark.integration
+def test_a_client_that_leaves_stops_its_generation(served):
+    """A non-streaming request whose client times out: the server stops generating for it at once
+    (mlx_lm.server alone would run it to max_tokens, as nothing is written until the end)."""
+    client = openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": words(12, 13)}],
+                                       max_tokens=3000, temperature=0.0)
+    log = wait_for_log(served, "client disconnected: generation stopped after")
+    line = next(x for x in log.splitlines() if "client disconnected: generation stopped after" in x)
+    assert int(line.split("after ")[1].split(" of")[0]) < 3000
+    time.sleep(0.5)
+    before = cpu_seconds(served["proc"].pid)
+    time.sleep(2.0)
+    assert cpu_seconds(served["proc"].pid) - before < 0.5  # idle: nothing kept generating
+    messages = [{"role": "user", "content": words(7, 14)}]
+    assert chat(served["client"], messages).choices[0].message.content == \
+        standalone(served, template(served, messages))[0]
+
+
+@pytest.mark.integration
+def test_models_lists_the_served_model(served):
+    """GET /v1/models on a machine without a Hugging Face cache (the fixture points HF_HUB_CACHE at a
+    missing folder): mlx_lm.server's scan raised CacheNotFound and sent an empty 200."""
+    with urllib.request.urlopen(served["url"] + "/v1/models", timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [str(served["model_dir"])]
+    assert [m.id for m in served["client"].models.list()] == [str(served["model_dir"])]
+    assert "Traceback" not in served["log"].read_text()
+
+
+def rss_bytes(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow  # ~15 s alone on 2 cores
+@pytest.mark.integration
+def test_mixed_load_with_clients_leaving_early_stops_their_generations_and_rss_stays_bounded(served):
+    """16 clients at once on loopback: 8 ask for 10 tokens after prompts of 20-1,500 tokens and wait; 8
+    ask for 3,000 tokens and leave: after a 0.3-0.9 s timeout, or after two chunks of a stream. Every waiting client is answered, every leaving
+    client's generation stops (one log line each, and the server idles at once), and the RSS after
+    the load is within 25 % of the RSS after a warm-up round."""
+    rng = np.random.default_rng(20)
+    stayers = [[{"role": "user", "content": words(int(n), 100 + i)}]
+               for i, n in enumerate(rng.integers(20, 1500, size=8))]
+    leavers = [([{"role": "user", "content": words(int(n), 200 + i)}], float(t))
+               for i, (n, t) in enumerate(zip(rng.integers(10, 300, size=8), rng.uniform(0.3, 1.5, size=8)))]
+
+    def stay(messages):
+        return chat(served["client"], messages).choices[0].message.content
+
+    def leave(job):
+        messages, after = job
+        client = openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=after)
+        streaming = after > 0.9  # these read two chunks, then close the stream
+        try:
+            reply = client.chat.completions.create(model="default_model", messages=messages, max_tokens=3000,
+                                                   temperature=0.0, stream=streaming)
+        except openai.APITimeoutError:
+            return "left"
+        if not streaming:
+            return "answered"
+        chunks = iter(reply)
+        next(chunks), next(chunks)
+        reply.close()
+        return "left"
+
+    with ThreadPoolExecutor(16) as pool:  # warm-up: the same load once, so the RSS baseline holds its buffers
+        list(pool.map(stay, stayers))
+    time.sleep(1.0)
+    baseline = rss_bytes(served["proc"].pid)
+    gone_before = served["log"].read_text().count("client disconnected: generation stopped")
+    done_before = served["log"].read_text().count("request done:")
+    t0 = time.time()
+    with ThreadPoolExecutor(16) as pool:
+        left = pool.map(leave, leavers)
+        answers = list(pool.map(stay, stayers))
+        left = list(left)
+    assert time.time() - t0 < 240
+    assert all(answers) and left == ["left"] * 8, left
+    time.sleep(1.0)
+    before = cpu_seconds(served["proc"].pid)
+    time.sleep(2.0)
+    assert cpu_seconds(served["proc"].pid) - before < 0.5  # nothing keeps generating for a gone client
+    log = served["log"].read_text()
+    # A client that left before the listen backlog took its connection never reached the server, so
+    # not every leaver logs; none ran to its end (only the 8 waiting clients' requests finished).
+    assert log.count("client disconnected: generation stopped") - gone_before >= 4, log[-4000:]
+    assert log.count("request done:") - done_before == 8, log[-4000:]
+    assert rss_bytes(served["proc"].pid) <= 1.25 * baseline, (rss_bytes(served["proc"].pid), baseline)
+    messages = [{"role": "user", "content": words(8, 300)}]
+    assert chat(served["client"], messages).choices[0].message.content == \
+        standalone(served, template(served, messages))[0]
+
+
+@pytest.mark.parametrize("port", ["70000", "99999", "0", "-1", "http"])
+def test_port_out_of_range_is_a_one_line_error(port, capsys):
+    from veloxquant_mlx.cli import main
+
+    assert main(["serve", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--port" in err and "1-65535" in err
 
 
 @pytest.mark.slow
@@ -323,14 +483,14 @@ def test_serve_takes_a_method_spec(monkeypatch):
                         lambda model, tok, config, model_name, **o: seen.append(dict(config=config, **o)))
     monkeypatch.setattr(serve_mod, "load_model_for_cli", lambda spec: (None, None))
     monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
-    args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
     assert seen[-1]["config"] == KVCacheConfig.parse("h2o:budget=64,kv_bits=4,allocation=ada")
     assert "kv_bits" not in seen[-1]  # our caches quantize their rows: requests stay batchable
-    args = build_parser().parse_args(["serve", "--method", "full:kv_bits=8", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--method", "full:kv_bits=8", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
     assert seen[-1]["config"] is None and (seen[-1]["kv_bits"], seen[-1]["kv_group_size"]) == (8, 64)
-    args = build_parser().parse_args(["serve", "--method", "h2o:bugdet=64", "--port", "0"])
+    args = build_parser().parse_args(["serve", "--method", "h2o:bugdet=64", "--port", str(free_port())])
     with pytest.raises(CLIError, match="unknown key 'bugdet'; valid keys for h2o"):
         serve_mod.cmd_serve(args)
 
@@ -397,7 +557,7 @@ def test_port_taken_after_the_check_stops_the_generation_thread(monkeypatch):
         def stop_and_join(self):
             self.stopped = True
 
-    def bind_fails(host, port, generator):
+    def bind_fails(host, port, generator, handler_class):
         raise OSError(errno.EADDRINUSE, "Address already in use")
 
     monkeypatch.setattr(server, "ResponseGenerator", Generator)
@@ -409,23 +569,23 @@ def test_port_taken_after_the_check_stops_the_generation_thread(monkeypatch):
     assert started and started[0].stopped  # else the non-daemon thread would keep the process alive
 
 
-def test_request_log_compares_with_what_kvcache_allocates():
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from veloxquant_mlx.cli.serve_memory import kvcache_bytes, request_log_line
+def test_request_log_line_has_generates_words_and_baseline():
+    """serve's per-request KV line is generate's: allocated bytes against the full cache's K/V of the
+    tokens seen (kv_report), not against what mlx-lm's KVCache would allocate."""
+    from veloxquant_mlx.caches.accounting import kv_report
+    from veloxquant_mlx.cli.args import kv_summary
+    from veloxquant_mlx.cli.serve_memory import request_log_line
 
     model = make_tiny_model("llama")
     for n in (3, 300):
         caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="nexus", budget=128))
-        full = make_prompt_cache(model)
-        tokens = mx.array(np.arange(1, n + 1) % VOCAB)[None]
-        model(tokens, cache=caches)
-        model(tokens, cache=full)
-        assert kvcache_bytes(caches) == sum(c.nbytes for c in full)  # mlx-lm's 256-row steps
+        model(mx.array(np.arange(1, n + 1) % VOCAB)[None], cache=caches)
+        kv = kv_report(caches)
         line = request_log_line(n, caches)
-        ratio = float(line.split("(")[1].split("x")[0])
-        assert ratio == pytest.approx(sum(c.nbytes for c in caches) / sum(c.nbytes for c in full), abs=0.01)
-        assert ratio < 2  # a 3-token request is not "130x a full cache"
+        assert line == f"request done: {n} tokens in its cache; {kv_summary(kv)}"
+        ratio = float(line.split("= ")[1].split("x")[0])
+        assert ratio == pytest.approx(sum(c.nbytes for c in caches) / kv["full_bytes"], abs=0.01)
+        assert "of the full cache's" in line and "KVCache allocates" not in line
 
 
 def test_prompt_cache_bounds_bytes_at_our_caches_nbytes():
@@ -542,7 +702,7 @@ def test_serve_wires_the_memory_bounds(monkeypatch):
 
     limits = []
     monkeypatch.setattr(server, "ResponseGenerator", Generator)
-    monkeypatch.setattr(server, "_run_http_server", lambda host, port, generator: None)
+    monkeypatch.setattr(server, "_run_http_server", lambda host, port, generator, handler_class: None)
     monkeypatch.setattr(server, "BatchGenerator", server.BatchGenerator)
     monkeypatch.setattr(mx, "set_cache_limit", limits.append)
     model = make_tiny_model("llama")

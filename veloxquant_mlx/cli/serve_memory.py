@@ -8,10 +8,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import math
 import sys
 
 from ..caches.accounting import kv_report
+from .args import kv_summary
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -20,25 +20,10 @@ def mib(n):
     return f"{n / 2**20:.2f} MiB"
 
 
-def kvcache_bytes(caches) -> int:
-    """What mlx-lm's KVCache allocates for the tokens these caches have seen (it grows in steps of
-    ``KVCache.step`` rows): the honest reference for a short request's allocated bytes."""
-    from mlx_lm.models.cache import KVCache
-
-    total = 0
-    for c in caches:
-        if hasattr(c, "full_seq_bytes") and c.offset:
-            total += c.full_seq_bytes // c.offset * math.ceil(c.offset / KVCache.step) * KVCache.step
-    return total
-
-
 def request_log_line(n_tokens, caches) -> str:
+    """One finished request's KV memory, in ``generate``'s words and against its baseline."""
     kv = kv_report(caches)
-    line = f"request done: {n_tokens} tokens in its cache, KV allocated {mib(kv['allocated_bytes'])}"
-    ref = kvcache_bytes(caches)
-    if ref:
-        line += (f" ({kv['allocated_bytes'] / ref:.2f}x of the {mib(ref)} mlx-lm's KVCache allocates for "
-                 f"them; kept rows {mib(kv['kept_bytes'])})")
+    line = f"request done: {n_tokens} tokens in its cache; {kv_summary(kv)}"
     if "cold_disk_bytes" in kv:  # a cold tier (--recall): what stays resident, and what is on disk
         line += (f"; recall: hot {mib(kv['hot_bytes'])}, cold resident {mib(kv['cold_resident_bytes'])}, "
                  f"summaries {mib(kv['summary_bytes'])}, on disk {mib(kv['cold_disk_bytes'])}")

@@ -58,15 +58,19 @@ class ResultStore:
         if not self.write:
             yield
             return
-        lock = self.path.with_suffix(self.path.suffix + ".lock")
-        with open(lock, "a+") as fh:
+        # The folder is the lock (a lock file beside the JSON would be left behind, and removing it
+        # would race with a writer waiting on it); writes are short, so one lock per folder is enough.
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
             try:
                 import fcntl
 
-                fcntl.flock(fh, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_EX)
             except ImportError:  # pragma: no cover - non-POSIX
                 pass
             yield
+        finally:
+            os.close(fd)
 
     def load(self) -> dict:
         if self.path.exists():
@@ -162,20 +166,25 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
     mine = [(cid, p) for k, (cid, p) in enumerate(cells) if k % n == i]
     done = store.done()
     todo = [(cid, p) for cid, p in mine if cid not in done]
-    if max_cells is not None:
-        todo = todo[:max_cells]
     t0 = time.perf_counter()
-    ran = errors = 0
+    errors = 0
     stopped = False
-    # cells done / total over the whole grid (a resumed run starts where the file is), ETA from this run's pace
-    bar = tqdm(total=len(mine), initial=sum(1 for cid, _ in mine if cid in done), desc=desc or store.experiment,
+    mine_ids = {cid for cid, _ in mine}
+    # A cell is a record of the JSON: a run_one that shares one pass with other cells (one prompt's
+    # prefill-only methods) stores theirs too, and they count here, in the bar and in max_cells alike.
+    bar = tqdm(total=len(mine), initial=len(mine_ids & done), desc=desc or store.experiment,
                disable=not progress, dynamic_ncols=True, unit="cell")
+
+    def finished_now() -> int:
+        return len(mine_ids & store.done()) - len(mine_ids & done)
+
     for cid, params in todo:
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
             stopped = True
             break
+        if max_cells is not None and finished_now() >= max_cells:
+            break
         if not store.claim(cid):  # finished or being run by another worker meanwhile
-            bar.update(1)
             continue
         c0 = time.perf_counter()
         try:
@@ -189,12 +198,10 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
         store.put(cid, rec)
         if after_cell is not None:
             after_cell()
-        ran += 1
-        bar.update(1)
+        bar.update(len(mine_ids & done) + finished_now() - bar.n)
         bar.set_postfix_str(cid[-60:])
     bar.close()
-    return {"planned": len(mine), "skipped_done": len(mine) - len(todo) if max_cells is None else
-            sum(1 for cid, _ in mine if cid in done), "ran": ran, "errors": errors,
+    return {"planned": len(mine), "skipped_done": len(mine_ids & done), "ran": finished_now(), "errors": errors,
             "stopped_by_time_budget": stopped, "wall_s": round(time.perf_counter() - t0, 1)}
 
 

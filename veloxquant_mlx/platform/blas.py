@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .blas_locate import (_PIP_SOURCE, OPENBLAS_PATH_ENV, BlasLibrary, _candidates, _plan, _source_of, find_blas,
@@ -59,6 +60,8 @@ __all__ = [
     "preloaded_openblas_path",
     "preload_env",
     "blas_hint",
+    "warn_if_slow_blas",
+    "SlowBlasWarning",
     "describe",
     "reexec_with_openblas",
     "measure_matmul_gflops",
@@ -283,6 +286,38 @@ def blas_hint(tried: bool = False) -> Optional[str]:
     return ("MLX is using its slow reference CPU BLAS (~30x slower fp32 matmul): "
             "`pip install cmeel-openblas` (the `fast-cpu` extra; or `apt-get install libopenblas0-pthread`) "
             f"and {launcher}")
+
+
+class SlowBlasWarning(UserWarning):
+    """MLX runs its fp32 matmuls on the slow reference CPU BLAS (Linux CPU, nothing preloaded)."""
+
+
+_warned_slow_blas = False
+
+
+def _run_by_our_cli() -> bool:
+    """``python -m veloxquant_mlx ...`` (or its launcher / console script): it prints its own note."""
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv)
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module.split(".")[0] == "veloxquant_mlx" or os.path.basename(sys.argv[0] or "") == "veloxquant-mlx"
+
+
+def warn_if_slow_blas() -> None:
+    """Once per process: a :class:`SlowBlasWarning` naming the one-line fix, when MLX's CPU matmuls
+    run on its reference BLAS (a library user's script gets it at ``import veloxquant_mlx``; the CLI
+    prints its own note). Silence it with ``warnings.filterwarnings("ignore", category=SlowBlasWarning)``."""
+    global _warned_slow_blas
+    if _warned_slow_blas or not sys.platform.startswith("linux") or _run_by_our_cli():
+        return
+    _warned_slow_blas = True
+    if not _mlx_on_cpu() or _preloaded(_OPTIMIZED_BLAS_MARKERS):
+        return
+    fix = "python -m veloxquant_mlx.platform.blas your_script.py"
+    lib = find_blas()
+    where = f"OpenBLAS from {lib.source} is installed" if lib else \
+        "`pip install cmeel-openblas` (or `apt-get install libopenblas0-pthread`) first"
+    warnings.warn(f"MLX is using its slow reference CPU BLAS (~30x slower fp32 matmul; {where}): run "
+                  f"`{fix}` to preload OpenBLAS (docs/cpu-blas.md)", SlowBlasWarning, stacklevel=3)
 
 
 def _default_argv() -> List[str]:

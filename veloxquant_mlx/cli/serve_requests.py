@@ -1,0 +1,144 @@
+"""Requests of ``veloxquant_mlx serve`` checked against the model and their client: ``serve.py`` wires
+these subclasses of ``mlx_lm.server``'s response generator and HTTP handler in.
+
+* A prompt longer than the model's context gets an HTTP 400 that names the context, before any
+  prefill; ``max_tokens`` is capped at what the context leaves after the prompt.
+* A client that leaves (closed socket, timeout) stops its generation: the handler checks the socket
+  between tokens and prefill chunks, as ``mlx_lm.server`` itself only notices a closed stream when a
+  write fails (never for a non-streaming request).
+* ``GET /v1/models`` lists the one model this server serves, without scanning the Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import time
+
+from .args import model_context_length
+
+log = logging.getLogger("veloxquant_mlx.serve")
+
+
+class PromptTooLong(ValueError):
+    """A request whose prompt does not fit the model's context (answered with HTTP 400)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request was being served."""
+
+
+def fit_request(prompt_tokens: int, max_tokens: int, context: int | None) -> int:
+    """The ``max_tokens`` a request of ``prompt_tokens`` may run with: refused (PromptTooLong) when the
+    prompt leaves no room in the model's ``context`` (None: unknown, nothing checked), else capped."""
+    if context is None:
+        return max_tokens
+    if prompt_tokens >= context:
+        raise PromptTooLong(f"the prompt is {prompt_tokens:,} tokens but the model's context is {context:,} "
+                            "tokens (max_position_embeddings): shorten it")
+    return min(max_tokens, context - prompt_tokens)
+
+
+def client_gone(sock) -> bool:
+    """True when the peer has closed ``sock`` (readable with nothing to read) or it errors; pipelined
+    bytes of a next request leave it open."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def response_generator_class():
+    from mlx_lm.server import ResponseGenerator
+
+    class CheckedResponseGenerator(ResponseGenerator):
+        """mlx-lm's ResponseGenerator whose tokenized requests are checked against the model's context."""
+
+        def _tokenize(self, tokenizer, request, args):
+            out = super()._tokenize(tokenizer, request, args)
+            asked = args.max_tokens
+            args.max_tokens = fit_request(len(out[0]), asked, model_context_length(self.model_provider.model))
+            if args.max_tokens < asked:
+                log.info(f"max_tokens {asked} capped at {args.max_tokens}: the prompt's {len(out[0])} tokens "
+                         "leave no more room in the model's context")
+            return out
+
+    return CheckedResponseGenerator
+
+
+class _Watched:
+    """The handler's response generator, with each request's stream checked for its client between
+    tokens (and prefill progress reports), and a refusal remembered for the status code."""
+
+    def __init__(self, generator, handler):
+        self._generator, self._handler = generator, handler
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate(self, request, args, progress_callback=None):
+        sock = self._handler.connection
+
+        def progress(done, total):
+            if client_gone(sock):
+                raise ClientGone(f"during prefill ({done}/{total} prompt tokens)")
+            if progress_callback is not None:
+                progress_callback(done, total)
+
+        try:
+            ctx, responses = self._generator.generate(request, args, progress_callback=progress)
+        except PromptTooLong:
+            self._handler.refused = True
+            raise
+
+        def watched():
+            n = 0
+            for r in responses:
+                n += 1
+                yield r
+                if r.finish_reason is None and client_gone(sock):
+                    ctx.stop()
+                    raise ClientGone(f"after {n} of at most {args.max_tokens} new tokens")
+
+        return ctx, watched()
+
+
+def handler_class(model_name: str):
+    from mlx_lm.server import APIHandler
+
+    class CheckedHandler(APIHandler):
+        """mlx-lm's APIHandler: 400 for a prompt past the context, generation stopped when its client
+        leaves, and /v1/models listing the served model."""
+
+        refused = False
+
+        def handle_completion(self, request, stop_words):
+            generator, self.refused = self.response_generator, False
+            self.response_generator = _Watched(generator, self)
+            try:
+                super().handle_completion(request, stop_words)
+            except (ClientGone, BrokenPipeError, ConnectionResetError) as e:
+                log.info(f"client disconnected: generation stopped {e}" if isinstance(e, ClientGone)
+                         else f"client disconnected: generation stopped ({type(e).__name__})")
+                self.close_connection = True
+            finally:
+                self.response_generator = generator
+
+        def _set_completion_headers(self, status_code: int = 200):
+            # mlx-lm answers every failed generate() with 404; a prompt past the context is the client's
+            super()._set_completion_headers(400 if status_code == 404 and self.refused else status_code)
+
+        def handle_models_request(self):
+            body = json.dumps({"object": "list", "data": [
+                {"id": model_name, "object": "model", "created": int(self.created or time.time()),
+                 "owned_by": "veloxquant_mlx"}]}).encode()
+            self._set_completion_headers(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
+    return CheckedHandler
