@@ -27,6 +27,7 @@ from ..ops.select import gather_rows_of
 from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
+from .light import LightStep
 from .batch import BatchMerge
 from .policy import OnePass, PromptPolicy, PromptState
 from .quant import buf_parts, from_parts, row_dim
@@ -37,7 +38,7 @@ from .storage import PAD_POSITION, RowStorage, with_headroom
 _warned_ada_no_tap: set = set()
 
 
-class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
+class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
@@ -90,14 +91,18 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         self._tap_unproven = self._awaiting_queries = False
         self.scale = None
         self._window_q = None
+        self._window_at = 0  # a full window is a ring: the row the next query overwrites (its oldest)
+        self._light_rows = 0  # see refresh_light: a decode step appending below this many rows is light
+        self._light_now = False  # this step's append was light: its queries take the light path too
         self.prompt = PromptState()  # prompt-time policy: prompt open, ending, compressing (caches.policy)
         self._rng = mx.random.key(config.seed + layer_idx)
         self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
-        # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
-        # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
-        self._fetched_positions = None
+        # The rows the last update_and_fetch returned (and whether any was padding): the tap's mask must
+        # describe those rows even if observe_queries evicted right after the fetch. Either the first
+        # ``_fetched_rows`` rows of the positions buffer ``_fetched_store``, or given positions.
+        self._fetched_store = self._fetched_given = None
+        self._fetched_rows = 0
         self._fetched_ragged = False
-        self._fetched_store = None  # the positions buffer those rows were sliced from (None: given rows)
         # Ragged decode: (positions buffer, group, per-KV-head?, mask over its capacity), reused while the
         # buffer is the same object: between evictions a decode step only appends real rows (see decode_mask)
         self._decode_mask = None
@@ -170,14 +175,19 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
 
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
-        if self.query_window:
-            W, S = self.query_window, queries.shape[2]
-            if self._window_q is None or S >= W:
-                # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
-                self._window_q = mx.contiguous(queries[:, :, -W:, :])
-            else:  # one concatenate (a new array) of the rows still in the window and the new ones
-                self._window_q = mx.concatenate([self._window_q[:, :, max(self._window_q.shape[2] + S - W, 0):],
-                                                 queries], axis=2)
+        W, S, q = self.query_window, queries.shape[2], self._window_q
+        if not W:
+            return
+        if q is not None and S == 1 and q.shape[2] == W:  # a full window: one query overwrites the oldest
+            i = self._window_at
+            q[:, :, i:i + 1] = queries
+            self._window_at = i + 1 if i + 1 < W else 0
+        elif q is None or S >= W:
+            # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
+            self._window_q, self._window_at = mx.contiguous(queries[:, :, -W:, :]), 0
+        else:  # one concatenate (a new array) of the rows still in the window and the new ones
+            q = self.window_queries()[0]
+            self._window_q, self._window_at = mx.concatenate([q[:, :, max(q.shape[2] + S - W, 0):], queries], 2), 0
 
     def scores(self) -> mx.array:
         """(B, H, rows) importance of every stored row; higher is kept."""
@@ -227,6 +237,21 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        r = self._rows
+        if r < self._light_rows and keys.shape == self._light_k and values.shape == self._light_v \
+                and keys.dtype == self.keys.dtype and values.dtype == self.values.dtype:
+            # The light step (refresh_light): one token between evictions, into the headroom. The new row's
+            # position is already stored (prefilled); nothing else of the policy can happen here.
+            self.keys[:, :, r:r + 1] = keys
+            self.values[:, :, r:r + 1] = values
+            self._rows = r = r + 1
+            self.offset += 1
+            self._fetched_store, self._fetched_rows, self._light_now = self.positions, r, True
+            self._fetched_ragged = self._light_ragged
+            if self.on_light_append is not None:
+                self.on_light_append(r - 1)
+            return self.keys[:, :, :r], self.values[:, :, :r]
+        self._light_rows, self._light_now = 0, False
         if self._awaiting_queries:
             raise self.missing_tap_error()
         self._check_kv(keys, values)
@@ -257,9 +282,9 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
     def note_fetched(self, positions: mx.array | None = None) -> None:
         """Record the rows this step attends to (the tap's mask describes them): the stored rows, or
         ``positions`` when the step attends to more (rows it will not store)."""
-        self._fetched_positions = self.positions[:, :, :self._rows] if positions is None else positions
-        self._fetched_ragged = self.is_ragged
         self._fetched_store = self.positions if positions is None else None
+        self._fetched_given, self._fetched_rows = positions, self._rows
+        self._fetched_ragged = self.is_ragged
 
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
@@ -300,7 +325,9 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         """(B, H, rows) positions of the rows the last ``update_and_fetch`` returned (PAD_POSITION for
         padding), or None before the first one: a mask for this step must describe these rows even
         when an eviction ran right after the fetch."""
-        return self._fetched_positions
+        if self._fetched_store is not None:
+            return self._fetched_store[:, :, :self._fetched_rows]
+        return self._fetched_given
 
     @property
     def fetched_ragged(self) -> bool:
@@ -325,6 +352,7 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
             self._end_prompt()
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
+        self.refresh_light()
 
     def attention_mask(self, mask, queries: mx.array):
         """The mask this layer's attention should use, given the one mlx-lm built from cache[0].
@@ -333,7 +361,7 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         was built for cache[0]'s row count, so it is rebuilt for ours; ragged storage needs a
         per-head mask that hides padding rows.
         """
-        pos = self._fetched_positions  # the rows this step attends to (before any eviction after it)
+        pos = self.fetched_positions  # the rows this step attends to (before any eviction after it)
         if pos is None:
             pos, ragged = self.positions[..., :self._rows], self.is_ragged
         else:
@@ -423,12 +451,13 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
         self._ragged = real is not None
-        self.positions = with_headroom(pos, extra, PAD_POSITION)
+        self.positions = self.future_positions(pos, extra)
         for name in self.row_extras:
             self.row_extras[name] = with_headroom(gather_rows(self.row_extras[name], idx), extra)
         self._rows = K
         self._evict_floor = K
         self.evictions += 1
+        self._light_rows = 0  # a new storage: the next full step decides again
         self.on_evicted(idx)
 
     def on_evicted(self, idx: mx.array) -> None:
@@ -436,10 +465,13 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
 
     def window_queries(self):
         """(queries (B, Hq, W, D), their absolute positions (W,)) of the observation window."""
-        if self._window_q is None:
+        q, at = self._window_q, self._window_at
+        if q is None:
             return None, None
-        W = self._window_q.shape[2]
-        return self._window_q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
+        if at:  # the ring's rows in position order
+            q = mx.concatenate([q[:, :, at:], q[:, :, :at]], axis=2)
+        W = q.shape[2]
+        return q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
 
     # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
     # caches.batch.BatchEvictionCache holding one single-row cache per sequence, so every

@@ -37,6 +37,11 @@ class RowStorage:
     """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: append, fetch and size the rows."""
 
     kv_external = False  # True while the cache is a row of a BatchEvictionCache, which holds its keys/values
+    # The positions buffer whose rows past the stored ones already hold the positions they will get (row
+    # ``_rows + j`` is appended at ``offset + j``: rows and offset grow together until storage is rebuilt),
+    # so an append writes no positions. Growth and eviction build such buffers; a loaded or recalled one
+    # is written row by row.
+    prefilled = None
 
     @property
     def is_ragged(self) -> bool:
@@ -118,8 +123,10 @@ class RowStorage:
             if kv:
                 self.keys = grown_kv(self.keys, keys)
                 self.values = grown_kv(self.values, values)
-            pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
-            self.positions = grown(self.positions, pos, PAD_POSITION)
+            # The headroom already holds the positions its rows will get (see ``prefilled``).
+            pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S + extra, dtype=mx.int32), (B, H, S + extra))
+            self.positions = self.prefilled = mx.contiguous(pos) if self.positions is None or not prev else \
+                mx.concatenate([self.positions[:, :, :prev], pos], axis=2)
             for name, fill in fields.items():
                 self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
         else:
@@ -127,14 +134,24 @@ class RowStorage:
                 parts, rows = (buf, new) if isinstance(buf, tuple) else ((buf,), (new,))
                 for part, r in zip(parts, rows, strict=True):
                     part[:, :, prev:need] = r
-            # one token: a scalar write (no arange / broadcast nodes per step)
-            self.positions[:, :, prev:need] = (self.offset if S == 1 else
-                                               mx.arange(self.offset, self.offset + S, dtype=mx.int32))
+            if self.prefilled is not self.positions:  # a buffer given (loaded, recalled): write the positions
+                self.positions[:, :, prev:need] = (self.offset if S == 1 else
+                                                   mx.arange(self.offset, self.offset + S, dtype=mx.int32))
             for name, fill in fields.items():
                 if name not in self.rows_written_on_append:
                     self.row_extras[name][:, :, prev:need] = fill
         self._rows = need
         self.offset += S
+
+    def future_positions(self, kept: mx.array, extra: int) -> mx.array:
+        """A NEW positions buffer: the ``kept`` rows' positions, then ``extra`` headroom rows holding the
+        positions the next appends will get (``prefilled``)."""
+        if extra <= 0:
+            return mx.contiguous(kept)
+        B, H = kept.shape[:2]
+        ahead = mx.broadcast_to(mx.arange(self.offset, self.offset + extra, dtype=mx.int32), (B, H, extra))
+        self.prefilled = mx.concatenate([kept, ahead], axis=2)
+        return self.prefilled
 
     def _fetch(self):
         r = self._rows

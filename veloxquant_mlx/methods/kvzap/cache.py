@@ -269,17 +269,24 @@ class KVzapCache(EvictionCache):
     def _append(self, keys, values):
         prev = self._rows
         super()._append(keys, values)
-        S = keys.shape[2]
+        self._score_rows(prev, keys.shape)
+
+    def _score_rows(self, prev, shape):
+        """Score the rows ``prev .. prev + S`` just appended (``shape``: their keys' (B, H, S, D))."""
+        S = shape[2]
         x, self._hidden = self._hidden, None  # a row of a batch gets its own slice (caches.batch)
         if self._weights is None or x is None:
             s = self._unscored(prev, S)
         else:
-            if x.shape[1] != S or x.shape[0] != keys.shape[0]:
+            if x.shape[1] != S or x.shape[0] != shape[0]:
                 raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows of "
-                                 f"{keys.shape[0]} sequences")
-            params = self._layer_weights(keys.shape[1])
+                                 f"{shape[0]} sequences")
+            params = self._layer_weights(shape[1])
             s = _score_compiled[len(params)](x, *params)
         self.row_extras["zap_score"][:, :, prev:prev + S] = s
+
+    def on_light_append(self, row):
+        self._score_rows(row, self._light_k)
 
     def _unscored(self, prev, S):
         """No scorer or no hidden state: a cache built without the builder ranks rows by recency (a
@@ -331,6 +338,7 @@ class KVzapCache(EvictionCache):
         for i, c in enumerate(due):
             c._share_due = False
             c.layer_share = None if shares is None else shares[i]
+            c._light_rows = 0  # its eviction threshold moved: the next step is a full one
             if c._rows > c.keep_rows():
                 with c.prompt.compressing_to(c.layer_share):
                     c._evict()

@@ -94,6 +94,8 @@ class KVzipCache(EvictionCache):
     def extra_row_fields(self):
         return {"zip_score": 0.0, "zip_ids": -1.0}
 
+    rows_written_on_append = ("zip_ids",)  # _append writes every new row's id (-1: unknown)
+
     def scores(self):
         return self.stored("zip_score")
 
@@ -101,11 +103,15 @@ class KVzipCache(EvictionCache):
     def _append(self, keys, values):
         prev = self._rows
         super()._append(keys, values)
-        ids = self._ids_for(keys.shape)
+        self.on_light_append(prev, keys.shape)
+
+    def on_light_append(self, prev, shape=None):
+        """The token ids of the rows ``prev ..`` just appended (``shape``: their keys'; the light step's one row)."""
+        shape = shape or self._light_k
+        ids = self._ids_for(shape)
         if ids is None:
             self._ids_known = False
-        else:
-            self.row_extras["zip_ids"][:, :, prev:prev + keys.shape[2]] = ids
+        self.row_extras["zip_ids"][:, :, prev:prev + shape[2]] = -1.0 if ids is None else ids
 
     def _ids_for(self, shape):
         ids = forward.input_ids()  # this row's slice when a batch cache feeds it
