@@ -708,6 +708,7 @@ def make_weight(model, label, T, budget, seed=0):
     """Caches of ``label`` ("rotating", "kvcache" or a registry method) at T tokens seen."""
     global _SCORER_DIR
     kvh, qh, hd = _shape(model)
+    KVCacheBuilder.uninstall(model)  # the last label's taps (kvzap's hidden-state tap) leave with it
     if label == "kvcache":
         caches = [KVCache() for _ in model.layers]
     elif label == "rotating":
