@@ -285,8 +285,19 @@ class KVzapCache(EvictionCache):
             s = _score_compiled[len(params)](x, *params)
         self.row_extras["zap_score"][:, :, prev:prev + S] = s
 
+    def refresh_light(self):
+        super().refresh_light()
+        params = self._local
+        self._light_score = None if params is None else (len(params), params)  # (no function: caches are copied)
+
     def on_light_append(self, row):
-        self._score_rows(row, self._light_k)
+        """_score_rows of the light step's one row, once the full path has checked the scorer and its heads."""
+        x, light = self._hidden, self._light_score
+        if light is None or x is None or x.shape[:2] != (self._light_k[0], 1):
+            return self._score_rows(row, self._light_k)  # its checks and errors
+        self._hidden = None
+        n, params = light
+        self.row_extras["zap_score"][:, :, row:row + 1] = _score_compiled[n](x, *params)
 
     def _unscored(self, prev, S):
         """No scorer or no hidden state: a cache built without the builder ranks rows by recency (a

@@ -108,16 +108,11 @@ class KVzipCache(EvictionCache):
     def on_light_append(self, prev, shape=None):
         """The token ids of the rows ``prev ..`` just appended (``shape``: their keys'; the light step's one row)."""
         shape = shape or self._light_k
-        ids = self._ids_for(shape)
+        ids = forward.input_ids()  # this row's slice when a batch cache feeds it
+        ids = None if ids is None or ids.shape != (shape[0], shape[2]) else mx.expand_dims(ids.astype(mx.float32), 1)
         if ids is None:
             self._ids_known = False
         self.row_extras["zip_ids"][:, :, prev:prev + shape[2]] = -1.0 if ids is None else ids
-
-    def _ids_for(self, shape):
-        ids = forward.input_ids()  # this row's slice when a batch cache feeds it
-        if ids is None or tuple(ids.shape) != (shape[0], shape[2]):
-            return None
-        return mx.expand_dims(ids.astype(mx.float32), 1)
 
     @property
     def pending(self) -> int:
