@@ -131,3 +131,21 @@ def test_light_path_is_off_where_the_full_step_has_work():
     assert c._light_rows == 0
     KVCacheBuilder.uninstall(model)
     assert isinstance(c, EvictionCache)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "morphkv", "nexus", "kvzip", "tova"])
+def test_observed_window_is_the_one_key_fallback_until_queries_arrive(method):
+    from conftest import make_cache
+
+    c = make_cache(method, small=True, budget=64)
+    k = mx.random.normal((1, 2, 40, 16), key=mx.random.key(1))
+    c.update_and_fetch(k, k)
+    W = min(c.query_window, 40)
+    q, q_pos, scale = c.observed_window()  # no query observed: the newest W keys, at the newest positions
+    assert np.array_equal(np.array(q), np.array(k[:, :, 40 - W:]))
+    assert np.array(q_pos).tolist() == list(range(40 - W, 40)) and scale == 16 ** -0.5
+    queries = mx.random.normal((1, 4, 1, 16), key=mx.random.key(2))
+    c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    c.observe_queries(queries, 0.5)
+    q, q_pos, scale = c.observed_window()
+    assert np.array_equal(np.array(q[:, :, -1:]), np.array(queries)) and int(q_pos[-1]) == 40 and scale == 0.5

@@ -463,6 +463,18 @@ class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundT
     def on_evicted(self, idx: mx.array) -> None:
         """Hook after an eviction step (idx: the kept old row indices)."""
 
+    def observed_window(self):
+        """(queries (B, Hq, W, D), their absolute positions (W,), scale) of the observation window, for a
+        method's scores. Where no query was ever observed (no tap, an eviction before the first observe),
+        the newest W stored keys stand in for them at the newest W positions, scaled by 1/sqrt(D): the one
+        fallback every method that scores with queries shares."""
+        q, q_pos = self.window_queries()
+        if q is None:
+            r = self._rows
+            W = min(self.query_window, r)
+            q, q_pos = self.stored("keys")[:, :, r - W:], mx.arange(self.offset - W, self.offset, dtype=mx.int32)
+        return q, q_pos, (self.scale if self.scale is not None else q.shape[-1] ** -0.5)
+
     def window_queries(self):
         """(queries (B, Hq, W, D), their absolute positions (W,)) of the observation window."""
         q, at = self._window_q, self._window_at

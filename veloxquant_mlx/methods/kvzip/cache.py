@@ -136,12 +136,8 @@ class KVzipCache(EvictionCache):
 
     def _fallback_scores(self, n):
         """No model pass possible: the last prompt queries' max attention scores the pending rows."""
-        q, q_pos = self.window_queries()
+        q, q_pos, scale = self.observed_window()
         r = self._rows
-        if q is None:
-            W = min(self.options.window, r)
-            q, q_pos = self.stored("keys")[:, :, r - W:], mx.arange(self.offset - W, self.offset, dtype=mx.int32)
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         s = window_max_scores(q, self.stored("keys")[:, :, r - n:r], q_pos, self.positions[:, :, r - n:r], scale)
         self._set_pending_scores(s)
 
