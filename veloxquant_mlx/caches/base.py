@@ -1,10 +1,12 @@
 """EvictionCache: the machinery every eviction method shares.
 
 A subclass supplies ``scores()`` (higher = keep) or, where its selection is special,
-``select_rows()``. Everything else is shared: this file holds the mlx-lm protocol, the observed-query
-window, the prompt-time policy, amortized eviction and masks; its mixins hold the row storage
-(``storage.py``: buffers with exact headroom, kept absolute positions per (batch, head), ragged
-width), byte accounting (``accounting.py``) and state round trips (``state.py``).
+``select_rows()``. Everything else is shared: this file holds what a method declares and may override,
+the mlx-lm protocol, the observed-query window and amortized eviction; its mixins hold the light
+decode step (``light.py``), the fetched rows' masks (``masks.py``), the prompt-time policy
+(``policy.py``), the row storage (``storage.py``: buffers with exact headroom, kept absolute
+positions per (batch, head), ragged width), byte accounting (``accounting.py``) and state round trips
+(``state.py``).
 
 Contract with mlx-lm (see docs/architecture.md): models call ``update_and_fetch`` with keys already
 rotated at ``offset``; we return the kept rows followed by the new rows, so the string mask
@@ -17,7 +19,6 @@ from __future__ import annotations
 import warnings
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from ..config import KVCacheConfig
@@ -28,6 +29,7 @@ from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
 from .light import LightStep
+from .masks import AttentionMasks
 from .batch import BatchMerge
 from .policy import OnePass, PromptPolicy, PromptState
 from .quant import buf_parts, from_parts, row_dim
@@ -38,7 +40,7 @@ from .storage import PAD_POSITION, RowStorage, with_headroom
 _warned_ada_no_tap: set = set()
 
 
-class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
+class EvictionCache(LightStep, AttentionMasks, PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
@@ -46,7 +48,6 @@ class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundT
     step = 256  # prompt chunks grow storage in steps of this many rows, like mlx-lm's KVCache
     decode_step = 64  # single-token appends that outgrow the buffer add this many rows (unbounded decode)
     query_window = 0  # how many recent queries the method scores with (0: none kept)
-    needs_queries = True  # False for key-only / position-only methods
     prefill_only = False  # True: compress once when the prompt ends, then only append
     # Allocation axis: does scores() rank rows per head comparably across heads, so that Ada-KV can
     # move budget between heads? None = decide automatically (yes when the method supplies scores()
@@ -109,8 +110,18 @@ class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundT
         self.attend = OnePass()  # the tap's one-pass attention: an output a scoring pass hands back
         self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
-    # Hooks a method may override -------------------------------------------------------------
+    # What a method needs, declared (the builder and the config read these; nothing is probed) --------
+    needs_queries = True  # the query tap's post-RoPE queries (False: key-only / position-only methods)
+    needs_hidden_states = False  # each attention module's input: the builder installs the hidden-state tap
     needs_model_pass = False  # True: the builder wraps the model so run_model_pass can run (model_pass.py)
+    compresses_in_model_pass = False  # the prompt-end compression runs in that pass (recall_hold refuses it)
+    model_pass_note = ""  # what runs in that pass, for a progress bar
+
+    @classmethod
+    def attach_model(cls, model, caches: list) -> None:
+        """The model itself, once the builder made its caches of this class (kvzap: its identity picks the scorer)."""
+
+    # Hooks a method may override -------------------------------------------------------------
 
     @classmethod
     def run_model_pass(cls, driver, seq) -> None:
@@ -279,13 +290,6 @@ class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundT
             "did not deliver its queries: load caches with veloxquant_mlx.load_prompt_cache(path, model=model) "
             "(or call KVCacheBuilder.attach(model, caches)) before generating with them")
 
-    def note_fetched(self, positions: mx.array | None = None) -> None:
-        """Record the rows this step attends to (the tap's mask describes them): the stored rows, or
-        ``positions`` when the step attends to more (rows it will not store)."""
-        self._fetched_store = self.positions if positions is None else None
-        self._fetched_given, self._fetched_rows = positions, self._rows
-        self._fetched_ragged = self.is_ragged
-
     def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
         if self.keys is None:
@@ -320,20 +324,6 @@ class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundT
         ``mode`` says ``on`` (always) or ``"auto"`` (where one pass is the faster: the CPU)."""
         return self.attend.active and (mode == on or (mode == "auto" and fused_scoring_default()))
 
-    @property
-    def fetched_positions(self):
-        """(B, H, rows) positions of the rows the last ``update_and_fetch`` returned (PAD_POSITION for
-        padding), or None before the first one: a mask for this step must describe these rows even
-        when an eviction ran right after the fetch."""
-        if self._fetched_store is not None:
-            return self._fetched_store[:, :, :self._fetched_rows]
-        return self._fetched_given
-
-    @property
-    def fetched_ragged(self) -> bool:
-        """Whether the rows the last ``update_and_fetch`` returned held padding (ragged heads)."""
-        return self._fetched_ragged
-
     def step_state(self) -> list:
         """Arrays a step updates that attention does not read (positions, per-row scores, the query
         window): the query tap makes the layer's output depend on them (``mx.depends``), so they are
@@ -353,70 +343,6 @@ class EvictionCache(LightStep, PromptPolicy, RowStorage, Accounting, StateRoundT
         elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
             self._evict()
         self.refresh_light()
-
-    def attention_mask(self, mask, queries: mx.array):
-        """The mask this layer's attention should use, given the one mlx-lm built from cache[0].
-
-        Uniform storage keeps the string/None masks (they are right for every layer). An array mask
-        was built for cache[0]'s row count, so it is rebuilt for ours; ragged storage needs a
-        per-head mask that hides padding rows.
-        """
-        pos = self.fetched_positions  # the rows this step attends to (before any eviction after it)
-        if pos is None:
-            pos, ragged = self.positions[..., :self._rows], self.is_ragged
-        else:
-            ragged = self._fetched_ragged
-        if not ragged and not isinstance(mask, mx.array):
-            return mask
-        rows, n_queries = pos.shape[-1], queries.shape[2]
-        if not ragged:
-            return create_causal_mask(n_queries, offset=rows - n_queries)
-        if n_queries == 1 and self._fetched_store is not None:
-            return self.decode_mask(self._fetched_store, rows, queries)
-        return self.ragged_mask(pos, mx.arange(self.offset - n_queries, self.offset), queries)
-
-    def decode_mask(self, store: mx.array, rows: int, queries: mx.array) -> mx.array:
-        """A decode step's ragged mask: ``ragged_mask`` for one query over the first ``rows`` rows of the
-        positions buffer ``store``, built once per buffer and sliced after that.
-
-        An eviction, a growth, a recall or a load gives ``positions`` a new buffer; between them a decode
-        step only writes real rows after the stored ones (``_append``), and a single query sees every real
-        row. So the mask is the padding of the rows stored when it was built, then all visible: nothing to
-        recompute per token (a GPU decode step is bound by the operations the host builds; docs/gpu.md).
-        The mask (B x H_q x capacity booleans, about 1 % of the layer's K/V bytes) is attention scratch, like
-        the per-step mask it replaces: it is not in ``nbytes``, which counts the stored rows and their state."""
-        group = queries.shape[1] // store.shape[1]
-        per_kv_head = group == 1 or self.kv_bits is not None
-        cached = self._decode_mask
-        if cached is None or cached[0] is not store or cached[1:3] != (group, per_kv_head):
-            real = store[..., :rows] != PAD_POSITION  # rows after these are appended, all real
-            extra = mx.ones((*real.shape[:2], store.shape[-1] - rows), mx.bool_)
-            visible = mx.concatenate([real, extra], axis=-1)
-            visible = mx.expand_dims(visible, 2)  # (B, H_kv, 1, capacity)
-            cached = (store, group, per_kv_head, visible if per_kv_head else mx.repeat(visible, group, axis=1))
-            self._decode_mask = cached
-        return cached[3][..., :rows]
-
-    def ragged_mask(self, pos: mx.array, q_pos: mx.array, queries: mx.array) -> mx.array:
-        """Per-head mask: row positions ``pos`` (B, H_kv, rows) visible to query positions ``q_pos``."""
-        visible = mx.expand_dims(pos, 2) <= q_pos[:, None]  # (B, H_kv, N, rows)
-        group = queries.shape[1] // pos.shape[1]
-        # mlx-lm's quantized attention scores GQA as (B, H_kv, group, N, rows) and broadcasts a 4-D mask
-        # over the group axis, so it takes the per-KV-head mask as is; the fp path wants one per query head.
-        if group == 1 or self.kv_bits is not None:
-            return visible
-        return mx.repeat(visible, group, axis=1)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        if window_size is not None:
-            raise NotImplementedError(
-                "eviction caches serve full-attention layers only; sliding-window layers keep "
-                "mlx-lm's RotatingKVCache (KVCacheBuilder.for_model does this)")
-        if N == 1 and not return_array:
-            return None
-        if return_array:
-            return create_causal_mask(N, offset=self._rows)
-        return "causal"
 
     # -- eviction ---------------------------------------------------------------------------
     def next_key(self) -> mx.array:
