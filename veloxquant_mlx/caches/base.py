@@ -2,8 +2,8 @@
 
 A subclass supplies ``scores()`` (higher = keep) or, where its selection is special,
 ``select_rows()``. Everything else is shared: this file holds what a method declares and may override,
-the mlx-lm protocol, the observed-query window and amortized eviction; its mixins hold the light
-decode step (``light.py``), the fetched rows' masks (``masks.py``), the prompt-time policy
+the observed-query window and amortized eviction; its mixins hold mlx-lm's contract and the light
+decode step (``adapter.py``), the fetched rows' masks (``masks.py``), the prompt-time policy
 (``policy.py``), the row storage (``storage.py``: buffers with exact headroom, kept absolute
 positions per (batch, head), ragged width), byte accounting (``accounting.py``) and state round trips
 (``state.py``).
@@ -23,24 +23,22 @@ from mlx_lm.models.cache import _BaseCache
 
 from ..config import KVCacheConfig
 from ..options import NoOptions
-from ..ops import gather_rows, keep_top_rows
-from ..ops.select import gather_rows_of
+from ..ops import keep_top_rows
 from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
-from .light import LightStep
+from .adapter import MlxLmAdapter
 from .masks import AttentionMasks
 from .batch import BatchMerge
 from .policy import OnePass, PromptPolicy, PromptState
-from .quant import buf_parts, from_parts, row_dim
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
-from .storage import PAD_POSITION, RowStorage, with_headroom
+from .storage import PAD_POSITION, RowStorage
 
 _warned_ada_no_tap: set = set()
 
 
-class EvictionCache(LightStep, AttentionMasks, PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
+class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
@@ -246,103 +244,11 @@ class EvictionCache(LightStep, AttentionMasks, PromptPolicy, RowStorage, Account
         (``keep_rows``; kvzap's layer share) or the last eviction's, plus the slack."""
         return max(self.keep_rows(), self._evict_floor) + self.slack
 
-    # -- mlx-lm cache protocol -------------------------------------------------------------
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        r = self._rows
-        if r < self._light_rows and keys.shape == self._light_k and values.shape == self._light_v \
-                and keys.dtype == self.keys.dtype and values.dtype == self.values.dtype:
-            # The light step (refresh_light): one token between evictions, into the headroom. The new row's
-            # position is already stored (prefilled); nothing else of the policy can happen here.
-            self.keys[:, :, r:r + 1] = keys
-            self.values[:, :, r:r + 1] = values
-            self._rows = r = r + 1
-            self.offset += 1
-            self._fetched_store, self._fetched_rows, self._light_now = self.positions, r, True
-            self._fetched_ragged = self._light_ragged
-            if self.on_light_append is not None:
-                self.on_light_append(r - 1)
-            return self.keys[:, :, :r], self.values[:, :, :r]
-        self._light_rows, self._light_now = 0, False
-        if self._awaiting_queries:
-            raise self.missing_tap_error()
-        self._check_kv(keys, values)
-        if self.cold is not None and self.keys is None:
-            self.cold.check_head_dim(keys.shape[-1])
-        self._before_append(keys.shape[2])
-        self._append(keys, values)
-        fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
-        self.note_fetched()
-        if self.queries_from_keys:  # no tap: observe here, and tie the step state to what attention reads
-            self._observe(keys, keys.shape[-1] ** -0.5)
-            fetched = tuple(mx.depends(list(fetched), self.step_state()))
-        else:
-            self._awaiting_queries = self._tap_unproven  # observe_queries clears it
-        return fetched
-
-    def missing_tap_error(self) -> RuntimeError:
-        """This cache was saved from a model with the query tap and, since it was loaded, its last step's
-        queries never arrived: the model's attention does not go through the tap (a fresh process that
-        loaded the file without ``model=``). Continuing would skip the method's scoring and recall, and
-        ragged storage would be attended without its padding mask, so it is refused."""
-        self._awaiting_queries = self._tap_unproven = False
-        return RuntimeError(
-            f"{type(self).__name__} (layer {self.layer_idx}) expects the query tap, and the model's last step "
-            "did not deliver its queries: load caches with veloxquant_mlx.load_prompt_cache(path, model=model) "
-            "(or call KVCacheBuilder.attach(model, caches)) before generating with them")
-
-    def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
-        """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
-        if self.keys is None:
-            raise RuntimeError("observe_queries called before any update_and_fetch")
-        self._awaiting_queries = self._tap_unproven = False  # the tap delivers this cache's queries
-        if not isinstance(queries, mx.array) or queries.ndim != 4:
-            raise ValueError(f"queries must be a 4-D mx.array (B, H_q, S, D), got "
-                             f"{getattr(queries, 'shape', type(queries).__name__)}")
-        B, Hq, S, D = queries.shape
-        kB, kH = self.positions.shape[:2]
-        kD = row_dim(self.keys, self.kv_bits)
-        if B != kB or D != kD or Hq % kH != 0 or S > self.offset:
-            raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
-                             f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
-        self._observe(queries, D ** -0.5 if scale is None else float(scale))
-
-    def observe_and_attend(self, queries: mx.array, scale: float | None = None):
-        """The tap's one-pass path: observe this step's queries, and return the layer's attention output
-        when the method's scoring pass computed it from its own weights (None: the tap calls mlx-lm's
-        attention). The output must equal causal attention over the rows ``update_and_fetch`` returned."""
-        self.attend.active = True
-        try:
-            self.observe_queries(queries, scale)
-        finally:
-            self.attend.active = False
-        out, self.attend.out = self.attend.out, None
-        return out
-
     def one_pass(self, mode: str, on: str = "fused") -> bool:
         """Inside :meth:`observe_and_attend`, should this step's scoring pass hand the layer's output back
         (``self.attend.out``) instead of the tap computing it again? Yes when the method's option
         ``mode`` says ``on`` (always) or ``"auto"`` (where one pass is the faster: the CPU)."""
         return self.attend.active and (mode == on or (mode == "auto" and fused_scoring_default()))
-
-    def step_state(self) -> list:
-        """Arrays a step updates that attention does not read (positions, per-row scores, the query
-        window): the query tap makes the layer's output depend on them (``mx.depends``), so they are
-        evaluated with the token instead of growing a lazy graph that pins old buffers."""
-        if self.keys is None:
-            return []
-        return [a for a in (self.positions, self._window_q, *self.row_extras.values()) if a is not None]
-
-    def _observe(self, queries: mx.array, scale: float) -> None:
-        self.scale = scale
-        self.queries_observed += 1
-        self.on_queries(queries)
-        if self.cold is not None and self.cold.armed:
-            self._recall(queries, scale)
-        if self.prompt.ending:
-            self._end_prompt()
-        elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
-            self._evict()
-        self.refresh_light()
 
     # -- eviction ---------------------------------------------------------------------------
     def next_key(self) -> mx.array:
@@ -356,32 +262,8 @@ class EvictionCache(LightStep, AttentionMasks, PromptPolicy, RowStorage, Account
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
         if self.cold is not None:  # the rows not kept go to the cold tier (before any buffer changes)
             self.cold.evicted(self, idx, real)
-        if real is not None:
-            idx, real = self.trim_ragged(idx, real)
-        K = idx.shape[-1]
-        # The kept rows go into NEW buffers of exactly K + headroom rows (allocation follows the budget).
-        # Never an in-place `buf[:, :, :K] = ...`: this step's attention still holds the slice
-        # update_and_fetch returned, and an in-place write made that slice read the compacted rows
-        # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
-        # buffers (row indices are < rows) keeps the flattening free.
-        extra = self.headroom_after_eviction(K)
-        # Keys/values with their headroom in ONE gather (headroom rows repeat row 0; they are overwritten
-        # before anything reads them): a gather then a concatenate with zeros copied the kept rows twice,
-        # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
-        # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
-        k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
-        k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)  # one shared row index for all of them
-        kept = gather_rows_of(k_parts + v_parts, k_idx)
-        self.keys, self.values = from_parts(kept[:len(k_parts)], self.keys), from_parts(kept[len(k_parts):], self.values)
-        pos = gather_rows(self.positions, idx)
-        if real is not None:
-            pos = mx.where(real, pos, PAD_POSITION)
-        self._ragged = real is not None
-        self.positions = self.future_positions(pos, extra)
-        for name in self.row_extras:
-            self.row_extras[name] = with_headroom(gather_rows(self.row_extras[name], idx), extra)
-        self._rows = K
-        self._evict_floor = K
+        idx = self.compact(idx, real)  # new buffers of the kept rows and the headroom (caches.storage)
+        self._evict_floor = idx.shape[-1]
         self.evictions += 1
         self._light_rows = 0  # a new storage: the next full step decides again
         self.on_evicted(idx)
