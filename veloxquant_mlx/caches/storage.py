@@ -150,6 +150,8 @@ class RowStorage:
         positions the next appends will get (``prefilled``)."""
         if extra <= 0:
             return mx.contiguous(kept)
+        if self.dist is not None:  # tensor parallel: padding headroom, as before the light step (see adapter.py)
+            return with_headroom(kept, extra, PAD_POSITION)
         B, H = kept.shape[:2]
         ahead = mx.broadcast_to(mx.arange(self.offset, self.offset + extra, dtype=mx.int32), (B, H, extra))
         self.prefilled = mx.concatenate([kept, ahead], axis=2)
