@@ -149,3 +149,13 @@ def test_observed_window_is_the_one_key_fallback_until_queries_arrive(method):
     c.observe_queries(queries, 0.5)
     q, q_pos, scale = c.observed_window()
     assert np.array_equal(np.array(q[:, :, -1:]), np.array(queries)) and int(q_pos[-1]) == 40 and scale == 0.5
+
+
+def test_continue_on_purpose_ends_the_light_steps():
+    model = make_tiny_model()
+    caches, _ = _decode_ready("streaming", model)
+    c = caches[0]
+    assert c._light_rows > c._rows
+    c.continue_on_purpose()
+    assert c._light_rows == 0 and not c.prompt.saw_decode
+    KVCacheBuilder.uninstall(model)
