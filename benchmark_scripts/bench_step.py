@@ -826,7 +826,8 @@ def weight_main(argv=None) -> int:
     rows = {}
     for lb in labels:
         total, ours = calls(model, lb, T, B, args.steps)
-        rows[lb] = {"calls": round(total, 2), "calls_veloxquant": round(ours, 2), "nodes": round(nodes(model, lb, T, B), 2)}
+        rows[lb] = {"calls": round(total, 2), "calls_veloxquant": round(ours, 2),
+                    "nodes": round(nodes(model, lb, T, B), 2)}
         print(f"{lb:>10}: {total:7.2f} calls/layer-step ({ours:6.2f} ours), {rows[lb]['nodes']:7.2f} nodes", flush=True)
     rot = rows["rotating"]
     for lb in names:

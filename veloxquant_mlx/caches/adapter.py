@@ -162,7 +162,7 @@ class MlxLmAdapter:
             if out is None and (self._fetched_ragged or isinstance(mask, mx.array)):
                 mask = self.attention_mask(mask, queries)
             return out, mask, self._light_deps or None
-        out = None
+        out, self._light_now = None, False
         plain = all(v is None for v in kwargs.values()) and self.kv_bits is None
         if plain and (mask is None or isinstance(mask, str)):
             out = self.observe_and_attend(queries, scale)

@@ -203,7 +203,8 @@ class RowStorage:
         k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
         k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)  # one shared row index for all of them
         kept = gather_rows_of(k_parts + v_parts, k_idx)
-        self.keys, self.values = from_parts(kept[:len(k_parts)], self.keys), from_parts(kept[len(k_parts):], self.values)
+        n = len(k_parts)
+        self.keys, self.values = from_parts(kept[:n], self.keys), from_parts(kept[n:], self.values)
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
