@@ -45,7 +45,7 @@ class StateRoundTrip:
 
     @state.setter
     def state(self, st):
-        self._light_rows = 0  # the next step is a full one
+        self._light_rows, self.prefilled = 0, None  # the next step is a full one; loaded positions are written
         if not st:
             self.keys = self.values = self.positions = None
             self.row_extras = {}

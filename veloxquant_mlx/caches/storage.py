@@ -148,9 +148,8 @@ class RowStorage:
     def future_positions(self, kept: mx.array, extra: int) -> mx.array:
         """A NEW positions buffer: the ``kept`` rows' positions, then ``extra`` headroom rows holding the
         positions the next appends will get (``prefilled``)."""
-        if extra <= 0:
-            return mx.contiguous(kept)
-        if self.dist is not None:  # tensor parallel: padding headroom, as before the light step (see adapter.py)
+        if extra <= 0 or self.dist is not None:  # tensor parallel: padding headroom (see adapter.refresh_light)
+            self.prefilled = None  # (and no reference to an old buffer)
             return with_headroom(kept, extra, PAD_POSITION)
         B, H = kept.shape[:2]
         ahead = mx.broadcast_to(mx.arange(self.offset, self.offset + extra, dtype=mx.int32), (B, H, extra))
