@@ -9,8 +9,6 @@ distributed) runs it like a built-in method. See docs/add_a_method.md.
 
 import dataclasses
 
-import mlx.core as mx
-
 from veloxquant_mlx import EvictionCache, register
 from veloxquant_mlx.ops import window_attention_probs
 from veloxquant_mlx.options import option
@@ -29,9 +27,6 @@ class TOVAKVCache(EvictionCache):
     query_window = 1  # the newest query is the only one that scores
 
     def scores(self):
-        q, q_pos = self.window_queries()
-        if q is None:  # no query observed yet (no tap): the newest key stands in for it
-            q, q_pos = self.stored("keys")[:, :, -1:], mx.array([self.offset - 1])
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        q, q_pos, scale = self.observed_window()  # no query observed yet (no tap): the newest key stands in
         probs = window_attention_probs(q, self.stored("keys"), q_pos, self.stored("positions"), scale)
         return probs.mean(axis=(2, 3))  # (B, H, G, 1, rows) -> (B, H, rows)

@@ -264,3 +264,16 @@ def test_chunk_that_triggers_eviction_attends_to_every_fetched_row(method):
             break
     assert caches[0].evictions == 1 and start > 0
     assert mx.array_equal(ours, ref).item()
+
+
+def test_what_a_method_needs_is_declared_on_the_base_and_never_probed():
+    import inspect
+
+    from veloxquant_mlx import builder
+    from veloxquant_mlx.caches.base import EvictionCache
+
+    declared = ("needs_queries", "needs_hidden_states", "needs_model_pass", "compresses_in_model_pass",
+                "model_pass_note", "attach_model")
+    assert [n for n in declared if n not in vars(EvictionCache)] == []
+    src = inspect.getsource(builder)
+    assert [n for n in declared if f'getattr(cls, "{n}"' in src or f'getattr(c, "{n}"' in src] == []

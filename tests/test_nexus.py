@@ -628,3 +628,21 @@ def test_prompt_top_k_selects_by_w_once_then_samples_in_decode():
         c.observe_queries(mx.array(rng.normal(size=(1, 4, 1, 8)).astype(np.float32)))
     assert c.evictions >= 2 and c.size() <= 128 + 32
     assert not np.array_equal(np.array(c._rng), rng_before)  # decode evictions sample
+
+
+def test_ada_nexus_allocates_with_the_one_ada_kv_allocation(monkeypatch):
+    """Ada-Nexus's block allocation is ops.allocation.ada_keep_mask over blocks, not a copy of it."""
+    from veloxquant_mlx.methods.nexus import ops as nexus_ops
+    from veloxquant_mlx.ops import allocation
+
+    seen = []
+
+    def spy(scores, cand, sel, alpha, width, layer=None):
+        seen.append((scores.shape, sel, width))
+        return allocation.ada_keep_mask(scores, cand, sel, alpha, width, layer)
+
+    monkeypatch.setattr(nexus_ops, "ada_keep_mask", spy)
+    score = mx.random.uniform(shape=(1, 4, 12), key=mx.random.key(0))
+    blocks, real = nexus_ops.ada_select_blocks(score, mx.ones((1, 4, 12), mx.bool_), 1, 1, 3, 0.2)
+    assert seen and seen[0][0] == (1, 4, 12) and seen[0][1] == 3
+    assert int(real[..., 1:-1].sum()) == 4 * 3  # the layer's H x K selectable blocks, shared across heads

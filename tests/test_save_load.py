@@ -2,6 +2,7 @@
 
 import copy
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -235,3 +236,41 @@ def test_attach_refuses_tapped_caches_on_a_model_without_the_tap_call(tmp_path, 
     monkeypatch.setattr(builder, "install_query_tap", lambda m: [])  # a model that never calls the tap's name
     with pytest.raises(ValueError, match="built with the query tap"):
         KVCacheBuilder.attach(model, a)
+
+
+# Files saved by the package before issue 49's light step (main at c5c66a7), with the tokens the saved caches
+# went on to decode there: today's code loads them and decodes the same tokens. Written by
+#   PYTHONPATH=<that package>:tests python -c "from test_save_load import write_saved_before as w; w()"
+SAVED_BEFORE = Path(__file__).resolve().parent / "data" / "saved_c5c66a7"
+SAVED_METHODS = {"streaming": {"streaming_evict_every": 4}, "snapkv": {"snapkv_window": 8},
+                 "h2o": {"h2o_evict_every": 4}, "nestedkv": {"nestedkv_window": 8}}
+
+
+def _saved_run(method, extra):
+    model = make_tiny_model()
+    cfg = KVCacheConfig(method=method, budget=28, seed=3, **extra)
+    caches = KVCacheBuilder.for_model(model, cfg)
+    logits = _run(model, caches, random_prompt(60))
+    _decode(model, caches, int(mx.argmax(logits, axis=-1).item()), 5)
+    mx.eval([c.state for c in caches])
+    return model, caches
+
+
+def write_saved_before(folder=SAVED_BEFORE):
+    folder.mkdir(parents=True, exist_ok=True)
+    expected = {}
+    for method, extra in SAVED_METHODS.items():
+        model, caches = _saved_run(method, extra)
+        save_prompt_cache(folder / f"{method}.safetensors", caches, model=model)
+        expected[method] = [t for t, _ in _decode(model, caches, 7, 12)]
+        KVCacheBuilder.uninstall(model)
+    (folder / "continued.json").write_text(json.dumps(expected, indent=1) + "\n")
+
+
+@pytest.mark.parametrize("method", sorted(SAVED_METHODS))
+def test_files_saved_before_the_light_step_load_and_continue_alike(method):
+    model = make_tiny_model()
+    caches = load_prompt_cache(SAVED_BEFORE / f"{method}.safetensors", model=model)
+    expected = json.loads((SAVED_BEFORE / "continued.json").read_text())[method]
+    assert [t for t, _ in _decode(model, caches, 7, 12)] == expected
+    KVCacheBuilder.uninstall(model)

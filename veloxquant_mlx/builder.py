@@ -45,9 +45,9 @@ def _install_glue(model, classes, tokenizer=None) -> bool:
     """The query tap, and the model pass / hidden-state tap when one of ``classes`` (cache classes or
     caches) needs it. Returns whether the query tap reaches the model's attention."""
     tapped = bool(install_query_tap(model))
-    if any(getattr(c, "needs_model_pass", False) for c in classes):
+    if any(c.needs_model_pass for c in classes):
         install_model_pass(model, tokenizer)
-    if any(getattr(c, "needs_hidden_states", False) for c in classes):
+    if any(c.needs_hidden_states for c in classes):
         install_hidden_tap(model)
     return tapped
 
@@ -144,9 +144,7 @@ class KVCacheBuilder:
             # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
             raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
                              "per-layer budgets are not supported; use a method that keeps one budget in every layer")
-        attach = getattr(cls, "attach_model", None)  # a method that needs the model itself (e.g. its identity)
-        if attach is not None:
-            attach(model, [c for c in ours if isinstance(c, cls)])
+        cls.attach_model(model, [c for c in ours if isinstance(c, cls)])  # declared: the model itself
         return caches
 
     @staticmethod

@@ -168,7 +168,7 @@ def check_recall_hold(recall, hold, method, cls):
         raise TypeError(f"recall_hold must be True or False, got {hold!r}")
     if hold and recall is None:
         raise ValueError("recall_hold=True needs a cold tier: recall='memory' or 'disk'")
-    if hold and getattr(cls, "compresses_in_model_pass", False):
+    if hold and cls.compresses_in_model_pass:
         raise ValueError(f"recall_hold=True is not supported by {method!r}: its compression runs in a model "
                          "pass after the forward")
     return hold

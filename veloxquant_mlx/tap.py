@@ -20,6 +20,12 @@ _TAP_NAME = "scaled_dot_product_attention"
 
 
 def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, **kwargs):
+    step = getattr(cache, "tap_step", None)
+    if step is not None:  # an eviction cache: one call observes, and says the output, mask and dependencies
+        out, mask, deps = step(queries, scale, mask, kwargs)
+        if out is None:
+            out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        return out if deps is None else mx.depends(out, deps)
     observe = getattr(cache, "observe_queries", None)
     if observe is None:
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)

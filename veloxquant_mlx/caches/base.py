@@ -1,10 +1,12 @@
 """EvictionCache: the machinery every eviction method shares.
 
 A subclass supplies ``scores()`` (higher = keep) or, where its selection is special,
-``select_rows()``. Everything else is shared: this file holds the mlx-lm protocol, the observed-query
-window, the prompt-time policy, amortized eviction and masks; its mixins hold the row storage
-(``storage.py``: buffers with exact headroom, kept absolute positions per (batch, head), ragged
-width), byte accounting (``accounting.py``) and state round trips (``state.py``).
+``select_rows()``. Everything else is shared: this file holds what a method declares and may override,
+the observed-query window and amortized eviction; its mixins hold mlx-lm's contract and the light
+decode step (``adapter.py``), the fetched rows' masks (``masks.py``), the prompt-time policy
+(``policy.py``), the row storage (``storage.py``: buffers with exact headroom, kept absolute
+positions per (batch, head), ragged width), byte accounting (``accounting.py``) and state round trips
+(``state.py``).
 
 Contract with mlx-lm (see docs/architecture.md): models call ``update_and_fetch`` with keys already
 rotated at ``offset``; we return the kept rows followed by the new rows, so the string mask
@@ -17,27 +19,26 @@ from __future__ import annotations
 import warnings
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from ..config import KVCacheConfig
 from ..options import NoOptions
-from ..ops import gather_rows, keep_top_rows
-from ..ops.select import gather_rows_of
+from ..ops import keep_top_rows
 from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
 from .accounting import Accounting
+from .adapter import MlxLmAdapter
+from .masks import AttentionMasks
 from .batch import BatchMerge
 from .policy import OnePass, PromptPolicy, PromptState
-from .quant import buf_parts, from_parts, row_dim
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
-from .storage import PAD_POSITION, RowStorage, with_headroom
+from .storage import PAD_POSITION, RowStorage
 
 _warned_ada_no_tap: set = set()
 
 
-class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
+class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseCache):
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
@@ -45,7 +46,6 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
     step = 256  # prompt chunks grow storage in steps of this many rows, like mlx-lm's KVCache
     decode_step = 64  # single-token appends that outgrow the buffer add this many rows (unbounded decode)
     query_window = 0  # how many recent queries the method scores with (0: none kept)
-    needs_queries = True  # False for key-only / position-only methods
     prefill_only = False  # True: compress once when the prompt ends, then only append
     # Allocation axis: does scores() rank rows per head comparably across heads, so that Ada-KV can
     # move budget between heads? None = decide automatically (yes when the method supplies scores()
@@ -90,22 +90,36 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         self._tap_unproven = self._awaiting_queries = False
         self.scale = None
         self._window_q = None
+        self._window_at = 0  # a full window is a ring: the row the next query overwrites (its oldest)
+        self._light_rows = 0  # see refresh_light: a decode step appending below this many rows is light
+        self._light_now = False  # this step's append was light: its queries take the light path too
         self.prompt = PromptState()  # prompt-time policy: prompt open, ending, compressing (caches.policy)
         self._rng = mx.random.key(config.seed + layer_idx)
         self._evict_floor = 0  # rows right after the last eviction (> budget only for ragged storage)
-        # Positions of the rows the last update_and_fetch returned (and whether any was padding): the
-        # tap's mask must describe those rows even if observe_queries evicted right after the fetch.
-        self._fetched_positions = None
+        # The rows the last update_and_fetch returned (and whether any was padding): the tap's mask must
+        # describe those rows even if observe_queries evicted right after the fetch. Either the first
+        # ``_fetched_rows`` rows of the positions buffer ``_fetched_store``, or given positions.
+        self._fetched_store = self._fetched_given = None
+        self._fetched_rows = 0
         self._fetched_ragged = False
-        self._fetched_store = None  # the positions buffer those rows were sliced from (None: given rows)
         # Ragged decode: (positions buffer, group, per-KV-head?, mask over its capacity), reused while the
         # buffer is the same object: between evictions a decode step only appends real rows (see decode_mask)
         self._decode_mask = None
         self.attend = OnePass()  # the tap's one-pass attention: an output a scoring pass hands back
         self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
 
-    # Hooks a method may override -------------------------------------------------------------
+    # What a method needs, declared (the builder and the config read these; nothing is probed) --------
+    needs_queries = True  # the query tap's post-RoPE queries (False: key-only / position-only methods)
+    needs_hidden_states = False  # each attention module's input: the builder installs the hidden-state tap
     needs_model_pass = False  # True: the builder wraps the model so run_model_pass can run (model_pass.py)
+    compresses_in_model_pass = False  # the prompt-end compression runs in that pass (recall_hold refuses it)
+    model_pass_note = ""  # what runs in that pass, for a progress bar
+
+    @classmethod
+    def attach_model(cls, model, caches: list) -> None:
+        """The model itself, once the builder made its caches of this class (kvzap: its identity picks the scorer)."""
+
+    # Hooks a method may override -------------------------------------------------------------
 
     @classmethod
     def run_model_pass(cls, driver, seq) -> None:
@@ -170,14 +184,19 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
 
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
-        if self.query_window:
-            W, S = self.query_window, queries.shape[2]
-            if self._window_q is None or S >= W:
-                # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
-                self._window_q = mx.contiguous(queries[:, :, -W:, :])
-            else:  # one concatenate (a new array) of the rows still in the window and the new ones
-                self._window_q = mx.concatenate([self._window_q[:, :, max(self._window_q.shape[2] + S - W, 0):],
-                                                 queries], axis=2)
+        W, S, q = self.query_window, queries.shape[2], self._window_q
+        if not W:
+            return
+        if q is not None and S == 1 and q.shape[2] == W:  # a full window: one query overwrites the oldest
+            i = self._window_at
+            q[:, :, i:i + 1] = queries
+            self._window_at = i + 1 if i + 1 < W else 0
+        elif q is None or S >= W:
+            # A copy, not a slice: a view of the last W rows would pin the whole chunk's queries.
+            self._window_q, self._window_at = mx.contiguous(queries[:, :, -W:, :]), 0
+        else:  # one concatenate (a new array) of the rows still in the window and the new ones
+            q = self.window_queries()[0]
+            self._window_q, self._window_at = mx.concatenate([q[:, :, max(q.shape[2] + S - W, 0):], queries], 2), 0
 
     def scores(self) -> mx.array:
         """(B, H, rows) importance of every stored row; higher is kept."""
@@ -225,172 +244,11 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         (``keep_rows``; kvzap's layer share) or the last eviction's, plus the slack."""
         return max(self.keep_rows(), self._evict_floor) + self.slack
 
-    # -- mlx-lm cache protocol -------------------------------------------------------------
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self._awaiting_queries:
-            raise self.missing_tap_error()
-        self._check_kv(keys, values)
-        if self.cold is not None and self.keys is None:
-            self.cold.check_head_dim(keys.shape[-1])
-        self._before_append(keys.shape[2])
-        self._append(keys, values)
-        fetched = self._fetch()  # this step attends to every row, whatever is evicted after it
-        self.note_fetched()
-        if self.queries_from_keys:  # no tap: observe here, and tie the step state to what attention reads
-            self._observe(keys, keys.shape[-1] ** -0.5)
-            fetched = tuple(mx.depends(list(fetched), self.step_state()))
-        else:
-            self._awaiting_queries = self._tap_unproven  # observe_queries clears it
-        return fetched
-
-    def missing_tap_error(self) -> RuntimeError:
-        """This cache was saved from a model with the query tap and, since it was loaded, its last step's
-        queries never arrived: the model's attention does not go through the tap (a fresh process that
-        loaded the file without ``model=``). Continuing would skip the method's scoring and recall, and
-        ragged storage would be attended without its padding mask, so it is refused."""
-        self._awaiting_queries = self._tap_unproven = False
-        return RuntimeError(
-            f"{type(self).__name__} (layer {self.layer_idx}) expects the query tap, and the model's last step "
-            "did not deliver its queries: load caches with veloxquant_mlx.load_prompt_cache(path, model=model) "
-            "(or call KVCacheBuilder.attach(model, caches)) before generating with them")
-
-    def note_fetched(self, positions: mx.array | None = None) -> None:
-        """Record the rows this step attends to (the tap's mask describes them): the stored rows, or
-        ``positions`` when the step attends to more (rows it will not store)."""
-        self._fetched_positions = self.positions[:, :, :self._rows] if positions is None else positions
-        self._fetched_ragged = self.is_ragged
-        self._fetched_store = self.positions if positions is None else None
-
-    def observe_queries(self, queries: mx.array, scale: float | None = None) -> None:
-        """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
-        if self.keys is None:
-            raise RuntimeError("observe_queries called before any update_and_fetch")
-        self._awaiting_queries = self._tap_unproven = False  # the tap delivers this cache's queries
-        if not isinstance(queries, mx.array) or queries.ndim != 4:
-            raise ValueError(f"queries must be a 4-D mx.array (B, H_q, S, D), got "
-                             f"{getattr(queries, 'shape', type(queries).__name__)}")
-        B, Hq, S, D = queries.shape
-        kB, kH = self.positions.shape[:2]
-        kD = row_dim(self.keys, self.kv_bits)
-        if B != kB or D != kD or Hq % kH != 0 or S > self.offset:
-            raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
-                             f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
-        self._observe(queries, D ** -0.5 if scale is None else float(scale))
-
-    def observe_and_attend(self, queries: mx.array, scale: float | None = None):
-        """The tap's one-pass path: observe this step's queries, and return the layer's attention output
-        when the method's scoring pass computed it from its own weights (None: the tap calls mlx-lm's
-        attention). The output must equal causal attention over the rows ``update_and_fetch`` returned."""
-        self.attend.active = True
-        try:
-            self.observe_queries(queries, scale)
-        finally:
-            self.attend.active = False
-        out, self.attend.out = self.attend.out, None
-        return out
-
     def one_pass(self, mode: str, on: str = "fused") -> bool:
         """Inside :meth:`observe_and_attend`, should this step's scoring pass hand the layer's output back
         (``self.attend.out``) instead of the tap computing it again? Yes when the method's option
         ``mode`` says ``on`` (always) or ``"auto"`` (where one pass is the faster: the CPU)."""
         return self.attend.active and (mode == on or (mode == "auto" and fused_scoring_default()))
-
-    @property
-    def fetched_positions(self):
-        """(B, H, rows) positions of the rows the last ``update_and_fetch`` returned (PAD_POSITION for
-        padding), or None before the first one: a mask for this step must describe these rows even
-        when an eviction ran right after the fetch."""
-        return self._fetched_positions
-
-    @property
-    def fetched_ragged(self) -> bool:
-        """Whether the rows the last ``update_and_fetch`` returned held padding (ragged heads)."""
-        return self._fetched_ragged
-
-    def step_state(self) -> list:
-        """Arrays a step updates that attention does not read (positions, per-row scores, the query
-        window): the query tap makes the layer's output depend on them (``mx.depends``), so they are
-        evaluated with the token instead of growing a lazy graph that pins old buffers."""
-        if self.keys is None:
-            return []
-        return [a for a in (self.positions, self._window_q, *self.row_extras.values()) if a is not None]
-
-    def _observe(self, queries: mx.array, scale: float) -> None:
-        self.scale = scale
-        self.queries_observed += 1
-        self.on_queries(queries)
-        if self.cold is not None and self.cold.armed:
-            self._recall(queries, scale)
-        elif self.cold is not None and self.prompt.open and self._streams_prompt():
-            self.cold.note_queries(queries)  # the streamed prompt's last queries recall at its end
-        if self.prompt.ending:
-            self._end_prompt()
-        elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
-            self._evict()
-
-    def attention_mask(self, mask, queries: mx.array):
-        """The mask this layer's attention should use, given the one mlx-lm built from cache[0].
-
-        Uniform storage keeps the string/None masks (they are right for every layer). An array mask
-        was built for cache[0]'s row count, so it is rebuilt for ours; ragged storage needs a
-        per-head mask that hides padding rows.
-        """
-        pos = self._fetched_positions  # the rows this step attends to (before any eviction after it)
-        if pos is None:
-            pos, ragged = self.positions[..., :self._rows], self.is_ragged
-        else:
-            ragged = self._fetched_ragged
-        if not ragged and not isinstance(mask, mx.array):
-            return mask
-        rows, n_queries = pos.shape[-1], queries.shape[2]
-        if not ragged:
-            return create_causal_mask(n_queries, offset=rows - n_queries)
-        if n_queries == 1 and self._fetched_store is not None:
-            return self.decode_mask(self._fetched_store, rows, queries)
-        return self.ragged_mask(pos, mx.arange(self.offset - n_queries, self.offset), queries)
-
-    def decode_mask(self, store: mx.array, rows: int, queries: mx.array) -> mx.array:
-        """A decode step's ragged mask: ``ragged_mask`` for one query over the first ``rows`` rows of the
-        positions buffer ``store``, built once per buffer and sliced after that.
-
-        An eviction, a growth, a recall or a load gives ``positions`` a new buffer; between them a decode
-        step only writes real rows after the stored ones (``_append``), and a single query sees every real
-        row. So the mask is the padding of the rows stored when it was built, then all visible: nothing to
-        recompute per token (a GPU decode step is bound by the operations the host builds; docs/gpu.md).
-        The mask (B x H_q x capacity booleans, about 1 % of the layer's K/V bytes) is attention scratch, like
-        the per-step mask it replaces: it is not in ``nbytes``, which counts the stored rows and their state."""
-        group = queries.shape[1] // store.shape[1]
-        per_kv_head = group == 1 or self.kv_bits is not None
-        cached = self._decode_mask
-        if cached is None or cached[0] is not store or cached[1:3] != (group, per_kv_head):
-            real = store[..., :rows] != PAD_POSITION  # rows after these are appended, all real
-            extra = mx.ones((*real.shape[:2], store.shape[-1] - rows), mx.bool_)
-            visible = mx.concatenate([real, extra], axis=-1)
-            visible = mx.expand_dims(visible, 2)  # (B, H_kv, 1, capacity)
-            cached = (store, group, per_kv_head, visible if per_kv_head else mx.repeat(visible, group, axis=1))
-            self._decode_mask = cached
-        return cached[3][..., :rows]
-
-    def ragged_mask(self, pos: mx.array, q_pos: mx.array, queries: mx.array) -> mx.array:
-        """Per-head mask: row positions ``pos`` (B, H_kv, rows) visible to query positions ``q_pos``."""
-        visible = mx.expand_dims(pos, 2) <= q_pos[:, None]  # (B, H_kv, N, rows)
-        group = queries.shape[1] // pos.shape[1]
-        # mlx-lm's quantized attention scores GQA as (B, H_kv, group, N, rows) and broadcasts a 4-D mask
-        # over the group axis, so it takes the per-KV-head mask as is; the fp path wants one per query head.
-        if group == 1 or self.kv_bits is not None:
-            return visible
-        return mx.repeat(visible, group, axis=1)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        if window_size is not None:
-            raise NotImplementedError(
-                "eviction caches serve full-attention layers only; sliding-window layers keep "
-                "mlx-lm's RotatingKVCache (KVCacheBuilder.for_model does this)")
-        if N == 1:  # as mlx-lm's KVCache, even with return_array (phi3small adds the mask it gets to its scores)
-            return None
-        if return_array:
-            return create_causal_mask(N, offset=self._rows)
-        return "causal"
 
     # -- eviction ---------------------------------------------------------------------------
     def next_key(self) -> mx.array:
@@ -404,44 +262,36 @@ class EvictionCache(PromptPolicy, RowStorage, Accounting, StateRoundTrip, _BaseC
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
         if self.cold is not None:  # the rows not kept go to the cold tier (before any buffer changes)
             self.cold.evicted(self, idx, real)
-        if real is not None:
-            idx, real = self.trim_ragged(idx, real)
-        K = idx.shape[-1]
-        # The kept rows go into NEW buffers of exactly K + headroom rows (allocation follows the budget).
-        # Never an in-place `buf[:, :, :K] = ...`: this step's attention still holds the slice
-        # update_and_fetch returned, and an in-place write made that slice read the compacted rows
-        # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
-        # buffers (row indices are < rows) keeps the flattening free.
-        extra = self.headroom_after_eviction(K)
-        # Keys/values with their headroom in ONE gather (headroom rows repeat row 0; they are overwritten
-        # before anything reads them): a gather then a concatenate with zeros copied the kept rows twice,
-        # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
-        # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
-        k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
-        k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)  # one shared row index for all of them
-        kept = gather_rows_of(k_parts + v_parts, k_idx)
-        self.keys, self.values = from_parts(kept[:len(k_parts)], self.keys), from_parts(kept[len(k_parts):], self.values)
-        pos = gather_rows(self.positions, idx)
-        if real is not None:
-            pos = mx.where(real, pos, PAD_POSITION)
-        self._ragged = real is not None
-        self.positions = with_headroom(pos, extra, PAD_POSITION)
-        for name in self.row_extras:
-            self.row_extras[name] = with_headroom(gather_rows(self.row_extras[name], idx), extra)
-        self._rows = K
-        self._evict_floor = K
+        idx = self.compact(idx, real)  # new buffers of the kept rows and the headroom (caches.storage)
+        self._evict_floor = idx.shape[-1]
         self.evictions += 1
+        self._light_rows = 0  # a new storage: the next full step decides again
         self.on_evicted(idx)
 
     def on_evicted(self, idx: mx.array) -> None:
         """Hook after an eviction step (idx: the kept old row indices)."""
 
+    def observed_window(self):
+        """(queries (B, Hq, W, D), their absolute positions (W,), scale) of the observation window, for a
+        method's scores. Where no query was ever observed (no tap, an eviction before the first observe),
+        the newest W stored keys stand in for them at the newest W positions, scaled by 1/sqrt(D): the one
+        fallback every method that scores with queries shares."""
+        q, q_pos = self.window_queries()
+        if q is None:
+            r = self._rows
+            W = min(self.query_window, r)
+            q, q_pos = self.stored("keys")[:, :, r - W:], mx.arange(self.offset - W, self.offset, dtype=mx.int32)
+        return q, q_pos, (self.scale if self.scale is not None else q.shape[-1] ** -0.5)
+
     def window_queries(self):
         """(queries (B, Hq, W, D), their absolute positions (W,)) of the observation window."""
-        if self._window_q is None:
+        q, at = self._window_q, self._window_at
+        if q is None:
             return None, None
-        W = self._window_q.shape[2]
-        return self._window_q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
+        if at:  # the ring's rows in position order
+            q = mx.concatenate([q[:, :, at:], q[:, :, :at]], axis=2)
+        W = q.shape[2]
+        return q, mx.arange(self.offset - W, self.offset, dtype=mx.int32)
 
     # Batching (BatchGenerator, batch_generate, mlx_lm.server): merge returns a
     # caches.batch.BatchEvictionCache holding one single-row cache per sequence, so every

@@ -69,6 +69,7 @@ class PromptPolicy:
     def continue_on_purpose(self) -> None:
         """The next prompt continues this cache deliberately (multi-turn reuse): no reuse warning."""
         self.prompt.saw_decode = False
+        self._light_rows = 0  # the next step takes the full path, which keeps the prompt state
 
     def _before_append(self, S: int) -> None:
         """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per

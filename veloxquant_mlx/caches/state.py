@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
+
 from ..config import KVCacheConfig
 
 _FORMAT_VERSION = 2  # 2: "prompt_open" replaced "compressed"; nbytes counts every held array
@@ -33,8 +35,9 @@ class StateRoundTrip:
                 st[name] = rows
         for name in self.row_extras:
             st["row." + name] = self.stored(name)
-        if self._window_q is not None:
-            st["window_q"] = self._window_q
+        if self._window_q is not None:  # in position order, and never the ring itself (written in place)
+            q = self.window_queries()[0]
+            st["window_q"] = mx.array(q) if q is self._window_q else q
         st.update({"extra." + k: v for k, v in self.extra_state().items()})
         if self.cold is not None:
             st.update(self.cold.state())
@@ -42,6 +45,7 @@ class StateRoundTrip:
 
     @state.setter
     def state(self, st):
+        self._light_rows, self.prefilled = 0, None  # the next step is a full one; loaded positions are written
         if not st:
             self.keys = self.values = self.positions = None
             self.row_extras = {}
@@ -65,7 +69,7 @@ class StateRoundTrip:
         if set(self.row_extras) != want:
             raise ValueError(f"{type(self).__name__} state has row fields {sorted(self.row_extras)}, "
                              f"expected {sorted(want)}")
-        self._window_q = st.get("window_q")
+        self._window_q, self._window_at, self._light_rows = st.get("window_q"), 0, 0
         self.set_extra_state({k[6:]: v for k, v in st.items() if k.startswith("extra.")})
         if self.cold is not None:
             self.cold.set_state(st)
@@ -112,6 +116,7 @@ class StateRoundTrip:
         self.prompt.open = meta["prompt_open"]
         self.prompt.ending = meta.get("ending", False)
         self._ragged = meta["ragged"]
+        self._light_rows = 0  # the next step is a full one
         self._evict_floor = meta.get("evict_floor", 0)
         if self.cold is not None:
             self.cold.set_meta(meta.get("recall", {}))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .quant import (buf_dtype, buf_shape, check_group, dequantize_rows, quantize_rows, row_dim, rows_map,
-                    rows_zip)
+from ..ops import gather_rows
+from ..ops.select import gather_rows_of
+from .quant import (buf_dtype, buf_parts, buf_shape, check_group, dequantize_rows, from_parts, quantize_rows,
+                    row_dim, rows_map, rows_zip)
 from .shard import group_max
 
 # Position stored for padding rows (ragged per-head storage); larger than any real position so a
@@ -37,6 +39,11 @@ class RowStorage:
     """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: append, fetch and size the rows."""
 
     kv_external = False  # True while the cache is a row of a BatchEvictionCache, which holds its keys/values
+    # The positions buffer whose rows past the stored ones already hold the positions they will get (row
+    # ``_rows + j`` is appended at ``offset + j``: rows and offset grow together until storage is rebuilt),
+    # so an append writes no positions. Growth and eviction build such buffers; a loaded or recalled one
+    # is written row by row.
+    prefilled = None
 
     @property
     def is_ragged(self) -> bool:
@@ -118,8 +125,10 @@ class RowStorage:
             if kv:
                 self.keys = grown_kv(self.keys, keys)
                 self.values = grown_kv(self.values, values)
-            pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
-            self.positions = grown(self.positions, pos, PAD_POSITION)
+            # The headroom already holds the positions its rows will get (see ``prefilled``).
+            pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S + extra, dtype=mx.int32), (B, H, S + extra))
+            self.positions = self.prefilled = mx.contiguous(pos) if self.positions is None or not prev else \
+                mx.concatenate([self.positions[:, :, :prev], pos], axis=2)
             for name, fill in fields.items():
                 self.row_extras[name] = grown(self.row_extras.get(name), mx.full((B, H, S), fill, mx.float32), fill)
         else:
@@ -127,14 +136,25 @@ class RowStorage:
                 parts, rows = (buf, new) if isinstance(buf, tuple) else ((buf,), (new,))
                 for part, r in zip(parts, rows, strict=True):
                     part[:, :, prev:need] = r
-            # one token: a scalar write (no arange / broadcast nodes per step)
-            self.positions[:, :, prev:need] = (self.offset if S == 1 else
-                                               mx.arange(self.offset, self.offset + S, dtype=mx.int32))
+            if self.prefilled is not self.positions:  # a buffer given (loaded, recalled): write the positions
+                self.positions[:, :, prev:need] = (self.offset if S == 1 else
+                                                   mx.arange(self.offset, self.offset + S, dtype=mx.int32))
             for name, fill in fields.items():
                 if name not in self.rows_written_on_append:
                     self.row_extras[name][:, :, prev:need] = fill
         self._rows = need
         self.offset += S
+
+    def future_positions(self, kept: mx.array, extra: int) -> mx.array:
+        """A NEW positions buffer: the ``kept`` rows' positions, then ``extra`` headroom rows holding the
+        positions the next appends will get (``prefilled``)."""
+        if extra <= 0 or self.dist is not None:  # tensor parallel: padding headroom (see adapter.refresh_light)
+            self.prefilled = None  # (and no reference to an old buffer)
+            return with_headroom(kept, extra, PAD_POSITION)
+        B, H = kept.shape[:2]
+        ahead = mx.broadcast_to(mx.arange(self.offset, self.offset + extra, dtype=mx.int32), (B, H, extra))
+        self.prefilled = mx.concatenate([kept, ahead], axis=2)
+        return self.prefilled
 
     def _fetch(self):
         r = self._rows
@@ -161,6 +181,38 @@ class RowStorage:
     def kv_shape(self) -> tuple:
         """Logical (B, H_kv, capacity, D_k) of the key buffer (quantized or not)."""
         return buf_shape(self.keys, self.kv_bits)
+
+    def compact(self, idx: mx.array, real: mx.array | None) -> mx.array:
+        """Keep the stored rows ``idx`` (B, H, K) (ragged: ``real`` marks the real ones, the others become
+        padding) in new buffers with the headroom until the next eviction. Returns the kept row indices
+        (ragged storage: cut to the widest head)."""
+        if real is not None:
+            idx, real = self.trim_ragged(idx, real)
+        K = idx.shape[-1]
+        # The kept rows go into NEW buffers of exactly K + headroom rows (allocation follows the budget).
+        # Never an in-place `buf[:, :, :K] = ...`: this step's attention still holds the slice
+        # update_and_fetch returned, and an in-place write made that slice read the compacted rows
+        # (measured: a chunk that triggered eviction attended to wrong keys). Gathering from the whole
+        # buffers (row indices are < rows) keeps the flattening free.
+        extra = self.headroom_after_eviction(K)
+        # Keys/values with their headroom in ONE gather (headroom rows repeat row 0; they are overwritten
+        # before anything reads them): a gather then a concatenate with zeros copied the kept rows twice,
+        # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
+        # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
+        k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
+        k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)  # one shared row index for all of them
+        kept = gather_rows_of(k_parts + v_parts, k_idx)
+        n = len(k_parts)
+        self.keys, self.values = from_parts(kept[:n], self.keys), from_parts(kept[n:], self.values)
+        pos = gather_rows(self.positions, idx)
+        if real is not None:
+            pos = mx.where(real, pos, PAD_POSITION)
+        self._ragged = real is not None
+        self.positions = self.future_positions(pos, extra)
+        for name in self.row_extras:
+            self.row_extras[name] = with_headroom(gather_rows(self.row_extras[name], idx), extra)
+        self._rows = K
+        return idx
 
     def headroom_after_eviction(self, kept: int) -> int:
         """Rows allocated beyond the ``kept`` ones: what the method needs before its next eviction

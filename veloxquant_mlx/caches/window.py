@@ -2,12 +2,10 @@
 
 A method that ranks rows by the attention the last ``options.window`` queries pay them subclasses it
 and supplies ``scores()``; the base keeps that window as the forced recent rows and hands out the
-window's queries (or keys standing in for them when no query was observed).
+window's queries (``observed_window``, with the base's one fallback to keys).
 """
 
 from __future__ import annotations
-
-import mlx.core as mx
 
 from .base import EvictionCache
 
@@ -22,14 +20,3 @@ class WindowScoreCache(EvictionCache):
     @classmethod
     def default_recent(cls, budget, options):
         return options.window  # the observation window itself is kept
-
-    def _window(self):
-        """(queries, positions, scale) of the observation window; keys stand in when no query was
-        ever observed (the cache used without the tap and without key fallback)."""
-        q, q_pos = self.window_queries()
-        if q is None:
-            W = min(self.options.window, self._rows)
-            q = self.stored("keys")[:, :, self._rows - W:]
-            q_pos = mx.arange(self.offset - W, self.offset, dtype=mx.int32)
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        return q, q_pos, scale

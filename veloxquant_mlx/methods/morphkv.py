@@ -33,6 +33,6 @@ class MorphKVCache(WindowScoreCache):
     Options = MorphKVOptions
 
     def scores(self):
-        q, q_pos, scale = self._window()
+        q, q_pos, scale = self.observed_window()
         return window_scores(q, self.stored("keys"), q_pos, self.stored("positions"), scale,
                              self.options.reduce)

@@ -42,6 +42,42 @@ def ada_head_budgets(counts: mx.array, sel_budget: int, alpha: float) -> mx.arra
     return (base + bump.astype(mx.float32)).astype(mx.int32)
 
 
+def ada_keep_mask(scores: mx.array, cand: mx.array, sel: int, alpha: float, width: int, layer=None) -> mx.array:
+    """The Ada-KV allocation itself, written once for rows (``ada_keep``) and Nexus's blocks: (B, H, R)
+    bool, the candidates ``cand`` kept when the layer's heads share ``H x sel`` selectable slots by their
+    ``scores`` (higher kept; comparable across heads). The layer-wide top ``H x sel`` candidates win, head
+    ``h`` keeps ``ada_head_budgets`` of its own best (at most ``width`` and its candidates), and slots a
+    head cannot use go to the layer's best remaining candidates within ``width``. ``layer``: see ``ada_keep``."""
+    B, H, R = scores.shape
+    n_total = (H if layer is None else layer.total_heads(H)) * sel
+    s = scores.astype(mx.float32)
+    s = mx.where(mx.isnan(s) | (s == -mx.inf), _NEG, s)
+    s = mx.where(cand, s, -mx.inf)
+
+    # Layer-wide winners of the H * sel selectable slots, counted per head.
+    if layer is None:
+        win = (_rank_desc(s.reshape(B, H * R)) < n_total).reshape(B, H, R) & cand
+        target = ada_head_budgets(win.sum(axis=-1), sel, alpha)
+    else:
+        counts = layer.gather_heads(layer.top_k_mask(s, cand, n_total).sum(axis=-1).astype(mx.int32))
+        target = layer.local(ada_head_budgets(counts, sel, alpha), H)
+    target = mx.minimum(mx.minimum(target, cand.sum(axis=-1).astype(mx.int32)), width)
+
+    head_rank = _rank_desc(s)  # (B, H, R)
+    primary = cand & (head_rank < mx.expand_dims(target, -1))
+    # A head with fewer candidates than its target (re-evicting ragged storage, a capped head) hands its
+    # leftover slots to the best remaining candidates of the layer that still fit.
+    kept = target.sum(axis=-1)
+    left = n_total - (kept if layer is None else layer.all_sum(kept))  # (B,)
+    pool = cand & ~primary & (head_rank < width)
+    if layer is None:
+        extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * R)).reshape(B, H, R)
+        extra = pool & (extra_rank < left[:, None, None])
+    else:
+        extra = layer.top_k_mask(s, pool, left)
+    return primary | extra
+
+
 def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_sink: int, n_recent: int,
              alpha: float, pad_position: int, layer=None, cap: int | None = None):
     """Ada-KV selection over stored rows.
@@ -64,39 +100,12 @@ def ada_keep(scores: mx.array, positions: mx.array, offset: int, budget: int, n_
     H_layer = H if layer is None else layer.total_heads(H)
     F = n_sink + n_recent
     sel = budget - F
-    n_total = H_layer * sel
     kc = ada_width(R, H_layer, budget, F, alpha) - F
     if cap is not None:
         kc = min(kc, max(cap, budget) - F)
     valid = positions != pad_position
     forced = valid & ((positions < n_sink) | (positions >= offset - n_recent))
-    cand = valid & ~forced
-    s = scores.astype(mx.float32)
-    s = mx.where(mx.isnan(s) | (s == -mx.inf), _NEG, s)
-    s = mx.where(cand, s, -mx.inf)
-
-    # Layer-wide winners of the H * sel selectable slots, counted per head.
-    if layer is None:
-        win = (_rank_desc(s.reshape(B, H * R)) < n_total).reshape(B, H, R) & cand
-        target = ada_head_budgets(win.sum(axis=-1), sel, alpha)
-    else:
-        counts = layer.gather_heads(layer.top_k_mask(s, cand, n_total).sum(axis=-1).astype(mx.int32))
-        target = layer.local(ada_head_budgets(counts, sel, alpha), H)
-    target = mx.minimum(mx.minimum(target, cand.sum(axis=-1).astype(mx.int32)), kc)
-
-    head_rank = _rank_desc(s)  # (B, H, R)
-    primary = cand & (head_rank < mx.expand_dims(target, -1))
-    # A head with fewer candidates than its target (possible only when re-evicting ragged storage)
-    # hands its leftover slots to the best remaining candidates of the layer that still fit.
-    kept = target.sum(axis=-1)
-    left = n_total - (kept if layer is None else layer.all_sum(kept))  # (B,)
-    pool = cand & ~primary & (head_rank < kc)
-    if layer is None:
-        extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * R)).reshape(B, H, R)
-        extra = pool & (extra_rank < left[:, None, None])
-    else:
-        extra = layer.top_k_mask(s, pool, left)
-    keep = forced | primary | extra
+    keep = forced | ada_keep_mask(scores, valid & ~forced, sel, alpha, kc, layer)
 
     K = F + kc
     rows = mx.arange(R, dtype=mx.int32)

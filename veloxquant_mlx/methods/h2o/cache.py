@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 
 from ...options import option
-from .ops import attention_mass
+import mlx.core as mx
+
+from ...ops.attention import fused_scoring_default
+from .ops import all_visible_mass, all_visible_mass_out, attention_mass
 from ...registry import register
 from ...caches.base import EvictionCache
 
@@ -57,6 +60,33 @@ class H2OKVCache(EvictionCache):
             mass = attention_mass(*args, **kw)
         r = self._rows
         self.row_extras["score"][:, :, :r] = self.stored("score") + mass
+
+    def refresh_light(self):
+        super().refresh_light()
+        mode = self.options.attention_pass
+        self._fused = mode == "fused" or (mode == "auto" and fused_scoring_default())
+        self._scale = None if self.scale is None else mx.array(self.scale, mx.float32)
+
+    def on_light_queries(self, queries, attend):
+        """on_queries of the light step: one query over fp storage; uniform storage scores without a mask."""
+        if self._light_ragged:
+            a = self.attend
+            a.active = attend
+            self.on_queries(queries)
+            a.active, out, a.out = False, a.out, None
+            return out
+        r = self._rows
+        k, score = self.keys[:, :, :r], self.row_extras["score"]
+        B, Hq, S, D = queries.shape
+        q = queries.reshape(B, k.shape[1], Hq // k.shape[1], S, D)
+        out = None
+        if attend and self._fused:
+            mass, out = all_visible_mass_out(q, k, self.values[:, :, :r], self._scale)
+            out = out.reshape(B, Hq, S, out.shape[-1])
+        else:
+            mass = all_visible_mass(q, k, self._scale)
+        score[:, :, :r] = score[:, :, :r] + mass
+        return out
 
     def scores(self):
         return self.stored("score")

@@ -35,8 +35,9 @@ def _mass_out(q, k, v, q_pos, k_pos, scale):
 
 
 _block_mass, _block_mass_out = mx.compile(_mass), mx.compile(_mass_out)
-_all_mass = mx.compile(lambda q, k, scale: _mass(q, k, None, None, scale))
-_all_mass_out = mx.compile(lambda q, k, v, scale: _mass_out(q, k, v, None, None, scale))
+# One query over storage without padding (every key visible): grouped queries q (B, Hkv, G, 1, D).
+all_visible_mass = mx.compile(lambda q, k, scale: _mass(q, k, None, None, scale))
+all_visible_mass_out = mx.compile(lambda q, k, v, scale: _mass_out(q, k, v, None, None, scale))
 
 
 def attention_mass(queries: mx.array, keys: mx.array, k_pos: mx.array, q_start: int, scale: float,
@@ -60,8 +61,8 @@ def attention_mass(queries: mx.array, keys: mx.array, k_pos: mx.array, q_start: 
     scale = mx.array(scale, mx.float32)
     if all_visible and S == 1:
         if values is None:
-            return _all_mass(q, keys, scale)
-        m, o = _all_mass_out(q, keys, values, scale)
+            return all_visible_mass(q, keys, scale)
+        m, o = all_visible_mass_out(q, keys, values, scale)
         return m, o.reshape(B, Hq, S, values.shape[-1])
     q_pos_all = mx.arange(q_start, q_start + S, dtype=mx.int32)
     k_pos = k_pos.astype(mx.int32)

@@ -256,20 +256,38 @@ class KVzapCache(EvictionCache):
     def _append(self, keys, values):
         prev = self._rows
         super()._append(keys, values)
-        S = keys.shape[2]
+        self._score_rows(prev, keys.shape)
+
+    def _score_rows(self, prev, shape):
+        """Score the rows ``prev .. prev + S`` just appended (``shape``: their keys' (B, H, S, D))."""
+        S = shape[2]
         x, self._hidden = self._hidden, None  # a row of a batch gets its own slice (caches.batch)
         if self._weights is None or x is None:
             s = self._unscored(prev, S)
         else:
-            if x.shape[1] != S or x.shape[0] != keys.shape[0]:
+            if x.shape[1] != S or x.shape[0] != shape[0]:
                 raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows of "
-                                 f"{keys.shape[0]} sequences")
-            params = self._layer_weights(keys.shape[1])
+                                 f"{shape[0]} sequences")
+            params = self._layer_weights(shape[1])
             s = _score_compiled[len(params)](x, *params)
         self.row_extras["zap_score"][:, :, prev:prev + S] = s
         if (self._streams_globally(S) and self._ranking_possible and not self._share_due
                 and self.offset > self.budget + self.slack):
             self._defer_ranking()
+
+    def refresh_light(self):
+        super().refresh_light()
+        params = self._local
+        self._light_score = None if params is None else (len(params), params)  # (no function: caches are copied)
+
+    def on_light_append(self, row):
+        """_score_rows of the light step's one row, once the full path has checked the scorer and its heads."""
+        x, light = self._hidden, self._light_score
+        if light is None or x is None or x.shape[:2] != (self._light_k[0], 1):
+            return self._score_rows(row, self._light_k)  # its checks and errors
+        self._hidden = None
+        n, params = light
+        self.row_extras["zap_score"][:, :, row:row + 1] = _score_compiled[n](x, *params)
 
     def _unscored(self, prev, S):
         """No scorer or no hidden state: a cache built without the builder ranks rows by recency (a
@@ -339,6 +357,7 @@ class KVzapCache(EvictionCache):
         for i, c in enumerate(due):
             c._share_due = False
             c.layer_share = None if shares is None else shares[i]
+            c._light_rows = 0  # its eviction threshold moved: the next step is a full one
             if c._rows > c.keep_rows():
                 with c.prompt.compressing_to(c.layer_share):
                     c._evict()

@@ -94,6 +94,8 @@ class KVzipCache(EvictionCache):
     def extra_row_fields(self):
         return {"zip_score": 0.0, "zip_ids": -1.0}
 
+    rows_written_on_append = ("zip_ids",)  # _append writes every new row's id (-1: unknown)
+
     def scores(self):
         return self.stored("zip_score")
 
@@ -101,17 +103,16 @@ class KVzipCache(EvictionCache):
     def _append(self, keys, values):
         prev = self._rows
         super()._append(keys, values)
-        ids = self._ids_for(keys.shape)
+        self.on_light_append(prev, keys.shape)
+
+    def on_light_append(self, prev, shape=None):
+        """The token ids of the rows ``prev ..`` just appended (``shape``: their keys'; the light step's one row)."""
+        shape = shape or self._light_k
+        ids = forward.input_ids()  # this row's slice when a batch cache feeds it
+        ids = None if ids is None or ids.shape != (shape[0], shape[2]) else mx.expand_dims(ids.astype(mx.float32), 1)
         if ids is None:
             self._ids_known = False
-        else:
-            self.row_extras["zip_ids"][:, :, prev:prev + keys.shape[2]] = ids
-
-    def _ids_for(self, shape):
-        ids = forward.input_ids()  # this row's slice when a batch cache feeds it
-        if ids is None or tuple(ids.shape) != (shape[0], shape[2]):
-            return None
-        return mx.expand_dims(ids.astype(mx.float32), 1)
+        self.row_extras["zip_ids"][:, :, prev:prev + shape[2]] = -1.0 if ids is None else ids
 
     @property
     def pending(self) -> int:
@@ -135,12 +136,8 @@ class KVzipCache(EvictionCache):
 
     def _fallback_scores(self, n):
         """No model pass possible: the last prompt queries' max attention scores the pending rows."""
-        q, q_pos = self.window_queries()
+        q, q_pos, scale = self.observed_window()
         r = self._rows
-        if q is None:
-            W = min(self.options.window, r)
-            q, q_pos = self.stored("keys")[:, :, r - W:], mx.arange(self.offset - W, self.offset, dtype=mx.int32)
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         s = window_max_scores(q, self.stored("keys")[:, :, r - n:r], q_pos, self.positions[:, :, r - n:r], scale)
         self._set_pending_scores(s)
 

@@ -139,11 +139,7 @@ class NexusKVCache(EvictionCache):
         o = self.options
         keys, pos = self.stored("keys"), self.stored("positions")
         B, H, N, D = keys.shape
-        q, q_pos = self.window_queries()
-        scale = self.scale if self.scale is not None else D ** -0.5
-        if q is None:  # no queries seen yet (no tap, evicting before the first observe): keys stand in
-            W = min(self.query_window, N)
-            q, q_pos = keys[:, :, -W:], pos[0, 0, -W:]
+        q, q_pos, scale = self.observed_window()
         G = q.shape[1] // H
         d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
         per_head = o.per_head or self.config.allocation == "ada"  # Ada needs per-KV-head weights

@@ -17,7 +17,7 @@ import math
 
 import mlx.core as mx
 
-from ...ops.allocation import ada_head_budgets, ada_width
+from ...ops.allocation import ada_keep_mask, ada_width
 
 _MASKED = -1e30  # finite "minus infinity": a fully masked row becomes uniform, never NaN
 
@@ -213,14 +213,6 @@ def forced_blocks(n_rows: int, block_size: int, n_sink: int, recent: int):
     return mask, n_forced, forced_rows
 
 
-_NEG = -3.0e38  # finite "very low" priority: a real candidate with a -inf/NaN score still beats padding
-
-
-def _rank_desc(x: mx.array) -> mx.array:
-    """Rank along the last axis (0 = largest)."""
-    return mx.argsort(mx.argsort(-x, axis=-1), axis=-1)
-
-
 def ada_block_width(n_blocks_total: int, n_heads: int, n_forced: int, n_sel: int, alpha: float) -> int:
     """Static per-head width in blocks (forced included) after one Ada-Nexus step (ops.allocation.ada_width
     counted in blocks)."""
@@ -254,20 +246,7 @@ def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: in
         k_max = min(k_max, max(cap, n_sel))
     j = mx.arange(nk)
     lead, trail = j < n_lead, j >= nk - n_trail
-    cand = valid & ~(lead | trail)
-    s = score.astype(mx.float32)
-    s = mx.where(mx.isnan(s) | (s == -mx.inf), _NEG, s)
-    s = mx.where(cand, s, -mx.inf)
-    n_total = H * n_sel
-    win = (_rank_desc(s.reshape(B, H * nk)) < n_total).reshape(B, H, nk) & cand  # layer-wide winners
-    target = ada_head_budgets(win.sum(axis=-1), n_sel, alpha)
-    target = mx.minimum(mx.minimum(target, cand.sum(axis=-1).astype(mx.int32)), k_max)
-    head_rank = _rank_desc(s)
-    primary = cand & (head_rank < mx.expand_dims(target, -1))
-    left = n_total - target.sum(axis=-1)  # (B,): slots heads short of candidates could not use
-    pool = cand & ~primary & (head_rank < k_max)
-    extra_rank = _rank_desc(mx.where(pool, s, -mx.inf).reshape(B, H * nk)).reshape(B, H, nk)
-    keep = primary | (pool & (extra_rank < left[:, None, None]))
+    keep = ada_keep_mask(score, valid & ~(lead | trail), n_sel, alpha, k_max)
     # Layout: lead + kept blocks ascending, then the rest (padding sources), then the trailing blocks.
     order_key = mx.where(trail, 2 * nk + j, mx.where(lead | keep, j, nk + j))
     order = mx.argsort(order_key, axis=-1)

@@ -1,0 +1,161 @@
+"""The light decode step (EvictionCache.update_and_fetch / tap_step between evictions): the same rows, scores and
+tokens as the full step, and the weight issue 49 asks of it (Python calls of ours, graph nodes over
+mlx-lm's RotatingKVCache)."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import re
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+
+import veloxquant_mlx
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.caches.base import EvictionCache
+from veloxquant_mlx.decode import feed_prompt, greedy, step
+
+from conftest import fit_tiny_scorer, make_tiny_model, random_prompt
+
+PACKAGE = str(Path(veloxquant_mlx.__file__).resolve().parent)
+BUDGET, PROMPT, DECODE = 96, 300, 70  # decode crosses evictions (slack 32 for the decode-bounded methods)
+
+
+def _config(method, model, **kw):
+    opts = {"kvzap_scorer": str(fit_tiny_scorer(model))} if method == "kvzap" else {}
+    return KVCacheConfig(method=method, seed=0, **{"budget": BUDGET, **opts, **kw})
+
+
+def _generate(model, cfg, light: bool):
+    caches = KVCacheBuilder.for_model(model, cfg)
+    if not light:
+        for c in caches:
+            c.refresh_light = lambda c=c: setattr(c, "_light_rows", 0)
+    x = mx.array(random_prompt(PROMPT))
+    feed_prompt(model, x, caches, 128)
+    y = step(model, x[-1:], caches)
+    toks = greedy(model, caches, y, DECODE, feed_last=True)
+    KVCacheBuilder.uninstall(model)
+    return caches, toks
+
+
+@pytest.mark.parametrize("method,kw", [("streaming", {}), ("h2o", {}), ("snapkv", {}), ("morphkv", {}),
+                                       ("nexus", {"budget": 160}), ("kvzap", {}), ("kvzip", {}),
+                                       ("nestedkv", {}), ("random", {}), ("h2o", {"allocation": "ada"}),
+                                       ("morphkv", {"prompt_eviction": "stream"})])
+def test_light_step_keeps_what_the_full_step_keeps(method, kw):
+    model = make_tiny_model()
+    cfg = _config(method, model, **kw)
+    light, toks = _generate(model, cfg, True)
+    full, toks_full = _generate(model, cfg, False)
+    assert toks == toks_full
+    assert sum(c.queries_observed for c in light) == sum(c.queries_observed for c in full)
+    for a, b in zip(light, full):
+        assert a.offset == b.offset and a.evictions == b.evictions
+        assert np.array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
+        for name in a.row_extras:
+            assert np.array_equal(np.array(a.stored(name)), np.array(b.stored(name))), name
+        qa, qb = a.window_queries()[0], b.window_queries()[0]
+        assert (qa is None) == (qb is None) and (qa is None or np.array_equal(np.array(qa), np.array(qb)))
+    assert any(c.evictions for c in light) or cfg.cache_class.prefill_only
+
+
+def _decode_ready(method, model):
+    """Caches of ``method`` (or mlx-lm's rotating window) a few decode steps after the prompt."""
+    if method == "rotating":
+        caches = [RotatingKVCache(max_size=BUDGET, keep=4) for _ in model.layers]
+    else:
+        caches = KVCacheBuilder.for_model(model, _config(method, model))
+    x = mx.array(random_prompt(PROMPT))
+    feed_prompt(model, x, caches, 512)
+    y = step(model, x[-1:], caches)
+    for _ in range(3):
+        y = step(model, y.reshape(1), caches)
+    mx.eval(y, [c.state for c in caches])
+    return caches, y
+
+
+def _weight(method):
+    """(Python calls, of them in veloxquant_mlx, graph nodes) of one decode step, per layer."""
+    model = make_tiny_model(layers=4)
+    caches, y = _decode_ready(method, model)
+    prof = cProfile.Profile()
+    prof.enable()
+    logits = model(y.reshape(1, 1), cache=caches)
+    prof.disable()
+    held = [a for c in caches for a in (*vars(c).values(), *getattr(c, "row_extras", {}).values())
+            if isinstance(a, mx.array)]
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, logits, *held)
+        nodes = len(re.findall(r'shape=rectangle\]', Path(f.name).read_text()))
+    st = pstats.Stats(prof).stats
+    calls = sum(v[0] for v in st.values())
+    ours = sum(v[0] for k, v in st.items() if k[0].startswith(PACKAGE))
+    KVCacheBuilder.uninstall(model)
+    n = len(model.layers)
+    return calls / n, ours / n, nodes / n
+
+
+@pytest.mark.parametrize("method", ["streaming", "snapkv", "morphkv"])
+def test_light_step_weighs_what_issue_49_allows(method):
+    calls, ours, nodes = _weight(method)
+    base_calls, _, base_nodes = _weight("rotating")
+    assert ours <= 8, f"{method}: {ours} calls of ours per layer-step"
+    assert calls <= 1.25 * base_calls, f"{method}: {calls} calls per layer-step vs rotating {base_calls}"
+    assert nodes <= base_nodes + 4, f"{method}: {nodes} graph nodes per layer-step vs rotating {base_nodes}"
+
+
+def test_light_step_refuses_a_bad_token_like_the_full_step():
+    model = make_tiny_model()
+    caches, y = _decode_ready("streaming", model)
+    c = caches[0]
+    assert c._light_rows > c._rows  # the next step would be light
+    k = mx.zeros((1, c.keys.shape[1], 1, c.keys.shape[3] + 1))
+    with pytest.raises(ValueError, match="do not match the stored"):
+        c.update_and_fetch(k, k)
+    KVCacheBuilder.uninstall(model)
+
+
+def test_light_path_is_off_where_the_full_step_has_work():
+    model = make_tiny_model()
+    caches, _ = _decode_ready("streaming", model)
+    c = caches[0]
+    assert c._light_rows == c.evict_threshold()  # at most up to the next eviction
+    c.prompt.open = True
+    c.refresh_light()
+    assert c._light_rows == 0
+    KVCacheBuilder.uninstall(model)
+    assert isinstance(c, EvictionCache)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "morphkv", "nexus", "kvzip", "tova"])
+def test_observed_window_is_the_one_key_fallback_until_queries_arrive(method):
+    from conftest import make_cache
+
+    c = make_cache(method, small=True, budget=64)
+    k = mx.random.normal((1, 2, 40, 16), key=mx.random.key(1))
+    c.update_and_fetch(k, k)
+    W = min(c.query_window, 40)
+    q, q_pos, scale = c.observed_window()  # no query observed: the newest W keys, at the newest positions
+    assert np.array_equal(np.array(q), np.array(k[:, :, 40 - W:]))
+    assert np.array(q_pos).tolist() == list(range(40 - W, 40)) and scale == 16 ** -0.5
+    queries = mx.random.normal((1, 4, 1, 16), key=mx.random.key(2))
+    c.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    c.observe_queries(queries, 0.5)
+    q, q_pos, scale = c.observed_window()
+    assert np.array_equal(np.array(q[:, :, -1:]), np.array(queries)) and int(q_pos[-1]) == 40 and scale == 0.5
+
+
+def test_continue_on_purpose_ends_the_light_steps():
+    model = make_tiny_model()
+    caches, _ = _decode_ready("streaming", model)
+    c = caches[0]
+    assert c._light_rows > c._rows
+    c.continue_on_purpose()
+    assert c._light_rows == 0 and not c.prompt.saw_decode
+    KVCacheBuilder.uninstall(model)
