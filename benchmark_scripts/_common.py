@@ -29,7 +29,8 @@ BENCH_CACHE = Path(os.environ.get("VELOXQUANT_BENCH_CACHE", Path.home() / ".cach
 
 __all__ = ["ROOT", "FIGURES", "MIB", "BENCH_CACHE", "budget", "tiny_llama", "tiny_tokenizer", "stamp",
            "provenance", "command_line", "resumed", "commit", "write_json", "machine", "preload_blas",
-           "blas_info", "median", "cpu_timed", "peer_venv"]
+           "blas_info", "median", "cpu_timed", "peer_venv", "AllocationRecorder", "total_nbytes",
+           "weights_bytes"]
 
 
 
@@ -170,3 +171,37 @@ def run_subcommands(doc: str, subcommands: dict, argv=None) -> int:
         print(doc, file=sys.stderr)
         return 2
     return subcommands[argv[0]](argv[1:]) or 0
+
+
+class AllocationRecorder:
+    """Wraps ``update_and_fetch`` of every cache in a list and records the largest total
+    ``sum(c.nbytes)`` over the list right after any layer's call (shapes only: no evaluation).
+    Eviction caches evict in the query tap right after ``update_and_fetch``, so this sees the
+    chunk before it is evicted: the KV part of the peak."""
+
+    def __init__(self, caches):
+        self.caches = caches
+        self.max_bytes = 0
+        for c in caches:
+            orig = c.update_and_fetch
+
+            def wrapped(keys, values, _orig=orig):
+                out = _orig(keys, values)
+                self.max_bytes = max(self.max_bytes, total_nbytes(self.caches))
+                return out
+
+            c.update_and_fetch = wrapped
+
+    def close(self):
+        for c in self.caches:
+            c.__dict__.pop("update_and_fetch", None)
+
+
+def total_nbytes(caches) -> int:
+    return sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
+
+
+def weights_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

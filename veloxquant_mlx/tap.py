@@ -15,6 +15,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from .caches.masks import is_additive, keep_additive
+
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _TAP_NAME = "scaled_dot_product_attention"
 
@@ -41,7 +43,8 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
     else:
         observe(seen, scale)
     if out is None:
-        mask = _layer_mask(cache, mask, seen)
+        mask = (keep_additive(cache.attention_mask, mask, seen) if is_additive(mask)
+                else cache.attention_mask(mask, seen))
         out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
     # The state this step updated (scores, query window, positions) is consumed by no output, and
     # mlx_lm.generate evaluates only the tokens in decode: tie it to this layer's output so it is
@@ -54,15 +57,6 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
 tapped_scaled_dot_product_attention.__veloxquant_tap__ = True
 
 
-def _layer_mask(cache, mask, queries):
-    """This layer's mask (``cache.attention_mask``). A floating mask holds additive scores, not positions
-    (MLA adds its rotary logits there): it is kept as it is, with only this layer's padding rows hidden."""
-    if not (isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)):
-        return cache.attention_mask(mask, queries)
-    hide = cache.attention_mask("causal" if queries.shape[2] > 1 else None, queries)
-    if not isinstance(hide, mx.array):
-        return mask
-    return mx.where(hide, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
 
 
 # -- multi-head latent attention (MLA: deepseek_v3, kimi_linear, glm4_moe_lite, mistral4, ...) ----------

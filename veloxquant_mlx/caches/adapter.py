@@ -121,6 +121,8 @@ class MlxLmAdapter:
     # scoring computed it (one pass), else None.
     on_light_append = None
     on_light_queries = None
+    # MLA (set by tap.bind_latent_queries): maps a step's queries into the space of the cached latent rows.
+    latent_query = None
 
     def refresh_light(self) -> None:
         """Decide, after a full step, up to how many rows the next decode steps may take the light path."""
@@ -150,7 +152,7 @@ class MlxLmAdapter:
     def tap_step(self, queries: mx.array, scale, mask, kwargs: dict):
         """The query tap's one call per layer: observe this step's queries; returns (the layer's output or
         None for the tap to compute it, the mask to use, arrays the output must depend on or None)."""
-        if self._light_now and queries.shape == self._light_q and scale == self.scale:
+        if self._light_now and queries.shape == self._light_q and scale == self.scale:  # (never MLA)
             self._light_now = False
             self.queries_observed += 1
             out = None
@@ -165,13 +167,14 @@ class MlxLmAdapter:
                 mask = self.attention_mask(mask, queries)
             return out, mask, self._light_deps or None
         out, self._light_now = None, False
-        plain = all(v is None for v in kwargs.values()) and self.kv_bits is None
+        seen = queries if self.latent_query is None else self.latent_query(queries)
+        plain = all(v is None for v in kwargs.values()) and self.kv_bits is None and seen is queries
         if plain and (mask is None or isinstance(mask, str)):
             out = self.observe_and_attend(queries, scale)
         else:
-            self.observe_queries(queries, scale)
+            self.observe_queries(seen, scale)
         if out is None:
-            mask = self.attention_mask(mask, queries)
-        if self._light_rows and queries.shape[2] == 1:
+            mask = self.attention_mask(mask, seen)
+        if self._light_rows and queries.shape[2] == 1 and seen is queries:
             self._light_q = queries.shape
         return out, mask, self.step_state() or None

@@ -12,6 +12,20 @@ from mlx_lm.models.base import create_causal_mask
 from .storage import PAD_POSITION
 
 
+
+def is_additive(mask) -> bool:
+    """A floating mask holds additive scores, not positions (MLA adds its rotary logits there)."""
+    return isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
+
+
+def keep_additive(layer_mask, mask: mx.array, queries: mx.array) -> mx.array:
+    """An additive ``mask`` kept as it is, with only the padding rows that ``layer_mask`` (a cache's
+    ``attention_mask``) hides for this layer set to the dtype's minimum."""
+    hide = layer_mask("causal" if queries.shape[2] > 1 else None, queries)
+    if not isinstance(hide, mx.array):
+        return mask
+    return mx.where(hide, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
+
 class AttentionMasks:
     """Mixin of :class:`~veloxquant_mlx.caches.base.EvictionCache`: the fetched rows and their mask."""
 
@@ -41,8 +55,11 @@ class AttentionMasks:
 
         Uniform storage keeps the string/None masks (they are right for every layer). An array mask
         was built for cache[0]'s row count, so it is rebuilt for ours; ragged storage needs a
-        per-head mask that hides padding rows.
+        per-head mask that hides padding rows. A floating mask holds additive scores, not positions
+        (MLA adds its rotary logits there): it is kept, with only this layer's padding rows hidden.
         """
+        if is_additive(mask):
+            return keep_additive(self.attention_mask, mask, queries)
         pos = self.fetched_positions  # the rows this step attends to (before any eviction after it)
         if pos is None:
             pos, ragged = self.positions[..., :self._rows], self.is_ragged
