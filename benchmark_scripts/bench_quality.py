@@ -460,7 +460,7 @@ def choosing_caches(model, label: str, budget: int):
     return make_caches(model, method_specs([name])[0], budget, prompt_eviction="stream" if stream else "end")
 
 
-def choosing_choosing_kv_bytes(model, prompt, label: str, budget: int, step: int) -> dict:
+def choosing_kv_bytes(model, prompt, label: str, budget: int, step: int) -> dict:
     import gc
 
     import mlx.core as mx

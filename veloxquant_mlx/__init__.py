@@ -7,7 +7,7 @@ from . import methods as _methods  # noqa: F401 (registers every method)
 from .prompt_cache import save_prompt_cache
 from .registry import methods, register
 from .tap import install_query_tap, remove_query_tap
-from .platform.blas import warn_if_slow_blas as _warn_if_slow_blas
+from .platform.slow_blas import warn_if_slow_blas as _warn_if_slow_blas
 
 _warn_if_slow_blas()  # once per process, on a Linux CPU without OpenBLAS preloaded: the one-line fix
 

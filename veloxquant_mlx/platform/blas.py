@@ -49,6 +49,8 @@ import time
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .slow_blas import (_OPTIMIZED_BLAS_MARKERS, SlowBlasWarning, _mlx_on_cpu, _preload_entries,  # noqa: F401
+                        _preloaded, warn_if_slow_blas)
 from .blas_locate import (_PIP_SOURCE, OPENBLAS_PATH_ENV, BlasLibrary, _candidates, _plan, _source_of, find_blas,
                           find_openblas)
 
@@ -76,7 +78,6 @@ REEXEC_GUARD_ENV = "VELOXQUANT_BLAS_REEXEC"
 #: OpenBLAS threads when ``$OPENBLAS_NUM_THREADS`` is not set (see the module docstring).
 DEFAULT_NUM_THREADS = 1
 # Other libraries that also count as "an optimized BLAS is preloaded".
-_OPTIMIZED_BLAS_MARKERS = ("libopenblas", "libmkl_rt", "libblis")
 
 
 def _link_dir(links: Sequence[Tuple[str, str]]) -> str:
@@ -193,31 +194,6 @@ def _working_env(num_threads: Optional[int]) -> Optional[Tuple[BlasLibrary, Dict
     return None
 
 
-def _preload_entries() -> List[str]:
-    raw = os.environ.get("LD_PRELOAD", "")
-    return [p for p in raw.replace(":", " ").split() if p]
-
-
-def _mapped_libraries() -> Optional[str]:
-    try:
-        with open("/proc/self/maps", "r") as fh:
-            return fh.read()
-    except OSError:
-        return None
-
-
-def _preloaded(markers: Sequence[str]) -> bool:
-    entries = [e for e in _preload_entries() if any(m in os.path.basename(e) for m in markers)]
-    if not entries:
-        return False
-    maps = _mapped_libraries()
-    if maps is None:  # cannot verify (no procfs): trust LD_PRELOAD
-        return True
-    # The dynamic loader silently ignores preload entries it cannot open, so
-    # confirm the library really is mapped into this process.
-    return any(m in maps for m in markers)
-
-
 def openblas_preloaded() -> bool:
     """True when OpenBLAS is in ``LD_PRELOAD`` and actually mapped in this process.
 
@@ -254,15 +230,6 @@ def describe() -> str:
     return "MLX's bundled reference BLAS (slow)"
 
 
-def _mlx_on_cpu() -> bool:
-    try:
-        import mlx.core as mx
-
-        return mx.default_device() == mx.cpu
-    except Exception:  # pragma: no cover - mlx missing/broken
-        return True
-
-
 def blas_hint(tried: bool = False) -> Optional[str]:
     """One-line advice when MLX runs on a Linux CPU with its slow reference BLAS.
 
@@ -286,38 +253,6 @@ def blas_hint(tried: bool = False) -> Optional[str]:
     return ("MLX is using its slow reference CPU BLAS (~30x slower fp32 matmul): "
             "`pip install cmeel-openblas` (the `fast-cpu` extra; or `apt-get install libopenblas0-pthread`) "
             f"and {launcher}")
-
-
-class SlowBlasWarning(UserWarning):
-    """MLX runs its fp32 matmuls on the slow reference CPU BLAS (Linux CPU, nothing preloaded)."""
-
-
-_warned_slow_blas = False
-
-
-def _run_by_our_cli() -> bool:
-    """``python -m veloxquant_mlx ...`` (or its launcher / console script): it prints its own note."""
-    argv = list(getattr(sys, "orig_argv", None) or sys.argv)
-    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-    return module.split(".")[0] == "veloxquant_mlx" or os.path.basename(sys.argv[0] or "") == "veloxquant-mlx"
-
-
-def warn_if_slow_blas() -> None:
-    """Once per process: a :class:`SlowBlasWarning` naming the one-line fix, when MLX's CPU matmuls
-    run on its reference BLAS (a library user's script gets it at ``import veloxquant_mlx``; the CLI
-    prints its own note). Silence it with ``warnings.filterwarnings("ignore", category=SlowBlasWarning)``."""
-    global _warned_slow_blas
-    if _warned_slow_blas or not sys.platform.startswith("linux") or _run_by_our_cli():
-        return
-    _warned_slow_blas = True
-    if not _mlx_on_cpu() or _preloaded(_OPTIMIZED_BLAS_MARKERS):
-        return
-    fix = "python -m veloxquant_mlx.platform.blas your_script.py"
-    lib = find_blas()
-    where = f"OpenBLAS from {lib.source} is installed" if lib else \
-        "`pip install cmeel-openblas` (or `apt-get install libopenblas0-pthread`) first"
-    warnings.warn(f"MLX is using its slow reference CPU BLAS (~30x slower fp32 matmul; {where}): run "
-                  f"`{fix}` to preload OpenBLAS (docs/cpu-blas.md)", SlowBlasWarning, stacklevel=3)
 
 
 def _default_argv() -> List[str]:
