@@ -958,13 +958,12 @@ def peak_parse_args(argv=None):
 
 
 def peak_caches(model, label: str, budget: int):
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
-
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
     from veloxquant_mlx.caches.quant import model_caches
+    from veloxquant_mlx.evaluation.labels import rotating_caches
 
-    if label == "rotating":  # what --max-kv-size gives (make_prompt_cache ignores it for a model with make_cache)
-        return [RotatingKVCache(max_size=budget, keep=4) if type(c) is KVCache else c for c in model_caches(model)]
+    if label == "rotating":  # what --max-kv-size gives
+        return rotating_caches(model, budget)
     if label.startswith("kvcache"):
         bits = {"kvcache": None, "kvcache-8bit": 8, "kvcache-4bit": 4}[label]
         return model_caches(model, bits)
