@@ -107,6 +107,10 @@ class KVCacheBuilder:
         _refuse_layers(model, base)  # before anything is installed on the model
         cls = config.cache_class
         tapped = _install_glue(model, [cls], tokenizer)
+        if config.prompt_eviction == "offload" and not tapped:
+            raise ValueError(f"prompt_eviction='offload' computes each prompt chunk's attention over the page file "
+                             f"itself, through the query tap, and {type(model).__module__} does not call mlx-lm's "
+                             "scaled_dot_product_attention: use prompt_eviction='end'")
         if config.kv_bits is not None and not tapped:
             raise ValueError(
                 f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
@@ -140,7 +144,11 @@ class KVCacheBuilder:
             # the model pass finds the caches that deferred work among the model's top-level layer caches
             raise ValueError(f"{config.method} runs a model pass at the prompt's end, which does not reach the "
                              f"attention caches inside {type(model).__module__}'s CacheList layers: use another method")
-        if bind_latent_queries(model, caches) and len({c.budget for c in ours}) > 1:  # MLA: latent-space queries
+        mla = bind_latent_queries(model, caches)  # MLA: latent-space queries
+        if mla and config.prompt_eviction == "offload":
+            raise ValueError(f"{type(model).__module__} (MLA) reads its prompt in the latent's space, which "
+                             "prompt_eviction='offload' does not page: use prompt_eviction='end'")
+        if mla and len({c.budget for c in ours}) > 1:
             # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
             raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
                              "per-layer budgets are not supported; use a method that keeps one budget in every layer")
