@@ -10,6 +10,7 @@ tests/test_architectures.py. ``CannotRun`` marks an architecture that mlx-lm its
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ ARCHS: dict = {
     "gemma3": ({"text_config": _text("gemma3_text", sliding_window_pattern=2)}, EVICTS),
     "gemma3_text": ({"sliding_window_pattern": 2}, EVICTS),
     "glm4_moe": ({"rope_scaling": None}, EVICTS),
+    "solar_open": ({}, EVICTS),  # its ModelArgs, glm4_moe's Model
     "granitemoehybrid": ({"layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_n_heads": 4,
                           "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 8, "mamba_d_conv": 2,
                           "mamba_n_groups": 1, "mamba_expand": 1, "mamba_chunk_size": 8, "mamba_conv_bias": True,
@@ -249,16 +251,31 @@ ARCHS: dict = {
 }
 
 
+def _module_names(src: str) -> set:
+    """Names a module's source binds at its top level: classes (a dataclass ``ModelArgs`` without a base
+    class too), functions, assignments and imports (a module that re-exports another's ``Model``)."""
+    names = set()
+    for node in ast.parse(src).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
 def architecture_files() -> list:
-    """Names of the installed mlx-lm's model files that define ``Model`` and ``ModelArgs`` (read from the
-    source, so a file that cannot be imported here is listed too)."""
+    """Names of the installed mlx-lm's model files: every module that binds ``Model`` and ``ModelArgs``,
+    however it does (read from the source, so a file that cannot be imported here is listed too)."""
     import mlx_lm.models as models
 
     out = []
     for info in pkgutil.iter_modules(models.__path__):
         spec = importlib.util.find_spec(f"mlx_lm.models.{info.name}")
         src = open(spec.origin).read() if spec and spec.origin else ""
-        if "class Model(" in src and "class ModelArgs(" in src:
+        if {"Model", "ModelArgs"} <= _module_names(src):
             out.append(info.name)
     return sorted(out)
 

@@ -243,6 +243,21 @@ def test_model_pass_methods_refuse_cachelist_layers_in_one_line(name):
     assert "\n" not in str(err.value)
 
 
+def test_every_model_file_is_an_architecture():
+    """Every file of mlx_lm.models that names both ``Model`` and ``ModelArgs`` is tested, however it binds
+    them: a dataclass ``ModelArgs`` without a base class (phixtral), a ``Model`` imported from another
+    file (solar_open re-exports glm4_moe's)."""
+    import re
+
+    import mlx_lm.models as models
+
+    found = set(architecture_files())
+    assert {"phixtral", "solar_open"} <= found
+    named = {p.stem for p in Path(models.__path__[0]).glob("*.py")
+             if re.search(r"\bModel\b", p.read_text()) and re.search(r"\bModelArgs\b", p.read_text())}
+    assert named - found == set()
+
+
 def test_the_table_names_each_architecture_once():
     """A dict literal keeps the last of two rows silently: the table must name each architecture once."""
     import ast
