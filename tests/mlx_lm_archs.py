@@ -251,6 +251,16 @@ ARCHS: dict = {
 }
 
 
+# Configs beside an architecture's row that take another path through the library: id -> (architecture,
+# overrides on top of its row, expected status). tests/test_architectures.py checks them as it checks the
+# rows; the docs page lists architectures, not these.
+VARIANTS: dict = {
+    # MLA whose prefill query is as wide as the latent: told apart from the absorbed query by the call
+    "deepseek_v3-nope-eq-rank": ("deepseek_v3", {"qk_nope_head_dim": 32}, EVICTS),
+    "mistral4-nope-rope-eq-rank": ("mistral4", {"qk_nope_head_dim": 24}, EVICTS),
+}
+
+
 def _module_names(src: str) -> set:
     """Names a module's source binds at its top level: classes (a dataclass ``ModelArgs`` without a base
     class too), functions, assignments and imports (a module that re-exports another's ``Model``)."""
@@ -280,11 +290,12 @@ def architecture_files() -> list:
     return sorted(out)
 
 
-def build(name: str, seed: int = 0):
-    """The tiny random fp32 model of architecture ``name`` (a ``ARCHS`` row that is not CannotRun)."""
+def build(name: str, seed: int = 0, extra: dict | None = None):
+    """The tiny random fp32 model of architecture ``name`` (a ``ARCHS`` row that is not CannotRun), with
+    ``extra`` overrides on top of its row (a ``VARIANTS`` entry)."""
     overrides, _ = ARCHS[name]
     module = importlib.import_module(f"mlx_lm.models.{name}")
-    args = module.ModelArgs.from_dict({**TINY, "model_type": name, **overrides})
+    args = module.ModelArgs.from_dict({**TINY, "model_type": name, **overrides, **(extra or {})})
     mx.random.seed(seed)
     model = module.Model(args)
     n = sum(v.size for _, v in tree_flatten(model.parameters()))

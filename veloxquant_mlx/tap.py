@@ -22,6 +22,9 @@ _TAP_NAME = "scaled_dot_product_attention"
 
 
 def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, **kwargs):
+    to_rows = getattr(cache, "latent_query", None)
+    if to_rows is not None:  # MLA: which of the module's two attention calls this is (LatentQuery)
+        to_rows.reads_latent = keys is values
     step = getattr(cache, "tap_step", None)
     if step is not None:  # an eviction cache: one call observes, and says the output, mask and dependencies
         out, mask, deps = step(queries, scale, mask, kwargs)
@@ -33,7 +36,6 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
     out = None
     attend = getattr(cache, "observe_and_attend", None)
-    to_rows = getattr(cache, "latent_query", None)  # MLA: the query in the space of the cached rows
     seen = queries if to_rows is None else to_rows(queries)
     plain = all(v is None for v in kwargs.values()) and not hasattr(cache, "bits")
     if attend is not None and plain and to_rows is None and (mask is None or isinstance(mask, str)):
@@ -61,23 +63,30 @@ tapped_scaled_dot_product_attention.__veloxquant_tap__ = True
 
 # -- multi-head latent attention (MLA: deepseek_v3, kimi_linear, glm4_moe_lite, mistral4, ...) ----------
 # The cache stores one latent row per token (keys: the compressed KV, values: the rotary key part), shared
-# by every head. At decode the model hands attention the absorbed query ``embed_q(q_nope)``, in the
-# latent's space; at prefill it hands the per-head ``q_nope`` (or ``[q_nope, q_rope]``) against keys
-# decompressed from the latent. The tap maps the prefill query into the latent's space the same way
-# (``embed_q`` of its no-rope part), so a method scores rows against the latent it evicts, with the query
-# that decode attention uses. The rotary part of the logits (in the mask) is not part of the score.
+# by every head. An MLA module attends in one of two ways. Decode hands attention the absorbed query
+# ``embed_q(q_nope)`` against the latent rows themselves, passed as both keys and values; prefill hands it
+# the per-head ``q_nope`` (or ``[q_nope, q_rope]``) against keys and values decompressed from the latent
+# (two different arrays). The tap tells the two calls apart by that, per call (``reads_latent``), never by
+# the query's width, which coincides when ``kv_lora_rank`` equals ``qk_nope_head_dim`` (+ the rope part).
+# It maps the prefill query into the latent's space the same way (``embed_q`` of its no-rope part), so a
+# method scores rows against the latent it evicts, with the query that decode attention uses. The rotary
+# part of the logits (in the mask) is not part of the score.
 class LatentQuery:
-    """``queries`` (B, H, S, any width) -> the absorbed query (B, H, S, kv_lora_rank) of an MLA module."""
+    """``queries`` (B, H, S, any width) -> the absorbed query (B, H, S, kv_lora_rank) of an MLA module.
+
+    ``reads_latent``: whether the attention call being tapped reads the latent rows themselves (its query
+    is already absorbed); the tap sets it before every call."""
 
     def __init__(self, attn):
         self.attn = attn
         self.rank, self.nope = int(attn.kv_lora_rank), int(attn.qk_nope_head_dim)
+        self.reads_latent = False
 
     def __deepcopy__(self, memo):  # a scratch copy of the cache shares the model's module
         return self
 
     def __call__(self, queries):
-        if queries.shape[-1] == self.rank:  # decode: already absorbed
+        if self.reads_latent:  # decode: already absorbed
             return queries
         return self.attn.embed_q(queries[..., :self.nope])
 
@@ -88,21 +97,19 @@ def _is_mla(attn) -> bool:
 
 def bind_latent_queries(model, caches: list) -> int:
     """Give the query-observing caches of ``model``'s MLA layers their :class:`LatentQuery`. Refuses, in
-    one line, what MLA cannot take: quantized rows, and a shape whose query widths are ambiguous. Returns
-    how many caches were bound."""
+    one line, what MLA cannot take: quantized rows, and a query without a no-rope part. Returns how many
+    caches were bound."""
     n = 0
     for attn, c in zip(attention_modules(model), caches):
         inner = [x for x in getattr(c, "caches", (c,)) if hasattr(x, "observe_queries")]
         if not inner or not _is_mla(attn):
             continue
-        nope, rope, rank = (int(getattr(attn, k, 0) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim",
-                                                                     "kv_lora_rank"))
         if any(hasattr(x, "bits") for x in inner):
             raise ValueError(f"{type(model).__module__} caches MLA latents, which mlx-lm attends to unquantized: "
                              "use kv_bits=None")
-        if not nope or rank in (nope, nope + rope):
-            raise ValueError(f"{type(model).__module__}: MLA with qk_nope_head_dim={nope}, qk_rope_head_dim={rope} "
-                             f"and kv_lora_rank={rank} hands attention queries whose space cannot be told apart")
+        if not int(getattr(attn, "qk_nope_head_dim", 0) or 0):
+            raise ValueError(f"{type(model).__module__}: MLA with qk_nope_head_dim=0 has no query part in the "
+                             "latent's space to score its rows with")
         for x in inner:
             x.latent_query = LatentQuery(attn)
         n += len(inner)
