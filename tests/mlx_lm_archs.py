@@ -71,8 +71,8 @@ def _text(model_type: str, **kw) -> dict:
 
 
 ROPE_PARAMETERS = {"rope_theta": 10000.0, "llama_4_scaling_beta": 0.0, "original_max_position_embeddings": 4096}
-GEMMA4 = {"sliding_window_pattern": 2, "num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB,
-          "hidden_size_per_layer_input": 16}
+GEMMA4 = {"sliding_window_pattern": 2, "num_kv_shared_layers": 2, "vocab_size_per_layer_input": VOCAB,
+          "hidden_size_per_layer_input": 16, "global_head_dim": 32}
 KIMI_LINEAR = {"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16}
 ROPE_BY_LAYER_TYPE = {t: {"rope_type": "default", "rope_theta": 1e4} for t in ("full_attention", "sliding_attention")}
 MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -204,14 +204,14 @@ ARCHS: dict = {
                                       activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16,
                                       altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
                                       altup_active_idx=0, laurel_rank=8)}, REFUSED),
-    # gemma4 as its smaller checkpoints: the last layers read earlier layers' KV rows
-    "gemma4": ({"text_config": _text("gemma4_text", **{**GEMMA4, "num_kv_shared_layers": 2})}, REFUSED),
+    # gemma4 as its smaller checkpoints: the last layers read the rows earlier layers returned
+    "gemma4": ({"text_config": _text("gemma4_text", **GEMMA4)}, EVICTS),
     "gemma4_text": (GEMMA4, EVICTS),
     "glm_moe_dsa": ({"index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "topk_method": "noaux_tc",
                      "scoring_func": "sigmoid",
                      "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}, REFUSED),
     "gptj": ({}, EVICTS),
-    "hunyuan": ({"use_mixed_mlp_moe": True, "use_cla": False, "cla_share_factor": 1,
+    "hunyuan": ({"use_mixed_mlp_moe": True, "use_cla": True, "cla_share_factor": 2,
                  "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}}, EVICTS),
     "jamba": ({"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2,
                "mamba_d_conv": 2, "mamba_d_state": 8, "mamba_expand": 1}, EVICTS),
@@ -258,6 +258,9 @@ VARIANTS: dict = {
     # MLA whose prefill query is as wide as the latent: told apart from the absorbed query by the call
     "deepseek_v3-nope-eq-rank": ("deepseek_v3", {"qk_nope_head_dim": 32}, EVICTS),
     "mistral4-nope-rope-eq-rank": ("mistral4", {"qk_nope_head_dim": 24}, EVICTS),
+    # the rows above share KV across layers; these do not
+    "gemma4_text-no-shared-kv": ("gemma4_text", {"num_kv_shared_layers": 0}, EVICTS),
+    "hunyuan-no-cla": ("hunyuan", {"use_cla": False, "cla_share_factor": 1}, EVICTS),
 }
 
 

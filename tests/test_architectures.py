@@ -27,6 +27,7 @@ from mlx_lm_archs import (ARCHS, EVICTS, KEYS_AS_QUERIES, REFUSED, VARIANTS, Can
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.base import EvictionCache
 from veloxquant_mlx.model_dims import model_dims
+from veloxquant_mlx.tap import kv_sources
 
 PROMPT, NEW, CHUNK = 40, 4, 16  # a prompt fed in chunks (mlx-lm's prefill), then greedy decode
 BUDGET = 16  # evicting runs: well below the prompt
@@ -141,6 +142,9 @@ def _check(name, expected, extra=None, record=True):
             else:
                 assert all(c.queries_from_keys for c in ours), f"{name}: expected keys as queries"
     how = [f"{len(ours)} of {len(caches)} layers evict"]
+    sharers = [j for j, i in kv_sources(model).items() if isinstance(caches[i], EvictionCache)]
+    if sharers:
+        how.append(f"{len(sharers)} more (KV-shared) read{'s' if len(sharers) == 1 else ''} their kept rows")
     if any(getattr(c, "latent_query", None) is not None for c in ours):
         how.append("MLA latents, scored with the absorbed query")
     if any(type(c).__name__ == "CacheList" for c in caches):

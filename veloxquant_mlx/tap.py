@@ -116,6 +116,100 @@ def bind_latent_queries(model, caches: list) -> int:
     return n
 
 
+# -- KV shared across layers (gemma4_text's small checkpoints) ----------------------------------------------
+# The last layers of such a model compute no keys or values and get no cache (None): each reads the rows an
+# earlier layer of its kind (its source) returned from update_and_fetch, which the model passes along the
+# forward (``shared_kv``). An eviction cache evicts in its source layer's step, after that layer's
+# attention: the rows it returned are what that step attends to, so the sharers of that forward read them
+# too, and need the mask that describes them (ragged per-head storage hides its padding rows there). So the
+# layers are given a subclass (per instance, as the hidden-state tap does) whose source layers name their
+# cache beside the rows they pass along (SourceRows), and whose sharer layers, given such rows, get a
+# SharedRows in place of None: its update_and_fetch returns the rows as they came, and its tap step gives
+# the source's mask (and, by its ``bits``, mlx-lm's quantized attention for quantized rows). The sharers'
+# queries are not scored: the source scores with its own (docs/architecture.md says why).
+_SHARING_SUBCLASSES: dict = {}
+
+
+class SourceRows(tuple):
+    """(keys, values) a source layer's cache returned from ``update_and_fetch``, and that cache."""
+
+    def __new__(cls, rows, cache):
+        self = super().__new__(cls, rows)
+        self.cache = cache
+        return self
+
+
+class SharedRows:
+    """The cache a KV-shared layer's attention gets: the rows its source's cache returned this step."""
+
+    def __init__(self, source):
+        self.source = source
+        if hasattr(source, "bits"):  # mlx-lm's attention takes its quantized path by this attribute
+            self.bits, self.group_size = source.bits, source.group_size
+
+    def update_and_fetch(self, keys, values):
+        return keys, values  # the source's rows, handed on by the model
+
+    def tap_step(self, queries, scale, mask, kwargs):
+        src = self.source
+        # uniform rows under mlx-lm's string mask: that mask is right as it is (as for the source)
+        if isinstance(mask, mx.array) or getattr(src, "fetched_ragged", True):
+            mask = src.attention_mask(mask, queries)
+        return None, mask, None
+
+
+def kv_sources(model) -> dict:
+    """{sharer layer: source layer} of a model whose later layers read the rows an earlier layer returned
+    (gemma4_text's ``previous_kvs``); empty for every other model."""
+    for m in model.modules():
+        prev = getattr(m, "previous_kvs", None)
+        if isinstance(prev, list) and len(prev) == len(getattr(m, "layers", ())):
+            return {j: i for j, i in enumerate(prev) if i != j}
+    return {}
+
+
+def _sharing_subclass(cls):
+    sub = _SHARING_SUBCLASSES.get(cls)
+    if sub is None:
+        def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+            rows = kwargs.get("shared_kv", args[1] if len(args) > 1 else None)
+            if cache is None and isinstance(rows, SourceRows):  # a sharer of an eviction cache's rows
+                return cls.__call__(self, x, mask, SharedRows(rows.cache), *args, **kwargs)
+            out = cls.__call__(self, x, mask, cache, *args, **kwargs)
+            if hasattr(cache, "attention_mask"):  # a source whose cache is ours: its rows name it
+                out = (out[0], SourceRows(out[1], cache), *out[2:])
+            return out
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__, "__veloxquant_sharing__": True,
+                                            "__veloxquant_base__": cls})
+        _SHARING_SUBCLASSES[cls] = sub
+    return sub
+
+
+def install_shared_rows(model) -> int:
+    """Let the KV-shared layers of ``model`` read their source's rows with its mask. Idempotent; returns
+    how many layers (sources and sharers) carry the link."""
+    links = kv_sources(model)
+    n = 0
+    for i in sorted(set(links) | set(links.values())):
+        layer = model.layers[i]
+        if not getattr(type(layer), "__veloxquant_sharing__", False):
+            layer.__class__ = _sharing_subclass(type(layer))
+        n += 1
+    return n
+
+
+def remove_shared_rows(model) -> int:
+    """Give every layer its own class back. Returns how many were restored."""
+    n = 0
+    for layer in getattr(model, "layers", None) or []:
+        if getattr(type(layer), "__veloxquant_sharing__", False):
+            layer.__class__ = type(layer).__veloxquant_base__
+            n += 1
+    return n
+
+
 def _model_module_names(model) -> list:
     names = {type(model).__module__}
     for m in model.modules():
@@ -135,13 +229,16 @@ def install_query_tap(model) -> list:
             tapped.append(name)
         elif getattr(fn, "__veloxquant_tap__", False):
             tapped.append(name)
+    if tapped:
+        install_shared_rows(model)
     return tapped
 
 
 def remove_query_tap(model) -> list:
-    """Restore the original function in the model's modules (and remove the hidden-state tap). Returns
-    the modules restored."""
+    """Restore the original function in the model's modules (and remove the hidden-state tap and the
+    shared-rows link). Returns the modules restored."""
     remove_hidden_tap(model)
+    remove_shared_rows(model)
     restored = []
     for name in _model_module_names(model):
         mod = sys.modules.get(name)
