@@ -144,7 +144,7 @@ def _check(name, expected, extra=None, record=True):
     how = [f"{len(ours)} of {len(caches)} layers evict"]
     sharers = [j for j, i in kv_sources(model).items() if isinstance(caches[i], EvictionCache)]
     if sharers:
-        how.append(f"{len(sharers)} more (KV-shared) read{'s' if len(sharers) == 1 else ''} their kept rows")
+        how.append(f"{len(sharers)} KV-shared layer{'s read' if len(sharers) > 1 else ' reads'} the kept rows")
     if any(getattr(c, "latent_query", None) is not None for c in ours):
         how.append("MLA latents, scored with the absorbed query")
     if any(type(c).__name__ == "CacheList" for c in caches):
