@@ -1,11 +1,109 @@
-"""What ``serve`` refuses before serving: flags out of range."""
+"""What ``serve`` refuses before serving: malformed request bodies (checked field by field, in process)
+and flags out of range.
+
+``MALFORMED`` is the table of bad requests that tests/test_serve.py also sends to a live server.
+"""
 
 import subprocess
 import sys
 
 import pytest
 
-from conftest import make_tiny_model, tiny_tokenizer
+from veloxquant_mlx.cli.serve_checks import BadRequest, check_request
+
+from conftest import VOCAB, make_tiny_model, tiny_tokenizer
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+GOOD_CHAT = {"model": "default_model", "messages": [{"role": "user", "content": "t1 t2 t3"}], "max_tokens": 3}
+GOOD_TEXT = {"model": "default_model", "prompt": "t1 t2 t3", "max_tokens": 3}
+ABSENT = object()
+
+# Fields every completion request may carry: (field, a bad value). Each is sent on both endpoints.
+BAD_FIELDS = [
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", "5"), ("max_tokens", 1.5), ("max_tokens", None),
+    ("max_tokens", True), ("max_completion_tokens", 0), ("temperature", -0.1), ("temperature", "hot"),
+    ("temperature", None), ("top_p", 1.5), ("top_p", [1]), ("top_k", -1), ("top_k", 2.5), ("min_p", 2),
+    ("repetition_penalty", -1), ("repetition_context_size", -1), ("presence_penalty", "x"),
+    ("frequency_penalty", [1]), ("xtc_probability", 2), ("xtc_threshold", 0.9), ("logprobs", "yes"),
+    ("top_logprobs", 100), ("top_logprobs", "x"), ("n", 2), ("n", "1"), ("seed", -1), ("seed", 2**64),
+    ("stream", "yes"), ("stream", None), ("stream_options", 5), ("stream_options", {"include_usage": "yes"}),
+    ("stop", 5), ("stop", [5]), ("stop", {"a": 1}), ("logit_bias", 5), ("logit_bias", {"x": 1}),
+    ("logit_bias", {"99999999": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"5": "x"}), ("model", 5),
+    ("draft_model", "other/model"), ("adapters", "some/adapter"), ("chat_template_kwargs", 5),
+]
+_CHAT = [
+    ("messages", ABSENT), ("messages", None), ("messages", "hi"), ("messages", []), ("messages", [5]),
+    ("messages", [{"content": "t1"}]), ("messages", [{"role": "wizard", "content": "t1"}]),
+    ("messages", [{"role": "user", "content": 123}]), ("messages", [{"role": "user"}]),
+    ("messages", [{"role": "user", "content": [5]}]),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}]}]),
+    ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+    ("messages", [{"role": "user", "content": "t1", "name": 5}]),
+    ("messages", [{"role": "assistant", "tool_calls": 5}, {"role": "user", "content": "t1"}]),
+    ("messages", [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{no"}}]},
+                  {"role": "user", "content": "t1"}]),
+    ("tools", 5), ("tools", [5]), ("role_mapping", 5), ("role_mapping", {"user": 5}),
+]
+_TEXT = [("prompt", ABSENT), ("prompt", ""), ("prompt", None), ("prompt", 12345), ("prompt", ["t1", "t2"]),
+         ("prompt", [1, 2]), ("prompt", {"a": 1})]
+
+
+def _with(body, field, value):
+    body = dict(body)
+    if value is ABSENT:
+        body.pop(field)
+    else:
+        body[field] = value
+    return body
+
+
+# (path, body, a word the refusal must contain): every one answered 4xx by a live server.
+MALFORMED = ([(CHAT, _with(GOOD_CHAT, f, v), f) for f, v in BAD_FIELDS + _CHAT]
+             + [(TEXT, _with(GOOD_TEXT, f, v), f) for f, v in BAD_FIELDS[::3] + _TEXT])
+# Bodies whose fields are all well typed, refused once the prompt is built (tokenized to nothing).
+EMPTY_ONCE_TOKENIZED = [(TEXT, _with(GOOD_TEXT, "prompt", " "), "prompt"),
+                        (CHAT, _with(GOOD_CHAT, "messages", [{"role": "user", "content": ""}]), "prompt")]
+# Raw bodies mlx-lm's parser refuses or chokes on: (path, bytes, a word the refusal must contain).
+RAW = [(CHAT, b"{not json", "JSON"), (CHAT, b"\xff\xfe{}", "UTF-8"), (TEXT, b"[1, 2]", "JSON"),
+       (CHAT, b"null", "JSON"), (CHAT, b"[" * 100_000, "JSON"),
+       (CHAT, b'{"messages": [{"role": "user", "content": "t1"}], "temperature": NaN}', "temperature"),
+       (TEXT, b'{"prompt": "t1", "top_p": Infinity}', "top_p")]
+# What a refusal must never read like: Python's own errors about the server's code.
+INTERNAL = ("object has no attribute", "not iterable", "can only concatenate", "unhashable", "Traceback",
+            "NoneType", "generation thread")
+
+
+def _ids(cases):
+    return [f"{path.rsplit('/', 1)[1]}-{word}-{i}" for i, (path, _, word) in enumerate(cases)]
+
+
+@pytest.mark.parametrize("path,body,word", MALFORMED, ids=_ids(MALFORMED))
+def test_check_request_refuses_malformed_bodies_naming_the_field(path, body, word):
+    with pytest.raises(BadRequest) as err:
+        check_request(path, body, VOCAB)
+    text = str(err.value)
+    assert word in text and len(text.splitlines()) == 1 and not any(x in text for x in INTERNAL), text
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, GOOD_CHAT), (TEXT, GOOD_TEXT),
+    (CHAT, _with(GOOD_CHAT, "messages", [
+        {"role": "system", "content": "t1"}, {"role": "user", "content": [{"type": "text", "text": "t2"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "t3", "tool_call_id": "a"}, {"role": "user", "content": "t4"}])),
+    (CHAT, {**GOOD_CHAT, "stop": "t5", "temperature": 0, "top_p": 1, "top_k": 10_000, "min_p": 0.0, "n": 1,
+            "seed": 2**64 - 1, "logit_bias": {"3": -100, "127": 2.5}, "logprobs": True, "top_logprobs": -1,
+            "stream": True, "stream_options": {}, "xtc_probability": 0, "xtc_threshold": 0.5,
+            "max_completion_tokens": None, "chat_template_kwargs": {"x": 1}, "tools": [], "role_mapping": None}),
+    (TEXT, {**GOOD_TEXT, "stop": ["t5", ""], "max_tokens": 10**9, "presence_penalty": -2, "draft_model": "default_model"}),
+])
+def test_check_request_accepts_valid_bodies(path, body):
+    check_request(path, body, VOCAB)
+
+
+def test_check_request_leaves_other_paths_and_unknown_fields_alone():
+    check_request("/v1/embeddings", {"input": 5}, VOCAB)  # mlx-lm answers 404 for the path itself
+    check_request(CHAT, {**GOOD_CHAT, "user": 5, "response_format": "x"}, VOCAB)  # fields mlx-lm never reads
 
 
 # -- flags -------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 This is ``mlx_lm.server`` itself (its HTTP handler, request queue, continuous batching and
 prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``), requests
-checked against the model's context and their client (``serve_requests.py``), and every flag checked
-before the model loads:
+checked field by field, against the model's context and against their client (``serve_requests.py``,
+``serve_checks.py``), and every flag checked before the model loads:
 
 * :class:`EvictionModelProvider` serves one model we loaded ourselves (the bundled SmolLM2, a GGUF
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
@@ -37,7 +37,7 @@ from ..registry import FULL
 from .args import (CLIError, add_cache_args, add_sampling_args, config_from_args, full_quant, load_model_for_cli,
                    ranged)
 from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
-from .serve_requests import handler_class, response_generator_class
+from .serve_requests import handler_class, response_generator_class, vocab_size
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -284,7 +284,8 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
         generator.join()
         return
     try:
-        server._run_http_server(args.host, args.port, generator, handler_class=handler_class(str(model_name)))
+        server._run_http_server(args.host, args.port, generator,
+                                handler_class=handler_class(str(model_name), vocab_size(model)))
     except OSError as e:  # the port was taken after check_port: stop the generation thread too
         generator.stop_and_join()
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
