@@ -1,11 +1,18 @@
-"""What ``serve`` refuses before serving: malformed request bodies (checked field by field, in process)
-and flags out of range.
+"""What ``serve`` refuses before serving: malformed request bodies (checked field by field, in process),
+flags out of range, and a generation thread that dies (the process exits instead of lingering).
 
 ``MALFORMED`` is the table of bad requests that tests/test_serve.py also sends to a live server.
 """
 
+import json
+import logging
+import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +159,85 @@ def test_serve_with_a_bad_flag_exits_before_serving(flag, value):
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and flag in r.stderr, r.stderr
     assert "serving" not in r.stdout + r.stderr and "Traceback" not in r.stderr
+
+
+# -- a generation thread that dies takes the process down -----------------------------------------------
+class _Provider:
+    """Just what mlx-lm's generation loop reads of a model provider before its first request."""
+
+    def __init__(self, fail):
+        self.fail, self.cli_args = fail, None
+
+    def load_default(self):
+        if self.fail:
+            raise RuntimeError("the model could not be loaded")
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_generation_thread_death_exits_the_process(fail, monkeypatch, caplog):
+    from veloxquant_mlx.cli import serve_requests
+
+    exits = []
+    monkeypatch.setattr(serve_requests.os, "_exit", exits.append)
+    with caplog.at_level(logging.CRITICAL, logger="veloxquant_mlx.serve"):
+        generator = serve_requests.response_generator_class()(_Provider(fail), prompt_cache=None)
+        if fail:
+            generator.join()
+        else:
+            time.sleep(0.3)
+            generator.stop_and_join()  # asked to stop (the server shuts down): no exit
+    assert exits == ([serve_requests.GENERATION_DIED] if fail else [])
+    assert ("generation thread died: exiting with status 70" in caplog.text) == fail
+
+
+DIES_AT_FIRST_STEP = """
+import sys
+from mlx_lm.generate import BatchGenerator
+from veloxquant_mlx.cli import main
+
+def step(self, *args, **kwargs):
+    raise RuntimeError("a batch step that fails")
+
+BatchGenerator.next = step  # the generation thread's first step raises
+sys.exit(main(["serve", "--model", sys.argv[1], "--method", "h2o", "--budget", "16", "--port", sys.argv[2]]))
+"""
+
+
+@pytest.mark.integration
+def test_a_server_whose_generation_thread_dies_exits_non_zero(tmp_path):
+    """mlx-lm's server would stay up with its generation thread dead, answering every request with an
+    error and /health with 503, so no supervisor would restart it."""
+    from test_serve import free_port, save_tiny_model
+
+    save_tiny_model(tmp_path)
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", DIES_AT_FIRST_STEP, str(tmp_path), str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.3)
+        req = urllib.request.Request(url + CHAT, data=json.dumps(GOOD_CHAT).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60).close()
+        except (urllib.error.URLError, ConnectionError):
+            pass  # the process may be gone before it answers
+        assert proc.wait(60) == 70, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "a batch step that fails" in text and "generation thread died: exiting with status 70" in text

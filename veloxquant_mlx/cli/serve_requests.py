@@ -9,6 +9,8 @@ these subclasses of ``mlx_lm.server``'s response generator and HTTP handler in.
 * A client that leaves (closed socket, timeout) stops its generation: the handler checks the socket
   between tokens and prefill chunks, as ``mlx_lm.server`` itself only notices a closed stream when a
   write fails (never for a non-streaming request).
+* If the generation thread dies anyway, the process exits with status 70: mlx-lm would keep the HTTP
+  side up, answering every request with an error, so nothing would restart it.
 * ``GET /v1/models`` lists the one model this server serves, without scanning the Hugging Face cache.
 """
 
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import select
 import socket
+import sys
 import time
 
 from ..model_dims import config_field
@@ -26,6 +30,7 @@ from .serve_checks import BadRequest, check_request
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
+GENERATION_DIED = 70  # the exit status when the generation thread dies (EX_SOFTWARE: an internal error)
 MAX_BODY_BYTES = 64 * 2**20  # mlx-lm reads a body whole, allocating its Content-Length at once
 
 
@@ -68,7 +73,15 @@ def response_generator_class():
     from mlx_lm.server import ResponseGenerator
 
     class CheckedResponseGenerator(ResponseGenerator):
-        """mlx-lm's ResponseGenerator whose tokenized requests are checked against the model's context."""
+        """mlx-lm's ResponseGenerator whose tokenized requests are checked against the model's context,
+        and whose generation thread takes the process down with it."""
+
+        def _run_generate(self):
+            try:
+                super()._run_generate()
+            finally:
+                if not self._stop:  # not asked to stop: it died (mlx-lm has logged why)
+                    generation_died()
 
         def _tokenize(self, tokenizer, request, args):
             try:
@@ -85,6 +98,15 @@ def response_generator_class():
             return out
 
     return CheckedResponseGenerator
+
+
+def generation_died():
+    """Exit the process: with its generation thread gone, mlx-lm's server would answer every request
+    with an error and ``/health`` with 503 while the process stays up, so nothing would restart it."""
+    log.critical(f"the generation thread died: exiting with status {GENERATION_DIED} so that the server "
+                 "can be restarted")
+    sys.stderr.flush()
+    os._exit(GENERATION_DIED)
 
 
 class _Watched:
