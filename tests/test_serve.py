@@ -285,6 +285,23 @@ def test_issue_examples_get_400_about_the_request_and_the_server_keeps_serving(s
 
 
 @pytest.mark.integration
+def test_edge_values_that_are_valid_are_served(served):
+    """Well-formed values at the edges are answered, not refused: top_k past the vocabulary (mlx-lm's
+    sampler raised in the generation thread; it keeps every token, as top_k 0 does), text parts,
+    stream_options without include_usage (mlx-lm read it without a default), an integer xtc_probability."""
+    base = {"model": "default_model", "messages": [{"role": "user", "content": words(5, 16)}], "max_tokens": 3}
+    for extra in ({"temperature": 1.0, "top_k": 10 * VOCAB, "seed": 3},
+                  {"temperature": 1.0, "top_k": 10 * VOCAB},
+                  {"messages": [{"role": "user", "content": [{"type": "text", "text": words(5, 17)}]}]},
+                  {"stream": True, "stream_options": {}},
+                  {"xtc_probability": 0}):
+        status, text = post_raw(served, "/v1/chat/completions", json.dumps({**base, **extra}).encode())
+        assert status == 200, (extra, text)
+        assert ("data: [DONE]" if extra.get("stream") else '"object": "chat.completion"') in text, text
+    assert_serving(served)
+
+
+@pytest.mark.integration
 def test_fuzz_malformed_requests_get_4xx_about_the_request_then_a_good_one_succeeds(served):
     """A bounded fuzz run: every malformed body of the table (a bad value in each field mlx-lm reads, on
     both endpoints; raw bodies its parser chokes on; bad Content-Length), then pairs of bad fields drawn
