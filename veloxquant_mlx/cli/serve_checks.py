@@ -86,7 +86,7 @@ def _string_map(name, value):
 def check_request(path: str, body: dict, vocab_size: int | None = None) -> None:
     """Raise :class:`BadRequest` (naming the field) unless ``body``, posted to ``path``, is a completion
     request whose every field mlx-lm reads has the type and range it needs. ``vocab_size`` bounds the
-    token ids of ``logit_bias`` (None: not checked)."""
+    token ids of ``logit_bias`` (None: only their sign is checked)."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, {_got(body)}")
     for name, (integer, low, high) in _NUMBERS.items():
