@@ -142,6 +142,8 @@ def _check(name, expected, extra=None, record=True):
             else:
                 assert all(c.queries_from_keys for c in ours), f"{name}: expected keys as queries"
     how = [f"{len(ours)} of {len(caches)} layers evict"]
+    if expected == EVICTS:
+        how.append(_paged_prompt(name, model))
     sharers = [j for j, i in kv_sources(model).items() if isinstance(caches[i], EvictionCache)]
     if sharers:
         how.append(f"{len(sharers)} KV-shared layer{'s read' if len(sharers) > 1 else ' reads'} the kept rows")
@@ -151,6 +153,24 @@ def _check(name, expected, extra=None, record=True):
         how.append("the attention part of CacheList layers")
     if record:
         _record(name, expected, "; ".join(how))
+
+
+def _paged_prompt(name, model) -> str:
+    """prompt_eviction="offload" gives "end"'s tokens and logits (the prompt read exactly against the page
+    file, then compressed as "end" does), or is refused in one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = _run(model, KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET)))
+        try:
+            got = _run(model, KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET,
+                                                                           prompt_eviction="offload")))
+        except ValueError as e:
+            line = str(e)
+            assert "offload" in line and "\n" not in line, f"{name}: the offload refusal is not one line: {line!r}"
+            return "the paged prompt refused"
+    assert got[0] == ref[0], f"{name}: offload's tokens differ from end's"
+    assert np.abs(got[1] - ref[1]).max() <= 1e-3, f"{name}: offload's logits differ from end's"
+    return "the paged prompt gives end's tokens"
 
 
 @pytest.mark.parametrize("name", [n for n in architecture_files()

@@ -250,3 +250,27 @@ def test_offload_refuses_recall_and_cannot_batch(model, tmp_path):
         KVCacheConfig(method="h2o", budget=64, prompt_eviction="offload", recall="memory")
     caches = KVCacheBuilder.for_model(model, _config("h2o", "offload", tmp_path))
     assert not hasattr(caches[0], "merge")  # mlx-lm's server serves such caches one request at a time
+
+
+def test_batch_generate_refuses_offload_caches_and_serve_runs_them_one_at_a_time(model, tmp_path, caplog):
+    from mlx_lm.generate import batch_generate
+
+    from conftest import tiny_tokenizer
+    from veloxquant_mlx.cli.serve import _model_provider_class, server_args
+
+    config = _config("h2o", "offload", tmp_path)
+    KVCacheBuilder.install(model, config)
+    try:
+        with pytest.raises(ValueError, match="does not yet support batching"):
+            batch_generate(model, tiny_tokenizer(), [random_prompt(60, seed=1), random_prompt(40, seed=2)],
+                           max_tokens=4)
+    finally:
+        KVCacheBuilder.uninstall(model)
+    provider = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), config)
+    try:
+        with caplog.at_level("INFO", logger="veloxquant_mlx.serve"):
+            provider.load("default_model")
+        assert not provider.is_batchable
+        assert "prompt_eviction='offload' reads each sequence's prompt against its own page file" in caplog.text
+    finally:
+        KVCacheBuilder.uninstall(model)

@@ -803,3 +803,28 @@ def test_serve_wires_the_memory_bounds(monkeypatch):
     assert seen["batch"].__name__ == "BoundedBatchGenerator" and limits == [123]
     serve(model, tiny_tokenizer(), None, prompt_cache_bytes=5000)
     assert seen["store"].max_bytes == 5000
+
+
+@pytest.mark.integration
+def test_offload_serves_one_request_at_a_time_and_its_page_files_follow_the_prompt_cache(served, tmp_path):
+    """prompt_eviction="offload": each request's caches page its prompt to files of their own; the server's
+    prompt cache keeps at most --prompt-cache-size conversations (and their files) for reuse; a stopped
+    server leaves no file behind."""
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    flags = [*FLAGS, "--prompt-eviction", "offload", "--page-dir", str(pages), "--prompt-cache-size", "1"]
+    proc, url = start_server(served["model_dir"], flags, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        n_layers = 2
+        for seed in (21, 22, 23):
+            messages = [{"role": "user", "content": words(40, seed)}]
+            got = chat(client, messages).choices[0].message.content
+            caches = KVCacheBuilder.for_model(served["model"], KVCacheConfig(**CONFIG, prompt_eviction="offload",
+                                                                             page_dir=str(tmp_path)))
+            assert got == standalone(served, template(served, messages), caches)[0]
+            assert len(list(pages.glob("veloxquant-pages-*"))) <= 2 * n_layers  # the cached one, a copy at most
+        assert "sequential requests" in (tmp_path / "server.log").read_text()
+    finally:
+        stop_server(proc)
+    assert list(pages.glob("veloxquant-pages-*")) == []

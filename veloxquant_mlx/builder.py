@@ -111,6 +111,11 @@ class KVCacheBuilder:
         _refuse_layers(model, base)  # before anything is installed on the model
         cls = config.cache_class
         tapped = _install_glue(model, [cls], tokenizer)
+        layers = getattr(model, "layers", None)
+        if config.prompt_eviction == "offload" and layers is not None and len(base) > len(layers):
+            raise ValueError(f"{type(model).__module__} keeps {len(base)} caches for {len(layers)} layers (a layer "
+                             "attends through more than one of them), which prompt_eviction='offload' cannot page: "
+                             "use prompt_eviction='end'")
         if config.prompt_eviction == "offload" and not tapped:
             raise ValueError(f"prompt_eviction='offload' computes each prompt chunk's attention over the page file "
                              f"itself, through the query tap, and {type(model).__module__} does not call mlx-lm's "

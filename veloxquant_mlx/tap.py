@@ -27,7 +27,7 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
         to_rows.reads_latent = keys is values
     step = getattr(cache, "tap_step", None)
     if step is not None:  # an eviction cache: one call observes, and says the output, mask and dependencies
-        out, mask, deps = step(queries, scale, mask, kwargs)
+        out, mask, deps = step(queries, scale, mask, kwargs, keys)
         if out is None:
             out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         return out if deps is None else mx.depends(out, deps)
@@ -150,8 +150,11 @@ class SharedRows:
     def update_and_fetch(self, keys, values):
         return keys, values  # the source's rows, handed on by the model
 
-    def tap_step(self, queries, scale, mask, kwargs):
+    def tap_step(self, queries, scale, mask, kwargs, keys=None):
         src = self.source
+        pages = getattr(src, "pages", None)
+        if pages is not None and pages.step_rows is not None:  # the source read this step from its page file
+            return pages.attend_shared(queries, scale, kwargs, src.kv_bits, src.kv_group_size), mask, None
         # uniform rows under mlx-lm's string mask: that mask is right as it is (as for the source)
         if isinstance(mask, mx.array) or getattr(src, "fetched_ragged", True):
             mask = src.attention_mask(mask, queries)

@@ -40,8 +40,10 @@ class MlxLmAdapter:
         self._light_rows, self._light_now = 0, False
         if self._awaiting_queries:
             raise self.missing_tap_error()
-        if self.pages is not None and self.pages.closed:  # an input ended keeping every row: read them back
-            self.pages.unpage(self)
+        if self.pages is not None:
+            self.pages.step_rows = None
+            if self.pages.closed:  # an input ended keeping every row: read them back
+                self.pages.unpage(self)
         self._check_kv(keys, values)
         if self.cold is not None and self.keys is None:
             self.cold.check_head_dim(keys.shape[-1])
@@ -158,9 +160,10 @@ class MlxLmAdapter:
         self._light_q = None  # the queries' shape, set by the full observe that follows
         self._light_rows = limit
 
-    def tap_step(self, queries: mx.array, scale, mask, kwargs: dict):
-        """The query tap's one call per layer: observe this step's queries; returns (the layer's output or
-        None for the tap to compute it, the mask to use, arrays the output must depend on or None)."""
+    def tap_step(self, queries: mx.array, scale, mask, kwargs: dict, keys=None):
+        """The query tap's one call per layer: observe this step's queries (``keys``: what the model hands
+        attention, when known); returns (the layer's output or None for the tap to compute it, the mask
+        to use, arrays the output must depend on or None)."""
         if self._light_now and queries.shape == self._light_q and scale == self.scale:  # (never MLA)
             self._light_now = False
             self.queries_observed += 1
@@ -177,7 +180,7 @@ class MlxLmAdapter:
             return out, mask, self._light_deps or None
         out, self._light_now = None, False
         if self.pages is not None and self.pages.reading:  # an input read against the page file
-            return self.pages.tap(self, queries, scale, mask, kwargs)
+            return self.pages.tap(self, queries, scale, mask, kwargs, keys)
         seen = queries if self.latent_query is None else self.latent_query(queries)
         plain = all(v is None for v in kwargs.values()) and self.kv_bits is None and seen is queries
         if plain and (mask is None or isinstance(mask, str)):

@@ -67,6 +67,7 @@ class PromptPages:
         self.extras: dict = {}  # name -> (B, H, rows) float32: the method's per-row state
         self.pending: list = []  # (parts, rows) held for the file (decode rows, written lazily)
         self.reading = self.closed = False
+        self.step_rows = None  # rows in the file after the last paged step (None: the last step was not one)
         self.bytes_read = 0
 
     def __deepcopy__(self, memo):
@@ -222,11 +223,12 @@ class PromptPages:
                            ragged=self.padded)
         self.closed = False
 
-    def tap(self, cache, queries: mx.array, scale, mask, kwargs: dict):
+    def tap(self, cache, queries: mx.array, scale, mask, kwargs: dict, keys=None):
         """The query tap's step while an input is read: this chunk's attention over every paged row and
         its own (returned as the layer's output), the method's per-query work, then the chunk's rows go
-        to the file. Returns the tap's (output, mask, dependencies)."""
-        why = self._unsupported(cache, mask, kwargs)
+        to the file. ``keys``: what the model hands attention (None: not known). Returns the tap's
+        (output, mask, dependencies)."""
+        why = self._unsupported(cache, mask, kwargs, keys)
         if why:
             raise ValueError(f"prompt_eviction='offload' cannot read this model's attention: {why}; "
                              "use prompt_eviction='end'")
@@ -239,7 +241,7 @@ class PromptPages:
         tail_k = dequantize_rows(cache.stored_raw("keys"), bits, gs)
         tail_v = dequantize_rows(cache.stored_raw("values"), bits, gs)
         field = cache.attention_mass_field
-        att = BlockAttention(queries, tail_k.shape[1], scale)
+        att = BlockAttention(queries, tail_k.shape[1], scale, kwargs.get("sinks"))
         for lo, hi, k, v, vis in self._blocks(bits, gs):
             att.add(k, v, vis)
             mx.eval(att.state())  # this block's rows can go before the next one is read
@@ -260,6 +262,7 @@ class PromptPages:
         else:
             cache.on_queries(queries)
         self._add_tail(cache, cache.offset - self.next_pos, flush=True)
+        self.step_rows = self.written
         # the per-row state and the query window now: left lazy, they would pin this chunk's queries and
         # hidden states (kvzap's scores are computed from them) in every layer until the prompt ends
         mx.eval([*self.extras.values(), *cache.step_state()])
@@ -272,11 +275,13 @@ class PromptPages:
             cache.refresh_light()
         return out, mask, None
 
-    def _blocks(self, bits, gs, values: bool = True):
-        """(lo, hi, keys, values, visibility) of the written rows, a block at a time, dequantized."""
+    def _blocks(self, bits, gs, values: bool = True, stop: int | None = None):
+        """(lo, hi, keys, values, visibility) of the written rows (up to ``stop``), a block at a time,
+        dequantized."""
         self.flush()
-        for lo in range(0, self.written, self.block):
-            hi = min(lo + self.block, self.written)
+        stop = self.written if stop is None else stop
+        for lo in range(0, stop, self.block):
+            hi = min(lo + self.block, stop)
             k, v = self._kv(self._read(lo, hi))
             k = dequantize_rows(k, bits, gs)
             v = dequantize_rows(v, bits, gs) if values else None
@@ -285,15 +290,38 @@ class PromptPages:
                 vis = mx.expand_dims(self.positions[:, :, lo:hi] != PAD_POSITION, 2)  # (B, H, 1, n)
             yield lo, hi, k, v, vis
 
+    def attend_shared(self, queries: mx.array, scale, kwargs: dict, bits, gs) -> mx.array:
+        """A KV-shared layer's attention in the step its source just paged: the same rows the source
+        attended to, all in the file now, the last ``S`` of them the step's own (causal)."""
+        S = queries.shape[2]
+        end = self.step_rows
+        att = None
+        for lo, hi, k, v, vis in self._blocks(bits, gs, stop=end - S):
+            att = att or BlockAttention(queries, k.shape[1], scale if scale is not None else queries.shape[-1] ** -0.5,
+                                        kwargs.get("sinks"))
+            att.add(k, v, vis)
+            mx.eval(att.state())
+        k, v = self._kv(self._read(end - S, end))
+        k, v = dequantize_rows(k, bits, gs), dequantize_rows(v, bits, gs)
+        att = att or BlockAttention(queries, k.shape[1], scale if scale is not None else queries.shape[-1] ** -0.5,
+                                    kwargs.get("sinks"))
+        att.add(k, v, chunk_visibility(S, S))
+        out = att.output()
+        mx.eval(out)
+        return out
+
     @staticmethod
-    def _unsupported(cache, mask, kwargs) -> str:
+    def _unsupported(cache, mask, kwargs, keys) -> str:
         if cache.latent_query is not None:
             return "multi-head latent attention (its queries are read in the latent's space)"
-        extra = sorted(k for k, v in kwargs.items() if v is not None)
+        extra = sorted(k for k, v in kwargs.items() if v is not None and k != "sinks")
         if extra:
             return f"its attention takes {', '.join(extra)}"
         if mask is not None and not isinstance(mask, str):
             return "it passes an array mask"
+        first = keys[0] if isinstance(keys, tuple) else keys  # quantized rows: their packed words
+        if first is not None and tuple(first.shape[1:3]) != (cache.stored("positions").shape[1], cache.size()):
+            return "it attends to other keys than the rows its cache returned (repeated or transformed heads)"
         return ""
 
     # -- accounting and state -----------------------------------------------------------------------------

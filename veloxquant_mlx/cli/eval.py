@@ -143,7 +143,7 @@ def _tasks_args(p):
     p.add_argument("--start", type=int, default=0, help="first prompt index")
     p.add_argument("--n-facts", type=int, default=3, help="facts (= turns) of the follow-up task, 2-4")
     p.add_argument("--seed", type=int, default=0, help="task generator seed")
-    p.add_argument("--prompt-eviction", choices=["end", "stream"], default="end")
+    p.add_argument("--prompt-eviction", choices=["end", "stream", "offload"], default="end")
     p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
                    help="one prefill per method instead of one shared prefill per prompt (same result)")
 

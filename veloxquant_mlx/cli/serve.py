@@ -28,7 +28,9 @@ import argparse
 import errno
 import json
 import logging
+import signal
 import socket
+import threading
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
@@ -283,12 +285,20 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
     if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
         generator.join()
         return
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM stops the server as Ctrl-C does, so the process exits normally and what its caches own
+        # on disk (page files, the disk recall tier) is removed
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         server._run_http_server(args.host, args.port, generator,
                                 handler_class=handler_class(str(model_name), vocab_size(model)))
     except OSError as e:  # the port was taken after check_port: stop the generation thread too
         generator.stop_and_join()
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def cmd_serve(args):

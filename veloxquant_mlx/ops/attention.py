@@ -109,20 +109,24 @@ def _mass_masked(q, k, lse, scale, visible):
 class BlockAttention:
     """Causal attention of a chunk of queries over keys fed in blocks, exact to the softmax's rounding.
 
-    ``queries`` (B, Hq, S, D); every block fed with :meth:`add` is (B, Hkv, n, D) keys and (B, Hkv, n, Dv)
+    ``queries`` (B, Hq, S, D), with mlx-lm's optional attention ``sinks`` (Hq,); every block fed with :meth:`add` is (B, Hkv, n, D) keys and (B, Hkv, n, Dv)
     values with an optional (B, Hkv, S, n) or broadcastable visibility mask (None: every query sees every
     row). :meth:`output` gives (B, Hq, S, Dv) in the queries' dtype; :attr:`lse` the per-query log-sum-exp
     (B, Hkv, G, S, 1), with which :meth:`mass` gives a block's attention mass per row (summed over the
     queries and the GQA group): H2O's accumulated attention, computed in a second pass over the blocks."""
 
-    def __init__(self, queries: mx.array, n_kv_heads: int, scale: float):
+    def __init__(self, queries: mx.array, n_kv_heads: int, scale: float, sinks: mx.array | None = None):
         self.dtype = queries.dtype
         self.q = group_queries(queries, n_kv_heads).astype(mx.float32)
         self.scale = mx.array(scale, mx.float32)
         B, H, G, S, _ = self.q.shape
-        # a finite floor: a query none of whose rows were visible yet adds exp(-inf) = 0, never NaN
-        self.m = mx.full((B, H, G, S, 1), -1e30, mx.float32)
-        self.l = mx.zeros((B, H, G, S, 1), mx.float32)
+        if sinks is None:
+            # a finite floor: a query none of whose rows were visible yet adds exp(-inf) = 0, never NaN
+            self.m = mx.full((B, H, G, S, 1), -1e30, mx.float32)
+            self.l = mx.zeros((B, H, G, S, 1), mx.float32)
+        else:  # attention sinks (one logit per query head, value 0): a row every query sees, first
+            self.m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, G, 1, 1), (B, H, G, S, 1))
+            self.l = mx.ones((B, H, G, S, 1), mx.float32)
         self.acc = None
 
     def add(self, keys: mx.array, values: mx.array, visible: mx.array | None = None) -> None:
