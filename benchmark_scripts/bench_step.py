@@ -717,7 +717,7 @@ def make_weight(model, label, T, budget, seed=0):
         spec = method_specs([label])[0]
         cfg = spec.config(budget, seed=seed)
         if getattr(cfg.cache_class, "needs_hidden_states", False):  # kvzap: a scorer fitted for this model
-            from veloxquant_mlx.evaluation.kvzap_collect import tiny_scorer
+            from veloxquant_mlx.evaluation.kvzap_fit import tiny_scorer
 
             _SCORER_DIR = _SCORER_DIR or tempfile.mkdtemp(prefix="vq-step-scorer-")
             cfg = spec.config(budget, seed=seed, scorer=str(tiny_scorer(model, _SCORER_DIR)))

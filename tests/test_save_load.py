@@ -274,3 +274,75 @@ def test_files_saved_before_the_light_step_load_and_continue_alike(method):
     expected = json.loads((SAVED_BEFORE / "continued.json").read_text())[method]
     assert [t for t, _ in _decode(model, caches, 7, 12)] == expected
     KVCacheBuilder.uninstall(model)
+
+
+# Files saved by every method before the cache became a composition (main at 9cc861f), with the tokens they
+# decoded there: today's code loads them and decodes the same tokens. kvzap's scorer lies beside them (the
+# saved path is relative: the test runs in that folder). Written by
+#   cd tests && PYTHONPATH=<that package>:. python -c "from test_save_load import write_saved_9cc861f as w; w()"
+SAVED_9CC861F = Path(__file__).resolve().parent / "data" / "saved_9cc861f"
+SAVED_RUNS = {
+    "streaming": dict(method="streaming", streaming_evict_every=4),
+    "random": dict(method="random", random_evict_every=4),
+    "snapkv": dict(method="snapkv", snapkv_window=8),
+    "snapkv_ada": dict(method="snapkv", snapkv_window=8, allocation="ada"),
+    "pyramidkv": dict(method="pyramidkv", pyramidkv_window=8, pyramidkv_beta=2.0),
+    "morphkv": dict(method="morphkv", morphkv_window=8, morphkv_evict_every=4),
+    "morphkv_stream": dict(method="morphkv", morphkv_window=8, morphkv_evict_every=4, prompt_eviction="stream"),
+    "h2o": dict(method="h2o", h2o_evict_every=4),
+    "h2o_ada": dict(method="h2o", h2o_evict_every=4, allocation="ada"),
+    "nestedkv": dict(method="nestedkv", nestedkv_window=8),
+    "nexus": dict(method="nexus", nexus_block_size=4, nexus_window=4),
+    "nexus_ada": dict(method="nexus", nexus_block_size=4, nexus_window=4, allocation="ada"),
+    "kvzap": dict(method="kvzap", kvzap_layers="each", kvzap_evict_every=4, kvzap_scorer="kvzap_scorer.safetensors"),
+    "kvzap_global": dict(method="kvzap", kvzap_layers="global", kvzap_evict_every=4,
+                         kvzap_scorer="kvzap_scorer.safetensors"),
+    "kvzip": dict(method="kvzip", kvzip_chunk=24, kvzip_window=8, kvzip_layers="each"),
+    "kvzip_global": dict(method="kvzip", kvzip_chunk=24, kvzip_window=8, kvzip_layers="global"),
+    "tova": dict(method="tova", tova_evict_every=4),
+}
+
+
+def _saved_run_of(spec):
+    import warnings
+
+    model = make_tiny_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kvzip's note that the tiny model has no tokenizer
+        caches = KVCacheBuilder.for_model(model, KVCacheConfig(budget=28, seed=3, **spec))
+        logits = _run(model, caches, random_prompt(60))
+        _decode(model, caches, int(mx.argmax(logits, axis=-1).item()), 5)
+    mx.eval([c.state for c in caches])
+    return model, caches
+
+
+def write_saved_9cc861f(folder=SAVED_9CC861F):
+    import os
+    import shutil
+
+    from conftest import fit_tiny_scorer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(fit_tiny_scorer(make_tiny_model()), folder / "kvzap_scorer.safetensors")
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        expected = {}
+        for label, spec in SAVED_RUNS.items():
+            model, caches = _saved_run_of(spec)
+            save_prompt_cache(f"{label}.safetensors", caches, model=model)
+            expected[label] = [t for t, _ in _decode(model, caches, 7, 12)]
+            KVCacheBuilder.uninstall(model)
+    finally:
+        os.chdir(here)
+    (folder / "continued.json").write_text(json.dumps(expected) + "\n")
+
+
+@pytest.mark.parametrize("label", sorted(SAVED_RUNS))
+def test_files_saved_before_the_composition_load_and_continue_alike(label, monkeypatch):
+    monkeypatch.chdir(SAVED_9CC861F)  # kvzap's scorer is named relative to the folder
+    model = make_tiny_model()
+    caches = load_prompt_cache(f"{label}.safetensors", model=model)
+    expected = json.loads((SAVED_9CC861F / "continued.json").read_text())[label]
+    assert [t for t, _ in _decode(model, caches, 7, 12)] == expected
+    KVCacheBuilder.uninstall(model)
