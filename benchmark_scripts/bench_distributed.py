@@ -35,7 +35,7 @@ from mlx_lm.models.cache import KVCache
 
 from _common import FIGURES, provenance
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.shard import HeadShard
 from veloxquant_mlx.distributed import traffic
 
@@ -154,7 +154,7 @@ class CountingShard(HeadShard):
 def step_bytes(config, n_kv_local, n_q_local, head_dim, prompt_len, size=2):
     """Bytes one layer exchanges (rank 0 of ``size``): at the prompt's compression and at one later
     (steady-state, ragged where Ada) decode eviction step."""
-    cache = config.cache_class(config, layer_idx=0, n_layers=32)
+    cache = EvictionCache(config, layer_idx=0, n_layers=32)
     cache.dist = CountingShard(size)
     cache.tap_active = True
     key = mx.random.key(0)

@@ -762,7 +762,7 @@ def replay_bytes(label: str, n_prompt: int, budget: int, decode_steps: int, shap
     storage (NestedKV, Ada) depends on the key values and needs the real model."""
     import mlx.core as mx
 
-    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx import EvictionCache, KVCacheConfig
 
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -776,7 +776,7 @@ def replay_bytes(label: str, n_prompt: int, budget: int, decode_steps: int, shap
             c = QuantizedKVCache(group_size=64, bits=extra["kv_bits"]) if "kv_bits" in extra else KVCache()
         else:
             config = KVCacheConfig(method=method, budget=budget, **extra)
-            c = config.cache_class(config, layer_idx=i, n_layers=L)
+            c = EvictionCache(config, layer_idx=i, n_layers=L)
             c.tap_active = True
         caches.append(c)
     steps, left = [], n_prompt - 1

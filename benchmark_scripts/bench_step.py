@@ -42,7 +42,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from _common import FIGURES, blas_info, budget, provenance, tiny_llama, run_subcommands
 import veloxquant_mlx
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.caches.storage import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
@@ -466,7 +466,7 @@ def ours(args):
     for layer in range(args.layers):
         rows = []
         for _ in range(args.batch):
-            c = cfg.cache_class(cfg, layer, args.layers)
+            c = EvictionCache(cfg, layer, args.layers)
             c.tap_active = True
             k = mx.random.normal((1, H, args.context - 1, batch_D))
             c.update_and_fetch(k, k)
@@ -716,7 +716,7 @@ def make_weight(model, label, T, budget, seed=0):
     else:
         spec = method_specs([label])[0]
         cfg = spec.config(budget, seed=seed)
-        if getattr(cfg.cache_class, "needs_hidden_states", False):  # kvzap: a scorer fitted for this model
+        if cfg.method_class.needs.hidden_states:  # kvzap: a scorer fitted for this model
             from veloxquant_mlx.evaluation.kvzap_fit import tiny_scorer
 
             _SCORER_DIR = _SCORER_DIR or tempfile.mkdtemp(prefix="vq-step-scorer-")

@@ -9,24 +9,24 @@ distributed) runs it like a built-in method. See docs/add_a_method.md.
 
 import dataclasses
 
-from veloxquant_mlx import EvictionCache, register
+from veloxquant_mlx import Method, Needs, register
 from veloxquant_mlx.ops import window_attention_probs
-from veloxquant_mlx.options import option
+from veloxquant_mlx.options import evict_every
 
 
 @dataclasses.dataclass
 class TOVAOptions:
-    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
+    evict_every: int = evict_every()
 
 
 @register("tova")
-class TOVAKVCache(EvictionCache):
+class TOVA(Method):
     """TOVA: keep sinks, the recent window and the tokens the newest query attends to most."""
 
     Options = TOVAOptions
-    query_window = 1  # the newest query is the only one that scores
+    needs = Needs(window=1)  # the newest query is the only one that scores
 
-    def scores(self):
-        q, q_pos, scale = self.observed_window()  # no query observed yet (no tap): the newest key stands in
-        probs = window_attention_probs(q, self.stored("keys"), q_pos, self.stored("positions"), scale)
+    def scores(self, view):
+        q, q_pos, scale = view.window()  # no query seen yet (no tap): the newest key stands in
+        probs = window_attention_probs(q, view.keys, q_pos, view.positions, scale)
         return probs.mean(axis=(2, 3))  # (B, H, G, 1, rows) -> (B, H, rows)

@@ -133,7 +133,7 @@ def method_fingerprint(key: str) -> str:
             record = _run(model, make_prompt_cache(model), 2048)
         else:
             cfg = _config(method, setting, options)
-            if not isinstance(cfg, str) and getattr(cfg.cache_class, "needs_hidden_states", False):
+            if not isinstance(cfg, str) and cfg.method_class.needs.hidden_states:
                 user_scorer = (options or {}).get("scorer")
                 cfg = _with_tiny_scorer(model, method, setting, options)
             record = cfg if isinstance(cfg, str) else _run(model, KVCacheBuilder.for_model(model, cfg),

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
-from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx import EvictionCache, KVCacheConfig
 from veloxquant_mlx.options import small_options
 from veloxquant_mlx.registry import get_method
 
@@ -101,7 +101,7 @@ def make_cache(method: str, *, small: bool = False, tap: bool | None = True, lay
     """One layer's eviction cache, built directly (no model): ``KVCacheConfig(method, **kw)``, or
     :func:`small_config` when ``small``; ``tap`` sets ``tap_active`` (None leaves the default)."""
     cfg = small_config(method, **kw) if small else KVCacheConfig(method=method, **kw)
-    cache = cfg.cache_class(cfg, layer_idx=layer_idx, n_layers=n_layers)
+    cache = EvictionCache(cfg, layer_idx=layer_idx, n_layers=n_layers)
     if tap is not None:
         cache.tap_active = tap
     return cache
@@ -142,9 +142,9 @@ def random_prompt(n, seed=0):
 def forbid_host_sync():
     """Make every MLX host synchronization raise inside the block.
 
-    The one documented exception is ``EvictionCache.ragged_width``: ragged storage reads its width
+    The one documented exception is ``caches.allocation.ragged_width``: ragged storage reads its width
     back once per eviction step. Those reads are allowed and counted in the yielded list."""
-    from veloxquant_mlx.caches.base import EvictionCache
+    from veloxquant_mlx.caches import allocation
 
     def boom(*a, **k):
         raise AssertionError("host sync inside the cache hot path")
@@ -154,7 +154,7 @@ def forbid_host_sync():
              if hasattr(mx.array, name)}
     saved_fns = {name: getattr(mx, name) for name in ("eval", "async_eval")}
     ragged_reads = []
-    width = EvictionCache.ragged_width
+    width = allocation.ragged_width
 
     def patch(on):
         for name, fn in saved.items():
@@ -162,21 +162,21 @@ def forbid_host_sync():
         for name, fn in saved_fns.items():
             setattr(mx, name, boom if on else fn)
 
-    def counted_width(self, counts):
-        ragged_reads.append(type(self).__name__)
+    def counted_width(shard, counts):
+        ragged_reads.append(counts.shape)
         patch(False)
         try:
-            return width(self, counts)
+            return width(shard, counts)
         finally:
             patch(True)
 
     try:
         patch(True)
-        EvictionCache.ragged_width = counted_width
+        allocation.ragged_width = counted_width
         yield ragged_reads
     finally:
         patch(False)
-        EvictionCache.ragged_width = width
+        allocation.ragged_width = width
 
 
 def pytest_configure(config):

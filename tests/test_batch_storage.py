@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from veloxquant_mlx import KVCacheBuilder, methods
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, methods
 from veloxquant_mlx.caches import batch_storage
 from veloxquant_mlx.caches.batch import HEADROOM, BatchEvictionCache
 from veloxquant_mlx.registry import get_method
@@ -30,7 +30,7 @@ def variants():
     (those run with --run-slow: tests/test_quantized.py and test_batching.py batch them by default)."""
     out = [(m, {}) for m in METHODS]
     out += [pytest.param(m, {"kv_bits": 4, "kv_group_size": 32}, marks=pytest.mark.slow) for m in METHODS
-            if get_method(m).kv_bits_unsupported_reason() is None]
+            if get_method(m).supports_kv_bits]
     out += [pytest.param(m, {"allocation": "ada"}, marks=pytest.mark.slow) for m in METHODS
             if get_method(m).supports_allocation("ada")]
     return out
@@ -114,7 +114,7 @@ def test_continuous_batching_equals_alone(model, method, kw):
         assert out[uid] == tokens
         assert all(same_cache(a, b) for a, b in zip(ref, caches[uid]))
         assert all(b.keys is not None and not b.kv_external for b in caches[uid])  # a lone cache again
-    if not config.cache_class.prefill_only:
+    if not config.method_class.prefill_only:
         assert calls["put_row"] > 0  # rows evicted during decode and wrote back their own slice
 
 
@@ -150,7 +150,7 @@ def decode_copies(method: str, B: int, steps: int = 40, **kw) -> list:
     """Per decode step, the key/value copies a B-row batch's update_and_fetch makes (rows of different
     lengths that evict at different times)."""
     config = small_config(method, budget=24, prompt_eviction="stream", **kw)
-    rows = [config.cache_class(config, 0, 1) for _ in range(B)]
+    rows = [EvictionCache(config, 0, 1) for _ in range(B)]
     for r in rows:
         r.tap_active = True
     batch = BatchEvictionCache.merge(rows)
@@ -174,7 +174,7 @@ def decode_copies(method: str, B: int, steps: int = 40, **kw) -> list:
         mx.eval([r.state for r in batch.rows])
         if t >= 2:  # after the prompt's end (one-shot compressions, first decode growth of each row)
             per_step.append(len(made))
-    if not config.cache_class.prefill_only:  # rows kept evicting (each at its own steps) while counted
+    if not config.method_class.prefill_only:  # rows kept evicting (each at its own steps) while counted
         assert all(r.evictions > b + 1 for r, b in zip(batch.rows, before))
     return per_step
 

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from veloxquant_mlx import KVCacheBuilder, methods
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, methods
 from veloxquant_mlx.caches.batch import HEADROOM, BatchEvictionCache
 
 from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, small_config, tiny_tokenizer
@@ -69,7 +69,7 @@ def test_batch_generate_equals_each_prompt_alone(model, method):
     evictions = [[c.evictions for c in caches] for _, _, caches in ref]
     assert len({tuple(e) for e in evictions}) > 1, "rows of different lengths should evict differently"
     assert all(max(e) >= 1 for e in evictions)
-    if not config.cache_class.prefill_only:
+    if not config.method_class.prefill_only:
         # decode-bounded: the longest row kept evicting during decode too
         longest = ref[2][2][0]
         assert longest.evictions > (len(PROMPTS[2]) - config.budget) // (config.budget + longest.slack) + 1
@@ -183,7 +183,7 @@ def test_merge_filter_extend_extract(model):
 
 def test_left_padding_is_dropped_and_shifts_rope_offsets():
     config = cfg("streaming", budget=100)
-    rows = [config.cache_class(config, 0, 1) for _ in range(2)]
+    rows = [EvictionCache(config, 0, 1) for _ in range(2)]
     for r in rows:
         r.tap_active = True
     batch = BatchEvictionCache.merge(rows)

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
-from veloxquant_mlx.methods.streaming import StreamingKVCache
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, methods
+from veloxquant_mlx.methods.streaming import StreamingLLM
 
 from conftest import make_tiny_model
 
@@ -15,7 +15,7 @@ def test_defaults_and_method_options_attribute():
     assert (c.budget, c.n_sink, c.seed) == (64, 4, 0)
     assert c.streaming is c.options
     assert c.streaming.evict_every == 32
-    assert c.cache_class is StreamingKVCache
+    assert c.method_class is StreamingLLM
 
 
 def test_unknown_method_lists_known():
@@ -69,13 +69,13 @@ def test_round_trip_dict_and_replace():
 
 
 def test_options_are_dataclasses_with_metadata():
-    for f in dataclasses.fields(StreamingKVCache.Options):
+    for f in dataclasses.fields(StreamingLLM.Options):
         assert "kind" in f.metadata, f"{f.name} must be declared with option()"
 
 
 def test_head_dim_mismatch_is_reported():
     import mlx.core as mx
-    cache = StreamingKVCache(KVCacheConfig(method="streaming", budget=64, head_dim=32))
+    cache = EvictionCache(KVCacheConfig(method="streaming", budget=64, head_dim=32))
     with pytest.raises(ValueError, match="head_dim=32.*head_dim=16"):
         cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
 

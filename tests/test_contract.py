@@ -101,7 +101,7 @@ def test_equals_kvcache_when_nothing_is_evicted(method, arch, step):
 
 # -- generation with eviction ----------------------------------------------------------------------
 def _skip_unsupported(method, allocation):
-    if not config(method).cache_class.supports_allocation(allocation):
+    if not config(method).method_class.supports_allocation(allocation):
         pytest.skip(f"{method} does not support allocation={allocation!r}")
 
 
@@ -159,7 +159,7 @@ def test_save_load_then_continue_is_identical(method, allocation, model, tmp_pat
 def option_variants(method):
     """The method's small options, then each code-path switch flipped: every bool option negated and
     every option that allows None (e.g. Nexus n_samples=None: top-K) set to None."""
-    cls = config(method).cache_class
+    cls = config(method).method_class
     out = [{}]
     for f in dataclasses.fields(cls.Options):
         if f.metadata.get("kind") is bool:
@@ -171,7 +171,7 @@ def option_variants(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_hot_path_forces_no_host_sync(method):
-    cls = config(method).cache_class
+    cls = config(method).method_class
     cases = [(a, {}) for a in ("uniform", "ada") if cls.supports_allocation(a)]
     cases += [("uniform", v) for v in option_variants(method)[1:]]
     for allocation, variant in cases:
@@ -197,7 +197,7 @@ def test_hot_path_forces_no_host_sync(method):
 def test_bad_options_raise_clear_errors(method):
     with pytest.raises(TypeError, match=f"unknown option '{method}_bogus'"):
         config(method, **{f"{method}_bogus": 1})
-    cls = config(method).cache_class
+    cls = config(method).method_class
     for f in dataclasses.fields(cls.Options):
         kind = f.metadata.get("kind")
         if kind in (int, float):

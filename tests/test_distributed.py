@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, methods
 from veloxquant_mlx.caches.shard import HeadShard
 from veloxquant_mlx.methods.nexus.ops import shared_block_weights
 from veloxquant_mlx.distributed import layer_span, resolve_group, shard_for_world
@@ -285,7 +285,7 @@ def test_attach_gives_loaded_caches_their_shard():
     from veloxquant_mlx.distributed import attach, traffic
 
     cfg = KVCacheConfig("random", budget=32)
-    caches = [cfg.cache_class(cfg, layer_idx=i, n_layers=2) for i in range(2)]
+    caches = [EvictionCache(cfg, layer_idx=i, n_layers=2) for i in range(2)]
     attach(caches, _FakeGroup(1, 2))
     assert all(isinstance(c.dist, HeadShard) and (c.dist.rank, c.dist.size) == (1, 2) for c in caches)
     assert traffic(caches) == {"bytes": 0, "collectives": 0}

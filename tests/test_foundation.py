@@ -12,8 +12,8 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import llama as llama_module
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, install_query_tap, remove_query_tap
-from veloxquant_mlx.methods.streaming import StreamingKVCache
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, Needs, install_query_tap, remove_query_tap
+from veloxquant_mlx.methods.streaming import StreamingLLM
 from veloxquant_mlx.tap import query_tap_installed
 
 from conftest import forbid_host_sync, greedy, make_tiny_model, random_prompt, tiny_tokenizer
@@ -38,7 +38,7 @@ def test_install_builds_fresh_caches_each_call_and_uninstall_restores():
     cfg = KVCacheConfig(method="streaming", budget=64)
     KVCacheBuilder.install(model, cfg)
     a, b = model.make_cache(), model.make_cache()
-    assert all(isinstance(c, StreamingKVCache) for c in a)
+    assert all(isinstance(c.method, StreamingLLM) for c in a)
     assert all(x is not y for x, y in zip(a, b))
     assert [c.config.seed + c.layer_idx for c in a] == [0, 1]
     assert [c.layer_idx for c in a] == [0, 1]
@@ -61,7 +61,7 @@ def test_non_full_attention_layers_keep_model_cache():
     # A model whose make_cache says layer 1 is sliding-window keeps RotatingKVCache there.
     model.make_cache = lambda: [KVCache(), RotatingKVCache(max_size=16)]
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="streaming", budget=64))
-    assert isinstance(caches[0], StreamingKVCache) and type(caches[1]) is RotatingKVCache
+    assert isinstance(caches[0], EvictionCache) and type(caches[1]) is RotatingKVCache
 
 
 def test_shared_list_pattern_is_warned():
@@ -85,7 +85,7 @@ def test_streaming_invariants(budget, n_sink, recent, evict_every, batch, heads,
         recent = 0
     cfg = KVCacheConfig(method="streaming", budget=budget, n_sink=n_sink, recent=recent,
                         streaming_evict_every=evict_every, prompt_eviction="stream")
-    cache = StreamingKVCache(cfg)
+    cache = EvictionCache(cfg)
     cache.queries_from_keys = not tap
     seen = 0
     for i, s in enumerate(chunks):
@@ -114,7 +114,7 @@ def test_streaming_invariants(budget, n_sink, recent, evict_every, batch, heads,
 
 
 def test_byte_accounting_and_ratio():
-    cache = StreamingKVCache(KVCacheConfig(method="streaming", budget=40, streaming_evict_every=8))
+    cache = EvictionCache(KVCacheConfig(method="streaming", budget=40, streaming_evict_every=8))
     k = mx.zeros((1, 2, 200, 16), mx.float16)
     cache.update_and_fetch(k, k)
     cache.update_and_fetch(k[:, :, :1], k[:, :, :1])  # the prompt's last token ...
@@ -128,7 +128,7 @@ def test_byte_accounting_and_ratio():
 
 # -- masks, host syncs, bad input ------------------------------------------------------------------
 def test_masks():
-    cache = StreamingKVCache(KVCacheConfig(method="streaming", budget=40))
+    cache = EvictionCache(KVCacheConfig(method="streaming", budget=40))
     assert cache.make_mask(1) is None and cache.make_mask(5) == "causal"
     k = mx.zeros((1, 1, 10, 4))
     cache.update_and_fetch(k, k)
@@ -151,13 +151,13 @@ def test_forbid_host_sync_can_fail():
     (mx.zeros((1, 2, 0, 8)), mx.zeros((1, 2, 0, 8)), "at least one"),
 ])
 def test_bad_kv_inputs(keys, values, msg):
-    cache = StreamingKVCache(KVCacheConfig(method="streaming", budget=40))
+    cache = EvictionCache(KVCacheConfig(method="streaming", budget=40))
     with pytest.raises((ValueError, TypeError), match=msg):
         cache.update_and_fetch(keys, values)
 
 
 def test_changing_shapes_or_dtype_is_refused():
-    cache = StreamingKVCache(KVCacheConfig(method="streaming", budget=40))
+    cache = EvictionCache(KVCacheConfig(method="streaming", budget=40))
     cache.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
     with pytest.raises(ValueError, match="do not match"):
         cache.update_and_fetch(mx.zeros((1, 3, 1, 8)), mx.zeros((1, 3, 1, 8)))
@@ -172,7 +172,7 @@ def test_batch_merge_is_ours_not_kvcache_merge():
     (tests/test_batching.py checks it row by row)."""
     from veloxquant_mlx.caches.batch import BatchEvictionCache
 
-    batch = StreamingKVCache.merge([])
+    batch = EvictionCache.merge([])
     assert type(batch) is BatchEvictionCache and batch.rows == []
 
 
@@ -190,13 +190,9 @@ def test_tap_delivers_real_queries_and_uninstall_restores():
     model = make_tiny_model("llama")
     seen = []
 
-    class Spy(StreamingKVCache):
-        def on_queries(self, queries):
-            seen.append(queries)
-
     cfg = KVCacheConfig(method="streaming", budget=512)
     caches = KVCacheBuilder.for_model(model, cfg)
-    caches[0] = Spy(cfg)
+    caches[0].method.on_rows = lambda view, step: seen.append(step.queries) or {}
     tokens = random_prompt(12)
     model(mx.array([tokens]), cache=caches)
     assert len(seen) == 1
@@ -229,11 +225,8 @@ def test_without_tap_falls_back_to_keys_with_one_warning(monkeypatch):
     model = make_tiny_model("llama")
     monkeypatch.setattr(builder, "install_query_tap", lambda m: [])
 
-    class NeedsQueries(StreamingKVCache):
-        needs_queries = True
-
+    monkeypatch.setattr(StreamingLLM, "needs", Needs(queries=True))
     cfg = KVCacheConfig(method="streaming", budget=64)
-    monkeypatch.setattr(type(cfg), "cache_class", property(lambda self: NeedsQueries))
     with pytest.warns(UserWarning, match="stand-in queries"):
         caches = builder.KVCacheBuilder.for_model(model, cfg)
     with warnings.catch_warnings():

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx import EvictionCache, KVCacheConfig
 from veloxquant_mlx.caches.quant import buf_nbytes, bytes_per_row
 
 H, D, N = 4, 64, 600
@@ -36,7 +36,7 @@ def row_storage_ratio(c) -> float:
 
 
 def run(config, steps):
-    c = config.cache_class(config, layer_idx=0, n_layers=1)
+    c = EvictionCache(config, layer_idx=0, n_layers=1)
     c.tap_active = True
     k = skewed_keys()
     # head 0's queries are sharp (peaky attention wins Ada-KV's layer-wide ranking), the others flat
@@ -123,7 +123,7 @@ def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, bu
     toks, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
     assert checked["ragged"] >= 60 * len(model.layers)  # the prompt's end makes every layer ragged
     assert checked["builds"] < checked["ragged"] / 4  # built per buffer, not per step
-    if not config.cache_class.prefill_only:  # decode evictions gave new buffers, and new masks
+    if not config.method_class.prefill_only:  # decode evictions gave new buffers, and new masks
         assert checked["builds"] > len(model.layers)
 
     def fresh_only(self, mask, queries):

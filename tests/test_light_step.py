@@ -62,7 +62,7 @@ def test_light_step_keeps_what_the_full_step_keeps(method, kw):
             assert np.array_equal(np.array(a.stored(name)), np.array(b.stored(name))), name
         qa, qb = a.window_queries()[0], b.window_queries()[0]
         assert (qa is None) == (qb is None) and (qa is None or np.array_equal(np.array(qa), np.array(qb)))
-    assert any(c.evictions for c in light) or cfg.cache_class.prefill_only
+    assert any(c.evictions for c in light) or cfg.method_class.prefill_only
 
 
 def _decode_ready(method, model):

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, methods
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, methods
 from veloxquant_mlx.registry import get_method
 
 from conftest import make_tiny_model, random_prompt
@@ -145,7 +145,7 @@ def test_prompt_eviction_stream_bounds_the_peak_and_end_holds_the_prompt():
 
 def test_saved_query_window_does_not_pin_the_chunk():
     """The observation window is a copy: a long prefill chunk's queries are freed after the step."""
-    cache = get_method("nexus")(KVCacheConfig(method="nexus", budget=256))
+    cache = EvictionCache(KVCacheConfig(method="nexus", budget=256))
     k = mx.random.normal((1, 2, 4096, 64), key=mx.random.key(0))
     cache.update_and_fetch(k, k)
     mx.eval(cache.state)

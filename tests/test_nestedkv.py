@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from conftest import greedy, make_cache, make_tiny_model, random_prompt
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.methods.nestedkv.cache import NestedKVKVCache
-from veloxquant_mlx.methods.nestedkv.ops import max_head_rows
+from veloxquant_mlx.methods.nestedkv import NestedKV
+from veloxquant_mlx.ops.allocation import max_head_rows
 from veloxquant_mlx.ops.anomaly import current_anomaly, episodic_anomaly, episodic_block_size, stable_anomaly
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*earlier generation")
@@ -49,7 +49,7 @@ def test_spec_usage_snippet_config_builds_caches():
                                                                                (0.4, 0.4, 0.2))
     model = make_tiny_model("llama")
     caches = KVCacheBuilder.for_model(model, config)
-    assert len(caches) == 2 and all(isinstance(c, NestedKVKVCache) and c.tap_active for c in caches)
+    assert len(caches) == 2 and all(isinstance(c.method, NestedKV) and c.tap_active for c in caches)
     model.make_cache = lambda *_a, **_k: caches  # the snippet's last line
     assert model.make_cache() is caches
     # and the same config at the tiny model's head_dim runs
@@ -108,7 +108,7 @@ def test_primitives_handle_identical_keys():
     k = mx.ones((1, 2, 300, 8))
     c = _cache(32)
     c.update_and_fetch(k, k)
-    s = c.row_scores(c.stored("keys"), c.stored("positions"))
+    s = c.method.row_scores(c.view.keys, c.view.positions, c.offset)
     assert np.isfinite(np.array(s)[..., 2:-1]).all()  # sinks and the newest row are forced (+inf)
     assert np.isposinf(np.array(s)[..., [0, 1, -1]]).all()
     for f in (stable_anomaly(k), episodic_anomaly(k, 128), current_anomaly(k, 64)):

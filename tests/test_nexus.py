@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.methods.nexus.cache import NexusKVCache, min_budget
+from veloxquant_mlx import EvictionCache
+from veloxquant_mlx.methods.nexus import Nexus
+from veloxquant_mlx.methods.nexus.cache import min_budget
 from veloxquant_mlx.methods.nexus.ops import (block_distribution, log_reservoir_priority, nexus_weights,
                                       reservoir_uniforms, select_blocks, walk)
 
@@ -199,7 +201,7 @@ def test_budget_invariants(b, n_sink, recent, extra, B, dtype, per_head, n, chun
     budget = min_budget(b, n_sink, recent) + extra
     cfg = _config(budget=budget, n_sink=n_sink, recent=recent, seed=seed, nexus_block_size=b,
                   nexus_window=4, nexus_walk_depth=2, nexus_per_head=per_head, nexus_n_samples=n)
-    cache = NexusKVCache(cfg)
+    cache = EvictionCache(cfg)
     seen = [0]
 
     def check(c):
@@ -223,7 +225,7 @@ def test_budget_invariants(b, n_sink, recent, extra, B, dtype, per_head, n, chun
 
 def test_rows_return_to_budget_after_eviction():
     cfg = _config(budget=128)
-    cache = _drive(NexusKVCache(cfg), [300])
+    cache = _drive(EvictionCache(cfg), [300])
     assert cache.evictions == 1 and cache.size() <= 128 and cache.size() > 128 - 32
     for _ in range(40):
         _drive(cache, [1])
@@ -239,7 +241,7 @@ def test_eviction_moves_keys_values_and_positions_together():
     np.testing.assert_array_equal(_np(gather_rows(buf, idx)), expected)
     np.testing.assert_array_equal(_np(gather_rows(buf[:, :, :40], idx)), expected)
     for per_head in (False, True):
-        cache = NexusKVCache(_config(budget=64, n_sink=3, recent=5, nexus_block_size=8, nexus_window=4,
+        cache = EvictionCache(_config(budget=64, n_sink=3, recent=5, nexus_block_size=8, nexus_window=4,
                                      nexus_per_head=per_head))
         for start, S in ((0, 90), (90, 30), (120, 1), (121, 1), (122, 1)):
             pos = mx.broadcast_to(mx.arange(start, start + S, dtype=mx.float32)[None, None, :, None], (2, 2, S, 8))
@@ -263,12 +265,12 @@ def test_option_validation():
         _config(budget=512, nexus_lam=-0.1)
     o = _config(budget=512, nexus_n_samples=None).options
     assert o.n_samples is None and (o.block_size, o.window, o.walk_depth, o.lam, o.eps_tie) == (32, 16, 3, 0.5, 1e-6)
-    assert NexusKVCache(_config(budget=512)).recent == 16
+    assert EvictionCache(_config(budget=512)).recent == 16
 
 
 def _kept(seed, **kw):
     cfg = _config(budget=160, seed=seed, nexus_block_size=8, **kw)
-    return _np(_drive(NexusKVCache(cfg), [400, 1, 1, 1]).kept_positions())
+    return _np(_drive(EvictionCache(cfg), [400, 1, 1, 1]).kept_positions())
 
 
 def test_determinism_per_seed():
@@ -324,17 +326,17 @@ def _numpy_block_weights(q, k, q_pos, k_pos, scale, b, groups_to_average, walk_d
 @pytest.mark.parametrize("per_head", [False, True])
 def test_head_averaged_attention_matches_reference(per_head):
     cfg = _config(budget=4096, nexus_block_size=8, nexus_window=6, nexus_per_head=per_head)
-    cache = _drive(NexusKVCache(cfg), [50, 13], B=2, Hkv=2, Hq=6, D=8)
+    cache = _drive(EvictionCache(cfg), [50, 13], B=2, Hkv=2, Hq=6, D=8)
     q, q_pos = cache.window_queries()
     expected = _numpy_block_weights(_np(q), _np(cache.stored("keys")), _np(q_pos), _np(cache.stored("positions")),
                                     cache.scale, 8, "group" if per_head else "all")
-    got = _np(cache.block_weights())
+    got = _np(cache.method.block_weights(cache.view))
     assert got.shape == expected.shape == ((2, 2, 8) if per_head else (2, 1, 8))
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6)
     # The literal reading (average the vectors first) gives a different weight vector.
-    vec = NexusKVCache(cfg.replace(options={"head_average": "vectors"}))
+    vec = EvictionCache(cfg.replace(options={"head_average": "vectors"}))
     vec = _drive(vec, [50, 13], B=2, Hkv=2, Hq=6, D=8)
-    assert np.abs(_np(vec.block_weights()) - got).max() > 1e-3
+    assert np.abs(_np(vec.method.block_weights(vec.view)) - got).max() > 1e-3
 
 
 # -- Ada-Nexus (App. C): Ada-KV head-adaptive budgets on the Nexus score -----------------------------
@@ -377,19 +379,19 @@ def _ada_cache(**kw):
 
 def test_ada_nexus_config_and_fallback_without_tap():
     cfg = KVCacheConfig(method="nexus", allocation="ada")
-    assert cfg.allocation == "ada" and NexusKVCache.supports_allocation("ada")
+    assert cfg.allocation == "ada" and Nexus.supports_allocation("ada")
     assert KVCacheConfig.from_dict(cfg.to_dict()) == cfg
     # No tap: uniform (per-KV-head) budgets with a warning, never ragged storage.
     from veloxquant_mlx.caches import base
     base._warned_ada_no_tap.discard("nexus")
-    cache = NexusKVCache(_ada_cfg())
+    cache = EvictionCache(_ada_cfg())
     with pytest.warns(UserWarning, match="uniform"):
         _drive(cache, [60, 9, 1], Hkv=3, Hq=6)
     assert cache.evictions >= 1 and not cache.is_ragged and cache.size() <= 40
 
 
 def test_ada_select_blocks_matches_reference_floor_and_total():
-    from veloxquant_mlx.methods.nexus.ops import ada_block_width, ada_select_blocks
+    from veloxquant_mlx.ops.allocation import ada_block_width, ada_select_blocks
 
     rng = np.random.default_rng(0)
     for B, H, nk, n_lead, n_trail, K, alpha in [(2, 3, 20, 1, 2, 6, 0.2), (1, 4, 17, 0, 1, 5, 0.5),
@@ -427,7 +429,7 @@ def test_ada_nexus_per_head_block_counts_follow_the_winners():
     probe.update_and_fetch(k, k)
     probe.scale = 8 ** -0.5
     probe.on_queries(q)
-    w = _np(probe.block_weights())
+    w = _np(probe.method.block_weights(probe.view))
     assert w.shape == (1, H, 15)  # per KV head although per_head=False: Ada needs per-head weights
     cache.update_and_fetch(k, k)
     cache.observe_queries(q)
@@ -443,7 +445,7 @@ def test_ada_nexus_per_head_block_counts_follow_the_winners():
         assert blocks.tolist() == sorted({0, 14} | set(np.flatnonzero(ref_keep[0, h]).tolist()))
         assert len(blocks) - 2 == k_h[0, h] >= np.floor(0.2 * 8)
     assert _np(cache.kept_per_head()).sum() == H * (8 + 8 * b)  # H (forced rows + K b)
-    from veloxquant_mlx.methods.nexus.ops import ada_block_width
+    from veloxquant_mlx.ops.allocation import ada_block_width
 
     assert cache.size() == ada_block_width(15, H, 2, 8, 0.2) * b  # static width: forced + K_max blocks
     assert cache.size() >= 8 + k_h.max() * b
@@ -546,7 +548,7 @@ def test_neighbour_smoothing_option():
     np.testing.assert_allclose(_np(neighbour_max(w, 0)), _np(w) / 1.0, rtol=1e-6)
     # As a cache option: the budget holds, and top-K selection keeps the chosen blocks' neighbours.
     cfg = _config(budget=160, nexus_smooth_blocks=1, nexus_n_samples=None)
-    cache = _drive(NexusKVCache(cfg), [400])
+    cache = _drive(EvictionCache(cfg), [400])
     assert cache.evictions == 1 and cache.size() <= 160
     with pytest.raises(ValueError):
         _config(budget=160, nexus_smooth_blocks=-1)
@@ -578,10 +580,10 @@ def test_key_prior_keeps_an_anomalous_block_attention_ignores(per_head):
     kept = {}
     for gamma in (0.0, 0.5):
         cfg = _config(budget=160, nexus_n_samples=None, nexus_key_prior=gamma, nexus_per_head=per_head)
-        cache = NexusKVCache(cfg)
+        cache = EvictionCache(cfg)
         cache.update_and_fetch(keys, keys)
         if gamma:
-            p = _np(cache.key_prior_weights(1 if not per_head else 2))
+            p = _np(cache.method.key_prior_weights(cache.view, 1 if not per_head else 2))
             assert p.shape == (1, 1 if not per_head else 2, 13)
             np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
             assert np.all(p.argmax(-1) == lo // 32)  # the odd block is the most anomalous
@@ -608,7 +610,7 @@ def test_prompt_top_k_selects_by_w_once_then_samples_in_decode():
     caches = {}
     for name, kw in (("topk", dict(nexus_n_samples=None)), ("prompt_top_k", {}),  # the default
                      ("reservoir", dict(nexus_prompt_top_k=False))):
-        c = NexusKVCache(KVCacheConfig(method="nexus", budget=128, seed=1, **kw))  # prompt_eviction="end"
+        c = EvictionCache(KVCacheConfig(method="nexus", budget=128, seed=1, **kw))  # prompt_eviction="end"
         c.update_and_fetch(prompt[:, :, :399], prompt[:, :, :399])
         c.observe_queries(q[:, :, :399])
         c.update_and_fetch(prompt[:, :, 399:], prompt[:, :, 399:])  # the prompt's last token alone
@@ -632,17 +634,17 @@ def test_prompt_top_k_selects_by_w_once_then_samples_in_decode():
 
 def test_ada_nexus_allocates_with_the_one_ada_kv_allocation(monkeypatch):
     """Ada-Nexus's block allocation is ops.allocation.ada_keep_mask over blocks, not a copy of it."""
-    from veloxquant_mlx.methods.nexus import ops as nexus_ops
     from veloxquant_mlx.ops import allocation
 
     seen = []
 
     def spy(scores, cand, sel, alpha, width, layer=None):
         seen.append((scores.shape, sel, width))
-        return allocation.ada_keep_mask(scores, cand, sel, alpha, width, layer)
+        return keep_mask(scores, cand, sel, alpha, width, layer)
 
-    monkeypatch.setattr(nexus_ops, "ada_keep_mask", spy)
+    keep_mask = allocation.ada_keep_mask
+    monkeypatch.setattr(allocation, "ada_keep_mask", spy)
     score = mx.random.uniform(shape=(1, 4, 12), key=mx.random.key(0))
-    blocks, real = nexus_ops.ada_select_blocks(score, mx.ones((1, 4, 12), mx.bool_), 1, 1, 3, 0.2)
+    blocks, real = allocation.ada_select_blocks(score, mx.ones((1, 4, 12), mx.bool_), 1, 1, 3, 0.2)
     assert seen and seen[0][0] == (1, 4, 12) and seen[0][1] == 3
     assert int(real[..., 1:-1].sum()) == 4 * 3  # the layer's H x K selectable blocks, shared across heads

@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
 from veloxquant_mlx.caches import scratch_files
 
 from conftest import greedy, make_tiny_model, random_prompt, small_config
 
-METHODS = sorted(m for m in methods() if not KVCacheConfig.parse(m).cache_class.compresses_in_model_pass)
+METHODS = sorted(m for m in methods() if not KVCacheConfig.parse(m).method_class.compresses_in_model_pass)
 REFUSED = sorted(set(methods()) - set(METHODS))
 
 
@@ -44,7 +44,7 @@ def _pages_in(folder):
 @pytest.mark.parametrize("allocation", ["uniform", "ada"])
 @pytest.mark.parametrize("method", METHODS)
 def test_offload_gives_the_tokens_and_logits_of_end(method, allocation, model, tmp_path):
-    if not small_config(method).cache_class.supports_allocation(allocation):
+    if not small_config(method).method_class.supports_allocation(allocation):
         pytest.skip(f"{method} has no {allocation} allocation")
     prompt = random_prompt(150, seed=7)
     out = {}
@@ -176,7 +176,7 @@ _CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from conftest import make_tiny_model, greedy, random_prompt
-    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
     model = make_tiny_model("qwen3", head_dim=32)
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="h2o", budget=48, prompt_eviction="offload",
                                                            page_dir={folder!r}))
@@ -205,7 +205,7 @@ def test_page_files_go_at_exit_and_after_a_kill(tmp_path):
         child.kill()
     assert _pages_in(tmp_path)  # a killed process cannot remove its files ...
     cfg = KVCacheConfig(method="h2o", budget=48, prompt_eviction="offload", page_dir=str(tmp_path))
-    cache = cfg.cache_class(cfg)
+    cache = EvictionCache(cfg)
     assert _pages_in(tmp_path) == [cache.pages.path]  # ... the next cache opened there does
 
 

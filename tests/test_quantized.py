@@ -11,9 +11,9 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import QuantizedKVCache
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
 from veloxquant_mlx.caches.batch import BatchEvictionCache
-from veloxquant_mlx.methods.streaming import StreamingKVCache
+from veloxquant_mlx.methods.streaming import StreamingLLM
 
 from conftest import fit_tiny_scorer, forbid_host_sync, greedy, random_prompt, small_config
 from test_batching import alone, batched, same_cache
@@ -43,7 +43,7 @@ def cfg(method, budget=40, **kw):
 
 
 def allocations(method):
-    return [a for a in ("uniform", "ada") if cfg(method).cache_class.supports_allocation(a)]
+    return [a for a in ("uniform", "ada") if cfg(method).method_class.supports_allocation(a)]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_config_fields_and_errors(monkeypatch):
             cfg("nexus", kv_bits=4, kv_group_size=bad)
     with pytest.raises(ValueError, match="does not divide head_dim=96"):
         cfg("nexus", kv_bits=4, kv_group_size=64, head_dim=96)
-    monkeypatch.setattr(StreamingKVCache, "supports_kv_bits", False)
+    monkeypatch.setattr(StreamingLLM, "supports_kv_bits", False)
     with pytest.raises(ValueError, match="kv_bits=4 is not supported by method 'streaming'"):
         cfg("streaming", kv_bits=4)
     cfg("streaming")  # unquantized still fine
@@ -117,7 +117,7 @@ def test_eviction_gathers_packed_rows_without_requantizing(method):
     for allocation in allocations(method):
         for bits in (4, 8):
             c = cfg(method, allocation=allocation, kv_bits=bits, kv_group_size=32, prompt_eviction="stream")
-            cache = c.cache_class(c, layer_idx=0, n_layers=2)
+            cache = EvictionCache(c, layer_idx=0, n_layers=2)
             cache.tap_active = True
             k = mx.random.normal((1, 2, 120, D), key=mx.random.key(1)) * mx.arange(1, 3).reshape(1, 2, 1, 1)
             v = mx.random.normal((1, 2, 120, D), key=mx.random.key(3))
@@ -142,7 +142,7 @@ def test_ragged_mask_reaches_quantized_attention():
     """Ada-KV (ragged heads, GQA 2): the per-KV-head mask through mlx-lm's quantized attention equals
     fp attention over the dequantized rows with the per-query-head mask."""
     c = cfg("h2o", allocation="ada", kv_bits=4, kv_group_size=64, prompt_eviction="stream")
-    cache = c.cache_class(c, layer_idx=0, n_layers=1)
+    cache = EvictionCache(c, layer_idx=0, n_layers=1)
     cache.tap_active = True
     k = mx.random.normal((1, 2, 110, D), key=mx.random.key(1)) * mx.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     q = mx.random.normal((1, 4, 110, D), key=mx.random.key(2))
@@ -236,7 +236,7 @@ def test_save_load_round_trips_packed_rows(method, model, tmp_path):
 
 def test_hot_path_forces_no_host_sync():
     c = cfg("nexus", kv_bits=4, prompt_eviction="stream")
-    cache = c.cache_class(c, layer_idx=0, n_layers=1)
+    cache = EvictionCache(c, layer_idx=0, n_layers=1)
     cache.tap_active = True
     k = mx.random.normal((1, 2, 120, D), key=mx.random.key(1))
     q = mx.random.normal((1, 4, 120, D), key=mx.random.key(2))

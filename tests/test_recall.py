@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
+from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig, load_prompt_cache, methods, save_prompt_cache
 from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.caches.recall import COLD_GROUP
 from veloxquant_mlx.ops.recall import PAD, page_summaries, quest_bounds
@@ -382,7 +382,7 @@ def test_load_refuses_when_the_disk_file_is_gone(model, tmp_path):
 def test_state_with_a_cold_tier_refuses_a_config_without_recall(model, tmp_path):
     a = KVCacheBuilder.for_model(model, small_config("snapkv", recall="memory", recall_page=8))
     _two_turns(model, a)
-    plain = small_config("snapkv").cache_class(small_config("snapkv"), layer_idx=0, n_layers=2)
+    plain = EvictionCache(small_config("snapkv"), layer_idx=0, n_layers=2)
     with pytest.raises(ValueError, match="recall=None"):
         plain.state = a[0].state
 

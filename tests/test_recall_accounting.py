@@ -128,7 +128,7 @@ def test_serve_with_recall_serves_sequentially_and_says_why(model, caplog):
         with caplog.at_level("INFO", logger="veloxquant_mlx.serve"):
             provider.load("default_model")
         assert not provider.is_batchable
-        assert "off (sequential requests: SnapKVCache cannot batch: recall='memory' keeps a cold tier" in caplog.text
+        assert "off (sequential requests: EvictionCache cannot batch: recall='memory' keeps a cold tier" in caplog.text
     finally:
         KVCacheBuilder.uninstall(model)
     plain = _model_provider_class()(server_args(model="tiny"), model, tiny_tokenizer(), small_config("snapkv"))

@@ -1,7 +1,7 @@
 """veloxquant-mlx: KV-cache eviction for mlx-lm, with memory pinned at a fixed budget."""
 
 from .builder import KVCacheBuilder, load_prompt_cache
-from .caches import EvictionCache
+from .caches import EvictionCache, Method, Needs, View
 from .config import KVCacheConfig
 from . import methods as _methods  # noqa: F401 (registers every method)
 from .prompt_cache import save_prompt_cache
@@ -14,6 +14,6 @@ _warn_if_slow_blas()  # once per process, on a Linux CPU without OpenBLAS preloa
 __version__ = "0.1.0"
 
 __all__ = [
-    "KVCacheBuilder", "KVCacheConfig", "EvictionCache", "methods", "register",
+    "KVCacheBuilder", "KVCacheConfig", "EvictionCache", "Method", "Needs", "View", "methods", "register",
     "install_query_tap", "remove_query_tap", "save_prompt_cache", "load_prompt_cache",
 ]

@@ -41,13 +41,13 @@ def _model_layer_caches(model) -> list:
     return list(made) if made is not None else [KVCache() for _ in model.layers]
 
 
-def _install_glue(model, classes, tokenizer=None) -> bool:
-    """The query tap, and the model pass / hidden-state tap when one of ``classes`` (cache classes or
-    caches) needs it. Returns whether the query tap reaches the model's attention."""
+def _install_glue(model, methods, tokenizer=None) -> bool:
+    """The query tap, and the model pass / hidden-state tap when one of ``methods`` (method classes) needs
+    it. Returns whether the query tap reaches the model's attention."""
     tapped = bool(install_query_tap(model))
-    if any(c.needs_model_pass for c in classes):
+    if any(m.needs.model_pass for m in methods):
         install_model_pass(model, tokenizer)
-    if any(c.needs_hidden_states for c in classes):
+    if any(m.needs.hidden_states for m in methods):
         install_hidden_tap(model)
     return tapped
 
@@ -109,8 +109,8 @@ class KVCacheBuilder:
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         base = _model_layer_caches(model)
         _refuse_layers(model, base)  # before anything is installed on the model
-        cls = config.cache_class
-        tapped = _install_glue(model, [cls], tokenizer)
+        method = config.method_class
+        tapped = _install_glue(model, [method], tokenizer)
         layers = getattr(model, "layers", None)
         if config.prompt_eviction == "offload" and layers is not None and len(base) > len(layers):
             raise ValueError(f"{type(model).__module__} keeps {len(base)} caches for {len(layers)} layers (a layer "
@@ -125,7 +125,7 @@ class KVCacheBuilder:
                 f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
                 f"scaled_dot_product_attention (its quantized path reads the packed rows); "
                 f"{type(model).__module__} does not: use kv_bits=None")
-        if not tapped and cls.needs_queries and id(model) not in _warned_no_tap:
+        if not tapped and method.needs.queries and id(model) not in _warned_no_tap:
             _warned_no_tap.add(id(model))
             warnings.warn(
                 f"{type(model).__module__} does not call mlx-lm's scaled_dot_product_attention, so "
@@ -138,7 +138,7 @@ class KVCacheBuilder:
         def evicting(c, i):
             if not _evictable(c):
                 return c  # sliding window, SSM, ...: the model's own cache
-            ev = cls(config, layer_idx=start + i, n_layers=n)
+            ev = EvictionCache(config, layer_idx=start + i, n_layers=n)
             ev.dist = HeadShard(group) if group is not None else None
             ev.queries_from_keys = not tapped
             ev.tap_active = tapped
@@ -149,7 +149,7 @@ class KVCacheBuilder:
         # other parts and gets an eviction cache for its attention part.
         caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
                   for i, c in enumerate(base)]
-        if cls.needs_model_pass and any(type(c) is CacheList for c in caches):
+        if method.needs.model_pass and any(type(c) is CacheList for c in caches):
             # the model pass finds the caches that deferred work among the model's top-level layer caches
             raise ValueError(f"{config.method} runs a model pass at the prompt's end, which does not reach the "
                              f"attention caches inside {type(model).__module__}'s CacheList layers: use another method")
@@ -161,7 +161,7 @@ class KVCacheBuilder:
             # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
             raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
                              "per-layer budgets are not supported; use a method that keeps one budget in every layer")
-        cls.attach_model(model, [c for c in ours if isinstance(c, cls)])  # declared: the model itself
+        method.attach(model, [c.method for c in ours])  # declared: the model itself
         return caches
 
     @staticmethod
@@ -171,7 +171,7 @@ class KVCacheBuilder:
         method needs, and this rank's head shard (``group``: as in for_model). A cache that was built with
         the query tap on a model that cannot take it is refused. Returns ``caches``."""
         ours = [c for c in caches if isinstance(c, EvictionCache)]
-        if not _install_glue(model, ours, tokenizer) and any(c.tap_active for c in ours):
+        if not _install_glue(model, {type(c.method) for c in ours}, tokenizer) and any(c.tap_active for c in ours):
             raise ValueError(f"these caches were built with the query tap, and {type(model).__module__} does not "
                              "call mlx-lm's scaled_dot_product_attention: they cannot run on this model")
         bind_latent_queries(model, caches)
@@ -194,7 +194,7 @@ class KVCacheBuilder:
             object.__setattr__(model, _ORIGINAL_MAKE_CACHE, original)
             object.__setattr__(model, "_veloxquant_had_instance_make_cache", inst is not None)
         object.__setattr__(model, "make_cache", lambda *a, **k: KVCacheBuilder.for_model(model, config, group))
-        _install_glue(model, [config.cache_class], tokenizer)
+        _install_glue(model, [config.method_class], tokenizer)
 
     @staticmethod
     def uninstall(model) -> None:

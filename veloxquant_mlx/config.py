@@ -50,7 +50,7 @@ def parse_full(spec: str = FULL, **given) -> tuple:
     return check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
 
 
-# Head-budget fields a method may default differently (``EvictionCache.config_defaults``; KVzip takes
+# Head-budget fields a method may default differently (``Method.config_defaults``; KVzip takes
 # the paper's non-uniform budget). A config left at ``METHOD_DEFAULT`` takes the method's value.
 HEAD_BUDGET_DEFAULTS = {"allocation": "uniform", "floor_alpha": 0.2, "max_head_factor": 1.1}
 
@@ -83,7 +83,7 @@ class KVCacheConfig:
         head_dim: optional expected head dimension, checked against the keys the model sends.
         allocation: how a layer's ``H x budget`` rows are split across its KV heads: ``"uniform"``
             (every head keeps ``budget``) or ``"ada"`` (Ada-KV head-adaptive budgets; needs a method
-            with a per-head score, see ``EvictionCache.supports_allocation``). Left unset,
+            with a per-head score, ``Method.allocations``). Left unset,
             ``allocation``, ``floor_alpha`` and ``max_head_factor`` take the method's defaults
             (``HEAD_BUDGET_DEFAULTS``; kvzip and kvzap: ``"ada"``, 0.0 and 2.0, the papers' head budgets).
         floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
@@ -203,15 +203,15 @@ class KVCacheConfig:
         kv_bits, kv_group_size = check_kv_quant(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         if kv_bits is not None:
-            reason = cls.kv_bits_unsupported_reason()
-            if reason:
-                raise ValueError(f"kv_bits={kv_bits} is not supported by method {method!r}: {reason}")
+            if not cls.supports_kv_bits:
+                raise ValueError(f"kv_bits={kv_bits} is not supported by method {method!r}: it cannot store "
+                                 "quantized rows")
             if self.head_dim is not None and self.head_dim % kv_group_size:
                 raise ValueError(f"kv_group_size={kv_group_size} does not divide head_dim={self.head_dim}: "
                                  "quantized rows need whole groups")
-        if not cls.supports_allocation(self.allocation):
-            raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r}: "
-                             f"{cls.allocation_unsupported_reason(self.allocation)}")
+        if self.allocation not in cls.allocations:
+            raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r} (it runs "
+                             f"{' or '.join(repr(a) for a in cls.allocations)})")
         if self.budget <= self.n_sink + self.recent:
             raise ValueError(
                 f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
@@ -237,7 +237,8 @@ class KVCacheConfig:
         raise AttributeError(name)
 
     @property
-    def cache_class(self):
+    def method_class(self):
+        """The registered method (``caches.method.Method``) this config runs."""
         return get_method(self.method)
 
     def head_cap_rows(self, budget: int) -> int | None:

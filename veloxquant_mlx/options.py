@@ -217,3 +217,9 @@ def check_recall_every(recall, every):
         raise ValueError(f"recall_every={every} needs recall='memory' (recall={recall!r}): a decode step "
                          "must not read the disk tier's file")
     return every
+
+
+def evict_every(default: int = 32):
+    """The ``evict_every`` option of a decode-bounded method: rows allowed above the budget before one
+    eviction step (amortized; the papers evict every step, 1)."""
+    return option(default, low=1, small=4, doc="rows allowed above the budget before one eviction step")

@@ -26,17 +26,30 @@ from .registry import get_method, methods
 _FILE_FORMAT = "veloxquant-prompt-cache/1"
 
 
-def _cache_class(qualname: str):
-    """The class a file names: a registered method's (wherever it was defined), one of this package
-    or of ``mlx_lm.models.cache``; nothing else is imported."""
+def _cache_class(qualname: str, meta_state: str = ""):
+    """The class a file names: a registered method's own EvictionCache subclass, ``EvictionCache`` (also
+    under the per-method class names files saved before methods left the cache, e.g.
+    ``...methods.nexus.cache.NexusKVCache``, or a method added outside the package, which the layer's
+    metadata names), or one of ``mlx_lm.models.cache``; nothing else is imported."""
     for name in methods():
-        cls = get_method(name)
-        if f"{cls.__module__}.{cls.__qualname__}" == qualname:
-            return cls
+        sub = getattr(get_method(name), "cache_class", None)
+        if sub is not None and f"{sub.__module__}.{sub.__qualname__}" == qualname:
+            return sub
     module, _, name = qualname.rpartition(".")
+    if name == "EvictionCache" or module.startswith("veloxquant_mlx.methods.") or _names_a_method(meta_state):
+        return EvictionCache
     if not module.startswith(("veloxquant_mlx.", "mlx_lm.models.cache")):
         raise ValueError(f"refusing to load cache class {qualname!r} from an unknown module")
     return getattr(importlib.import_module(module), name)
+
+
+def _names_a_method(meta_state: str) -> bool:
+    """The layer's metadata is an eviction cache's of a registered method."""
+    try:
+        method = json.loads(meta_state)["config"]["method"]
+    except (TypeError, ValueError, KeyError):
+        return False
+    return method in methods()
 
 
 def model_identity(model) -> dict:
@@ -170,7 +183,7 @@ def load_prompt_cache(path: str, return_metadata: bool = False, model=None):
         except KeyError as e:
             raise ValueError(f"prompt cache {path!r} is missing array {e} of layer {i}") from None
         data.update(layer["scalars"])
-        cls = _cache_class(layer["class"])
+        cls = _cache_class(layer["class"], layer.get("meta_state", ""))
         if layer["kind"] == "dict":
             state = data
         else:

@@ -1,7 +1,7 @@
-"""Method registry: name -> eviction cache class (each class carries its Options dataclass).
+"""Method registry: name -> method class (``caches.method.Method``: each carries its Options dataclass).
 
-Importing the package fills it: ``veloxquant_mlx.caches`` imports every method file, whose
-``@register`` line adds its class. This module imports nothing of the package.
+Importing the package fills it: ``veloxquant_mlx.methods`` imports every method file, whose ``@register``
+line adds its class. This module imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ def register(name: str):
     """Class decorator: ``@register("nexus")`` makes ``KVCacheConfig(method="nexus")`` build this class."""
 
     def wrap(cls):
-        if name in _METHODS and _METHODS[name] is not cls:
+        method = getattr(cls, "method_class", None) or cls  # a deprecated EvictionCache subclass: its method
+        if name in _METHODS and _METHODS[name] is not method:
             raise ValueError(f"method {name!r} is already registered to {_METHODS[name].__name__}")
-        cls.method = name
-        _METHODS[name] = cls
+        method.name = name
+        _METHODS[name] = method
         return cls
 
     return wrap

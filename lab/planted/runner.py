@@ -15,6 +15,7 @@ import numpy as np
 
 from veloxquant_mlx.platform.blas import openblas_preloaded
 from veloxquant_mlx.config import KVCacheConfig, budget_for
+from veloxquant_mlx.caches import EvictionCache
 from veloxquant_mlx.config_spec import parse_spec
 from veloxquant_mlx.registry import get_method, methods as registered_methods
 from .scenarios import (D, H_KV, H_Q, NESTED_KINDS, SCALE, Scenario, attention_probs, make_bridge,
@@ -73,7 +74,7 @@ def method_variants() -> list[Variant]:
 def _make_caches(config: KVCacheConfig, n_layers: int) -> list:
     caches = []
     for layer in range(n_layers):
-        c = config.cache_class(config, layer_idx=layer, n_layers=n_layers)
+        c = EvictionCache(config, layer_idx=layer, n_layers=n_layers)
         c.tap_active = True  # as KVCacheBuilder.for_model sets it for a model with the query tap
         c.queries_from_keys = False
         caches.append(c)

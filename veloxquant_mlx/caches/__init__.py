@@ -1,6 +1,10 @@
-"""The machinery every eviction method shares: the base cache, storage (ragged, quantized, batched),
-head shards, the cold tier, byte accounting. The methods themselves live in ``veloxquant_mlx.methods``."""
+"""The cache every eviction method runs in: the adapter to mlx-lm, row storage (ragged, quantized,
+batched), head shards, the cold tier, byte accounting; and the protocol a method implements (``Method``
+over a read-only ``View``, with ``caches.allocation``'s strategies). The methods live in
+``veloxquant_mlx.methods``."""
 
 from .base import PAD_POSITION, EvictionCache
+from .method import Method, Needs
+from .view import View
 
-__all__ = ["EvictionCache", "PAD_POSITION"]
+__all__ = ["EvictionCache", "Method", "Needs", "View", "PAD_POSITION"]

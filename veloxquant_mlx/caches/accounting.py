@@ -96,7 +96,7 @@ class Accounting:
                                               **self.cold.report()}
         if self.pages is not None:
             cold.update(self.pages.report())
-        return {**cold, "method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
+        return {**cold, "method": self.config.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
                 "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
                 "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,
                 "compression_ratio": self.compression_ratio, "evictions": self.evictions}

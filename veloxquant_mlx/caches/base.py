@@ -26,8 +26,10 @@ from ..options import NoOptions
 from ..ops import keep_top_rows
 from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
+from . import forward
 from .accounting import Accounting
 from .adapter import MlxLmAdapter
+from .allocation import Uniform
 from .masks import AttentionMasks
 from .batch import BatchMerge
 from .pages import PromptPages
@@ -35,6 +37,8 @@ from .policy import OnePass, PromptPolicy, PromptState
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
 from .storage import PAD_POSITION, RowStorage
+from .subclass import Subclassed, method_of_subclass
+from .view import Step, View
 
 _warned_ada_no_tap: set = set()
 
@@ -43,7 +47,7 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
     """Base class of every eviction cache (not registered itself)."""
 
     Options = NoOptions
-    method: str = ""
+    method_class = None  # a subclass's Subclassed method (caches.subclass); None: the config's method
     step = 256  # prompt chunks grow storage in steps of this many rows, like mlx-lm's KVCache
     decode_step = 64  # single-token appends that outgrow the buffer add this many rows (unbounded decode)
     query_window = 0  # how many recent queries the method scores with (0: none kept)
@@ -58,16 +62,35 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
     supports_kv_bits = True
 
     # -- construction -----------------------------------------------------------------------
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.method_class = method_of_subclass(cls, EvictionCache)
+
+    def __new__(cls, config=None, *args, **kwargs):
+        sub = getattr(getattr(config, "method_class", None), "cache_class", None)
+        if cls is EvictionCache and sub is not None:  # a method written as a subclass: build that subclass
+            cls = sub
+        return super().__new__(cls)
+
     def __init__(self, config: KVCacheConfig, layer_idx: int = 0, n_layers: int = 1):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-        if not isinstance(self, config.cache_class):
-            raise ValueError(f"config.method={config.method!r} builds {config.cache_class.__name__}, "
-                             f"not {type(self).__name__}")
         if not (isinstance(layer_idx, int) and isinstance(n_layers, int) and 0 <= layer_idx < n_layers):
             raise ValueError(f"need 0 <= layer_idx < n_layers, got layer_idx={layer_idx}, n_layers={n_layers}")
+        mine = type(self).method_class
+        if mine is not None and config.method_class is not mine:
+            raise ValueError(f"config.method={config.method!r} does not build {type(self).__name__}")
         self.config = config
         self.options = config.options
+        if mine is not None:
+            self.method = mine(config, layer_idx, n_layers, self)
+        else:
+            self.method = config.method_class(config, layer_idx, n_layers)
+            self.prefill_only = self.method.prefill_only
+            self.query_window = self.method.needs.window_of(config.options)
+            self.attention_mass_field = self.method.attention_mass_field
+        self.view = View(self)
+        self._hidden = self._ids = None  # this step's attention input and token ids, for the method's on_rows
         self.kv_bits, self.kv_group_size = config.kv_bits, config.kv_group_size
         if config.kv_bits is not None:
             # mlx-lm's scaled_dot_product_attention picks its quantized path by hasattr(cache, "bits"):
@@ -173,24 +196,46 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
 
     def layer_budget(self) -> int:
         """Tokens kept per KV head in this layer (PyramidKV varies it by layer)."""
-        return self.config.budget
+        return self.method.layer_budget()
 
     def eviction_slack(self) -> int:
-        """Rows allowed above the budget before an eviction step runs (amortizes the cost): the
-        method's ``evict_every`` option when it has one, else 32. A method with its own unit overrides."""
-        return getattr(self.options, "evict_every", None) or 32
+        """Rows allowed above the budget before an eviction step runs (amortizes the cost)."""
+        return self.method.slack()
 
     def extra_row_fields(self) -> dict:
         """Per-row state to keep aligned with the rows: name -> fill value for new rows."""
-        return {}
+        return self.method.row_fields
 
-    # Row fields the method's own ``_append`` writes for every new row: the storage skips their fill write
-    # in an existing buffer (one operation per layer and decode step fewer; new buffers are still filled).
-    rows_written_on_append: tuple = ()
+    @property
+    def rows_written_on_append(self) -> tuple:
+        """Row fields the method's on_rows writes for every new row: the storage skips their fill write in an
+        existing buffer (one operation per layer and decode step fewer; new buffers are still filled)."""
+        return tuple(self.method.row_fields) if self.method.on_rows is not None else ()
 
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
         self.note_window(queries)
+        if self.method.on_rows is not None:
+            out = self.rows_step(queries, self.scale, self.attend.active)
+            if out is not None:
+                self.attend.out = out
+
+    def rows_step(self, queries, scale, attend: bool):
+        """The method's per-row work of this step (``Method.on_rows``); returns the layer's output where the
+        method computed it (``attend``: the tap allows it), else None."""
+        step = Step(queries, scale, self._hidden, self._ids, attend)
+        self._hidden = self._ids = None
+        got = self.method.on_rows(self.view, step)
+        fields, out = got if isinstance(got, tuple) else (got, None)
+        r = self._rows
+        for name, v in fields.items():
+            self.row_extras[name][:, :, r - v.shape[2]:r] = v
+        return out
+
+    def observe_attention_input(self, x, module=None) -> None:
+        """The hidden-state tap: this step's attention input (B, S, d_model), before update_and_fetch."""
+        if self.method.needs.hidden_states:
+            self._hidden = x
 
     def note_window(self, queries: mx.array) -> None:
         """Keep the newest ``query_window`` queries (the observation window)."""
@@ -210,14 +255,28 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
 
     def scores(self) -> mx.array:
         """(B, H, rows) importance of every stored row; higher is kept."""
-        raise NotImplementedError
+        if isinstance(self.method, Subclassed):
+            raise NotImplementedError(f"{type(self).__name__} implements neither scores() nor select_rows()")
+        return self.method.scores(self.view)
 
     def select_rows(self):
         """Row indices (B, H, K) to keep, ascending; optionally also a (B, H, K) bool mask of rows
         that are real (False rows become padding: ragged per-head budgets)."""
-        if self.use_ada():
-            return self.ada_select(self.scores())
-        return keep_top_rows(self.scores(), self.keep_rows(), self.n_sink, self.recent)
+        if isinstance(self.method, Subclassed):
+            if self.use_ada():
+                return self.ada_select(self.scores())
+            return keep_top_rows(self.scores(), self.keep_rows(), self.n_sink, self.recent)
+        return self.method.select(self.view, self.keep_rows(), self.allocation())
+
+    def allocation(self):
+        """The configured allocation (caches.allocation) of this eviction step. Ragged storage is only safe
+        where the per-layer mask reaches attention (the query tap): without it, uniform budgets (warned
+        once where the config asked for Ada-KV)."""
+        allocation = self.method.allocations[self.config.allocation](self.config)
+        if allocation.ragged and not self.tap_active:
+            self.use_ada()  # its warning
+            return Uniform()
+        return allocation
 
     def use_ada(self) -> bool:
         """True when this eviction step should use Ada-KV head-adaptive budgets.
@@ -227,8 +286,8 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
         if self.config.allocation != "ada":
             return False
         if not self.tap_active:
-            if self.method not in _warned_ada_no_tap:
-                _warned_ada_no_tap.add(self.method)
+            if self.config.method not in _warned_ada_no_tap:
+                _warned_ada_no_tap.add(self.config.method)
                 warnings.warn(f"allocation='ada' needs the query tap's per-layer mask (ragged per-head "
                               f"storage); it is not active for {type(self).__name__}, so uniform "
                               "per-head budgets are used instead", stacklevel=3)
@@ -271,6 +330,8 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
         unpaged = self.pages is not None and self.pages.before_evict(self)  # a paged prompt's rows come back
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
+        if real is not None and isinstance(self.method, Subclassed):
+            idx, real = self.trim_ragged(idx, real)
         if self.cold is not None:  # the rows not kept go to the cold tier (before any buffer changes)
             self.cold.evicted(self, idx, real)
         idx = self.compact(idx, real)  # new buffers of the kept rows and the headroom (caches.storage)

@@ -175,7 +175,6 @@ def shard_of(cache) -> HeadShard | None:
     return getattr(cache, "dist", None)
 
 
-def group_max(cache, x: mx.array) -> int:
-    """``int(x.item())`` for one process; the maximum over the tensor group when sharded."""
-    d = shard_of(cache)
-    return int(x.item()) if d is None else d.all_max_int(x)
+def group_max(shard, x: mx.array) -> int:
+    """``int(x.item())`` for one process (``shard`` None); the maximum over the tensor group when sharded."""
+    return int(x.item()) if shard is None else shard.all_max_int(x)

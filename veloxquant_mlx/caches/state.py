@@ -105,7 +105,8 @@ class StateRoundTrip:
             meta = json.loads(text)
         except (TypeError, ValueError) as e:
             raise ValueError(f"corrupted cache metadata: {e}") from None
-        if meta.get("format") != _FORMAT_VERSION or meta.get("class") != type(self).__name__:
+        sub = type(self).method_class is not None  # a method's own subclass: its name (else any method's cache)
+        if meta.get("format") != _FORMAT_VERSION or (sub and meta.get("class") != type(self).__name__):
             raise ValueError(f"cache metadata is for {meta.get('class')!r} format {meta.get('format')!r}, "
                              f"not {type(self).__name__} format {_FORMAT_VERSION}")
         if meta["rows"] != self._rows:

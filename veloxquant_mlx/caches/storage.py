@@ -10,14 +10,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..ops import gather_rows
-from ..ops.select import gather_rows_of
+from ..ops.select import PAD_POSITION, gather_rows_of
 from .quant import (buf_dtype, buf_parts, buf_shape, check_group, dequantize_rows, from_parts, quantize_rows,
                     row_dim, rows_map, rows_zip)
-from .shard import group_max
-
-# Position stored for padding rows (ragged per-head storage); larger than any real position so a
-# causal "key position <= query position" test hides it.
-PAD_POSITION = 2**31 - 1
+from . import allocation
 
 
 def with_headroom(rows, extra: int, fill=0) -> mx.array:
@@ -204,10 +200,8 @@ class RowStorage:
 
     def compact(self, idx: mx.array, real: mx.array | None) -> mx.array:
         """Keep the stored rows ``idx`` (B, H, K) (ragged: ``real`` marks the real ones, the others become
-        padding) in new buffers with the headroom until the next eviction. Returns the kept row indices
-        (ragged storage: cut to the widest head)."""
-        if real is not None:
-            idx, real = self.trim_ragged(idx, real)
+        padding, cut to the widest head by the allocation) in new buffers with the headroom until the next
+        eviction. Returns the kept row indices."""
         K = idx.shape[-1]
         # The kept rows go into NEW buffers of exactly K + headroom rows (allocation follows the budget).
         # Never an in-place `buf[:, :, :K] = ...`: this step's attention still holds the slice
@@ -254,4 +248,4 @@ class RowStorage:
     def ragged_width(self, counts: mx.array) -> int:
         """The largest of the (B, H) per-head kept counts, read back to size ragged storage (the one
         host sync of ragged storage; under tensor parallelism the widest head of the whole group)."""
-        return group_max(self, counts.max())
+        return allocation.ragged_width(self.dist, counts)

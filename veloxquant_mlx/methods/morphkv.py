@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..options import option
+from ..caches.method import Method, Needs
 from ..ops.window_scores import window_scores
-from ..caches.window import WindowScoreCache
+from ..options import evict_every, option
 from ..registry import register
 
 
@@ -23,16 +23,20 @@ class MorphKVOptions:
     # other fusion); evict_every amortizes the per-step re-ranking (exact MorphKV is 1).
     window: int = option(32, low=1, small=8, doc="recent tokens kept and whose queries score the older tokens")
     reduce: str = option("sum", choices=("sum", "max"), doc="fusion of the window's attention")
-    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
+    evict_every: int = evict_every()
 
 
 @register("morphkv")
-class MorphKVCache(WindowScoreCache):
+class MorphKV(Method):
     """MorphKV: recent window + top older tokens by the window's attention, prefill and decode."""
 
     Options = MorphKVOptions
+    needs = Needs(window="window")
 
-    def scores(self):
-        q, q_pos, scale = self.observed_window()
-        return window_scores(q, self.stored("keys"), q_pos, self.stored("positions"), scale,
-                             self.options.reduce)
+    @classmethod
+    def default_recent(cls, budget, options):
+        return options.window  # the window's rows are kept
+
+    def scores(self, view):
+        q, q_pos, scale = view.window()
+        return window_scores(q, view.keys, q_pos, view.positions, scale, self.options.reduce)

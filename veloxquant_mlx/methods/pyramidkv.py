@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..caches.window import WindowScoreCache
+from ..caches.method import Method, Needs
 from ..ops.window_scores import pooled_window_scores
 from ..options import option
 from ..registry import register
@@ -41,16 +41,16 @@ def pyramid_budgets(budget: int, window: int, n_layers: int, beta: float) -> lis
 
 
 @register("pyramidkv")
-class PyramidKVCache(WindowScoreCache):
+class PyramidKV(Method):
     """PyramidKV: SnapKV's score with linearly decreasing per-layer budgets (prefill-only)."""
 
     Options = PyramidKVOptions
+    needs = Needs(window="window")
     prefill_only = True
 
-    def scores(self):
-        q, q_pos, scale = self.observed_window()
-        return pooled_window_scores(q, self.stored("keys"), q_pos, self.stored("positions"), scale,
-                                    self.options.kernel)
+    @classmethod
+    def default_recent(cls, budget, options):
+        return options.window  # the observation window itself is kept
 
     @classmethod
     def check_config(cls, config):
@@ -65,9 +65,13 @@ class PyramidKVCache(WindowScoreCache):
                 f"({config.n_sink} + {config.recent}); raise budget, lower beta ({o.beta}) or n_sink")
 
     def layer_budget(self):
-        o = self.options
-        b = pyramid_budgets(self.config.budget, o.window, self.n_layers, o.beta)[self.layer_idx]
-        if b <= self.n_sink + self.recent:
-            raise ValueError(f"pyramidkv layer {self.layer_idx} budget {b} <= n_sink + recent "
-                             f"({self.n_sink} + {self.recent}); raise budget or lower beta")
+        c, o = self.config, self.options
+        b = pyramid_budgets(c.budget, o.window, self.n_layers, o.beta)[self.layer]
+        if b <= c.n_sink + c.recent:
+            raise ValueError(f"pyramidkv layer {self.layer} budget {b} <= n_sink + recent "
+                             f"({c.n_sink} + {c.recent}); raise budget or lower beta")
         return b
+
+    def scores(self, view):  # SnapKV's score
+        q, q_pos, scale = view.window()
+        return pooled_window_scores(q, view.keys, q_pos, view.positions, scale, self.options.kernel)

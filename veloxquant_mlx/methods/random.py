@@ -1,7 +1,7 @@
 """Random eviction: keep the sinks, the recent window and a uniformly random subset of the rest.
 
-The floor every scoring method must beat. The draw comes from the per-cache PRNG key (``config.seed``
-+ layer, split at every eviction step via ``next_key``), so the same seed keeps the same rows.
+The floor every scoring method must beat. The draw comes from the cache's PRNG key (``config.seed`` +
+layer, split at every eviction step), so the same seed keeps the same rows.
 """
 
 from __future__ import annotations
@@ -10,28 +10,27 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..options import option
+from ..caches.allocation import Uniform
+from ..caches.method import Method, Needs
+from ..options import evict_every
 from ..registry import register
-from ..caches.base import EvictionCache
-from ..caches.shard import shard_of
 
 
 @dataclasses.dataclass
 class RandomOptions:
-    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
+    evict_every: int = evict_every()
 
 
 @register("random")
-class RandomKVCache(EvictionCache):
+class Random(Method):
     """Random: sinks + recent window + a seeded uniform sample of the other rows (ablation floor)."""
 
     Options = RandomOptions
-    needs_queries = False
-    supports_ada = False  # random scores carry no per-head importance to allocate by
+    needs = Needs(queries=False)
+    allocations = {"uniform": Uniform}  # random scores carry no per-head importance to allocate by
 
-    def scores(self):
-        shape = self.stored("positions").shape
-        d = shard_of(self)
-        if d is not None:  # tensor parallel: the draws of the global head layout, this rank's slice
-            return d.uniform(self.next_key(), shape)
-        return mx.random.uniform(shape=shape, key=self.next_key())
+    def scores(self, view):
+        shape = view.positions.shape
+        if view.shard is not None:  # tensor parallel: the draws of the global head layout, this rank's slice
+            return view.shard.uniform(view.key(), shape)
+        return mx.random.uniform(shape=shape, key=view.key())

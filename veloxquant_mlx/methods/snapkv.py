@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..options import option
+from ..caches.method import Method, Needs
 from ..ops.window_scores import pooled_window_scores
+from ..options import option
 from ..registry import register
-from ..caches.window import WindowScoreCache
 
 
 @dataclasses.dataclass
@@ -26,13 +26,17 @@ class SnapKVOptions:
 
 
 @register("snapkv")
-class SnapKVCache(WindowScoreCache):
+class SnapKV(Method):
     """SnapKV: prefill-only, observation-window attention, max-pooled, top-K per KV head."""
 
     Options = SnapKVOptions
+    needs = Needs(window="window")
     prefill_only = True
 
-    def scores(self):
-        q, q_pos, scale = self.observed_window()
-        return pooled_window_scores(q, self.stored("keys"), q_pos, self.stored("positions"), scale,
-                                    self.options.kernel)
+    @classmethod
+    def default_recent(cls, budget, options):
+        return options.window  # the observation window itself is kept
+
+    def scores(self, view):
+        q, q_pos, scale = view.window()
+        return pooled_window_scores(q, view.keys, q_pos, view.positions, scale, self.options.kernel)

@@ -6,29 +6,29 @@ import dataclasses
 
 import mlx.core as mx
 
-from ..options import option
+from ..caches.allocation import Uniform
+from ..caches.method import Method, Needs
+from ..options import evict_every
 from ..registry import register
-from ..caches.base import EvictionCache
 
 
 @dataclasses.dataclass
 class StreamingOptions:
-    # Evict once this many rows past the budget have accumulated (amortized; exact StreamingLLM is 1).
-    evict_every: int = option(32, low=1, small=4, doc="rows allowed above the budget before one eviction step")
+    evict_every: int = evict_every()  # exact StreamingLLM evicts every step (1)
 
 
 @register("streaming")
-class StreamingKVCache(EvictionCache):
+class StreamingLLM(Method):
     """StreamingLLM: keep the first n_sink tokens and the most recent ones (no scoring)."""
 
     Options = StreamingOptions
-    needs_queries = False
-    supports_ada = False  # every head has the same (position) scores: Ada would only add padding
+    needs = Needs(queries=False)
+    allocations = {"uniform": Uniform}  # every head has the same (position) scores: Ada would only add padding
 
     @classmethod
     def default_recent(cls, budget, options):
         return 0  # recency is the score itself: the newest budget - n_sink rows win
 
-    def scores(self):
+    def scores(self, view):
         # §3 of the StreamingLLM paper: sinks + rolling window == keep the newest positions.
-        return self.stored("positions").astype(mx.float32)
+        return view.positions.astype(mx.float32)

@@ -1,4 +1,6 @@
-"""Budget allocation across the KV heads of one layer: Ada-KV (Feng et al., NeurIPS 2025).
+"""Budget allocation across the KV heads of one layer, the pure ops behind ``caches.allocation``: Ada-KV
+(Feng et al., NeurIPS 2025) over rows and over blocks, a cross-head pool with a floor (NestedKV), and one
+ranking across layers.
 
 Ada-KV splits a layer's total budget ``H x B`` across heads by where the layer's attention mass
 concentrates: a layer-wide top-``H*B`` over every head's (non-forced) scores picks the winners, head
@@ -128,3 +130,91 @@ def layer_winner_counts(scores: list, candidates: list, n_total: int) -> mx.arra
         out.append(win[start:start + s.size].sum())
         start += s.size
     return mx.stack(out).astype(mx.int32)
+
+
+def ada_block_width(n_blocks_total: int, n_heads: int, n_forced: int, n_sel: int, alpha: float) -> int:
+    """Static per-head width in blocks (forced included) after one Ada-Nexus step (ops.allocation.ada_width
+    counted in blocks)."""
+    return ada_width(n_blocks_total, n_heads, n_forced + n_sel, n_forced, alpha)
+
+
+def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: int, n_sel: int, alpha: float,
+                      cap: int | None = None):
+    """Ada-KV head-adaptive block allocation on Nexus priorities (Nexus App. C, "Ada-Nexus").
+
+    score (B, H, N_k): per-KV-head block priority (log π or w), comparable across heads (each head's
+    S_hat rows sum to 1); valid (B, H, N_k) bool: False for padding blocks of ragged storage. Forced:
+    the first ``n_lead`` (sink) and last ``n_trail`` (recent window) blocks of every head.
+
+    The selectable blocks of all heads compete layer-wide: the top H·K (K = ``n_sel``) win, head h wins
+    count_h, keeps K_h = round(count_h (1 - α) + α K) (``ops.allocation.ada_head_budgets``: largest
+    remainder, Σ K_h = H·K) of its own best blocks; a head with fewer candidates than K_h hands the
+    leftover to the layer's best remaining candidates within the static width.
+
+    Returns (blocks (B, H, Wb) int32, real (B, H, Wb) bool), Wb = n_lead + K_max + n_trail with K_max the
+    static bound ``ada_block_width``. Per head: the lead blocks, its K_h (+ extra) selected blocks in
+    ascending order, padding blocks (real False), then the trailing blocks, so padding is whole blocks
+    and the last slot is the newest (possibly partial) block N_k - 1: the block grid survives.
+    ``cap``: most selected blocks one head keeps (None: the static bound); the total is unchanged, the
+    capped heads' leftover goes to the others.
+    """
+    B, H, nk = score.shape
+    n_forced = n_lead + n_trail
+    k_max = ada_block_width(nk, H, n_forced, n_sel, alpha) - n_forced
+    if cap is not None:
+        k_max = min(k_max, max(cap, n_sel))
+    j = mx.arange(nk)
+    lead, trail = j < n_lead, j >= nk - n_trail
+    keep = ada_keep_mask(score, valid & ~(lead | trail), n_sel, alpha, k_max)
+    # Layout: lead + kept blocks ascending, then the rest (padding sources), then the trailing blocks.
+    order_key = mx.where(trail, 2 * nk + j, mx.where(lead | keep, j, nk + j))
+    order = mx.argsort(order_key, axis=-1)
+    wb = n_forced + k_max
+    t = mx.arange(wb)
+    slot = mx.where(t < n_lead + k_max, t, nk - wb + t)
+    blocks = mx.take(order, slot, axis=-1).astype(mx.int32)
+    n_kept = keep.sum(axis=-1, keepdims=True)
+    real = (t < n_lead + n_kept) | (t >= n_lead + k_max)
+    return blocks, real
+
+
+# -- a cross-head pool with a floor (NestedKV) -----------------------------------------------------
+def _mark_top(scores, k):
+    """Bool mask of the top ``k`` entries along the last axis (k static, 1 <= k <= size)."""
+    top = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+    return mx.put_along_axis(mx.zeros(scores.shape, mx.bool_), top, mx.array(True), axis=-1)
+
+
+def max_head_rows(n: int, n_heads: int, budget: int, floor: int, cap: int | None = None) -> int:
+    """Static bound on the rows one head can keep: min(N, H*B - (H-1)*floor[, cap])."""
+    f = min(floor, n)
+    k = min(n, n_heads * budget - (n_heads - 1) * f)
+    return min(k, cap) if cap is not None else k
+
+
+def cross_head_keep(scores: mx.array, budget: int, floor: int, cap: int | None = None) -> mx.array:
+    """Spec step 5, per batch row: every head keeps its top ``floor`` rows; the remaining
+    H*budget - H*floor slots go to the best remaining (head, row) pairs of the whole layer
+    (optionally only among each head's top ``cap`` rows). -inf rows are never kept. (B, H, N) bool."""
+    B, H, N = scores.shape
+    f = min(floor, N)
+    guaranteed = _mark_top(scores, f) if f > 0 else mx.zeros(scores.shape, mx.bool_)
+    cand = mx.where(guaranteed, -mx.inf, scores)
+    if cap is not None and cap < N:
+        cand = mx.where(_mark_top(scores, cap), cand, -mx.inf)
+    P = min(H * (budget - f), H * N)
+    keep = guaranteed
+    if P > 0:
+        flat = cand.reshape(B, H * N)
+        pool = _mark_top(flat, P) & (flat > -mx.inf)
+        keep = keep | pool.reshape(B, H, N)
+    return keep & (scores > -mx.inf)
+
+
+def rows_from_mask(keep: mx.array, k_max: int):
+    """(idx (B, H, k_max) int32 with each head's kept rows first, ascending; real (B, H, k_max))."""
+    N = keep.shape[-1]
+    r = mx.arange(N, dtype=mx.int32)
+    idx = mx.argsort(mx.where(keep, r, N + r), axis=-1)[..., :k_max].astype(mx.int32)
+    real = mx.arange(k_max) < keep.sum(axis=-1, keepdims=True)
+    return idx, real

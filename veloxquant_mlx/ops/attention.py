@@ -67,6 +67,12 @@ def fused_scoring_default() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def one_pass(mode: str, on: str = "fused") -> bool:
+    """A method's attention option (``mode``: ``on``, ``"auto"`` or another) says it computes the layer's output
+    from its own scoring weights: always for ``on``, on the CPU for ``"auto"`` (:func:`fused_scoring_default`)."""
+    return mode == on or (mode == "auto" and fused_scoring_default())
+
+
 # -- attention in blocks of keys (the paged prompt: rows read back from a file a block at a time) ---------
 # MLX's fused attention does not return the softmax's log-sum-exp, so attention over keys that are never
 # all in memory at once runs block by block with the running (max, sum, output) of an online softmax.

@@ -6,6 +6,10 @@ import functools
 
 import mlx.core as mx
 
+# Position stored for padding rows (ragged per-head storage); larger than any real position so a
+# causal "key position <= query position" test hides it.
+PAD_POSITION = 2**31 - 1
+
 
 @functools.partial(mx.compile, shapeless=False)
 def _forced_top(scores: mx.array, forced: mx.array, k: int) -> mx.array:

@@ -1,5 +1,5 @@
-"""NestedKVKVCache: NestedKV adapted to a KV cache (its cache and its scoring ops)."""
+"""NestedKV adapted to a KV cache (its score is the shared key-anomaly score, ops.anomaly)."""
 
-from .cache import NestedKVKVCache, NestedKVOptions
+from .cache import NestedKV, NestedKVOptions
 
-__all__ = ["NestedKVKVCache", "NestedKVOptions"]
+__all__ = ["NestedKV", "NestedKVOptions"]

@@ -7,13 +7,13 @@ anomalies are blended per head (log-prior (0.4, 0.4, 0.2) + beta * top/bottom-10
 routed per token toward the strongest scale by a surprise gate (sigmoid(kappa * (u - tau)) on the
 min-max normalized, mean-centred cross-scale std). Heads then compete for the layer's H * budget
 slots: each keeps a floor of floor(safeguard_alpha * budget) rows, the rest go to the best
-(head, row) pairs of the layer. Heads therefore keep different numbers of rows; storage is padded
-to a static bound and the query tap's per-layer mask hides the padding.
+(head, row) pairs of the layer (``caches.allocation.CrossHeadPool``). Heads therefore keep different
+numbers of rows; storage is padded to a static bound and the query tap's per-layer mask hides the padding.
 
 Choices where the spec is silent (see docs/methods/nestedkv.md):
 - "strongest scale" is per token: the largest of the three normalized anomalies at that token.
 - sinks (positions < n_sink) are kept (+inf) and excluded from the min-max / gap / surprise statistics.
-- without the query tap (``tap_active`` False) padding could not be masked: uniform per-head budget.
+- without the query tap padding could not be masked: uniform per-head budget.
 - decode tokens are appended, never rescored: the cache is NOT bounded during decode. A new prompt
   turn is compressed again at its end, over the kept rows plus the new ones (ragged storage is first
   compacted per head; episodic blocks / windows then run over that compacted order).
@@ -26,15 +26,15 @@ import math
 
 import mlx.core as mx
 
-from ...options import option
-from ...ops import gather_rows, keep_top_rows
-from ...ops.attention import causal_attention
+from ...caches.allocation import CrossHeadPool, Uniform, cut, head_cap
+from ...caches.method import Method, Needs
+from ...ops import gather_rows
+from ...ops.select import PAD_POSITION
 from ...ops.anomaly import ANOMALY_DEFAULTS as _A
 from ...ops.anomaly import anomaly_scores, episodic_block_size
-from .ops import cross_head_keep, max_head_rows, rows_from_mask
+from ...ops.attention import causal_attention, one_pass
+from ...options import option
 from ...registry import register
-from ...caches.base import PAD_POSITION, EvictionCache
-from ...caches.shard import shard_of
 
 
 @dataclasses.dataclass
@@ -63,79 +63,66 @@ class NestedKVOptions:
         self.prior = tuple(float(p) for p in self.prior)
 
 
+def pool(config):
+    """Spec step 5: the cross-head pool, a floor of ``safeguard_alpha x budget`` rows per head (or, with
+    ``cross_head=False``, every head its own budget)."""
+    o = config.options
+    if not o.cross_head:
+        return Uniform()
+    floor = min(int(math.floor(o.safeguard_alpha * config.budget)), config.budget)
+    cap = head_cap(config.max_head_factor if o.max_head_factor is None else o.max_head_factor, config.budget)
+    return CrossHeadPool(floor, cap)
+
+
 @register("nestedkv")
-class NestedKVKVCache(EvictionCache):
+class NestedKV(Method):
     """NestedKV-adapted: stable/episodic/current key anomalies, gated blend, cross-head budgets (prefill only)."""
 
     Options = NestedKVOptions
-    needs_queries = False
+    needs = Needs(queries=False)
     prefill_only = True
+    allocations = {"uniform": pool}
 
     @classmethod
     def default_recent(cls, budget, options):
         return 0  # the "current" scale replaces a forced recent window
 
-    def floor_rows(self) -> int:
-        return min(int(math.floor(self.options.safeguard_alpha * self.budget)), self.budget)
-
-    def head_cap(self) -> int | None:
-        """Most rows one head keeps: storage is as wide as the widest head, so the cap keeps it near the
-        kept rows (the pool still fills H x budget: capped heads' slots go to the others)."""
-        f = self.options.max_head_factor
-        if f is None:
-            return self.config.head_cap_rows(self.budget)
-        return max(int(f * self.budget), self.budget)
-
-    def on_queries(self, queries):
-        # Only when the tap asked for the output (one pass) and this is a prompt chunk; the rows stored
+    def on_rows(self, view, step):
+        # A prompt chunk's attention, where the tap lets the method hand it back (one pass): the rows stored
         # now are the rows update_and_fetch returned (a chunk appends; compression runs at the end step).
-        S = queries.shape[2]
-        if S > 1 and self.one_pass(self.options.prefill_attention, on="blocked"):
-            self.attend.out = causal_attention(queries, self.stored("keys"), self.stored("values"),
-                                                   self.stored("positions"), self.offset - S, self.scale,
-                                                   self.options.query_block)
+        q = step.queries
+        if q is None or q.shape[2] == 1 or not (step.attend and one_pass(self.options.prefill_attention, "blocked")):
+            return {}
+        out = causal_attention(q, view.keys, view.values, view.positions, view.offset - q.shape[2], step.scale,
+                               self.options.query_block)
+        return {}, out
 
-    @property
-    def cross_head_active(self) -> bool:
-        return bool(self.options.cross_head and self.tap_active)
-
-    def row_scores(self, keys, positions):
+    def row_scores(self, keys, positions, offset):
         """(B, H, N) final scores of the given rows (compacted: valid rows first)."""
         valid = positions != PAD_POSITION
-        forced = valid & (positions < self.n_sink)
+        forced = valid & (positions < self.config.n_sink)
         # The newest row (the prompt's last token: the compression runs right after it) is always
         # kept, like every other method's recent window; recent=0 by default otherwise.
-        forced = forced | (valid & (positions >= self.offset - max(self.recent, 1)))
+        forced = forced | (valid & (positions >= offset - max(self.config.recent, 1)))
         o = self.options
-        N = keys.shape[2]
-        return anomaly_scores(keys, valid, forced, window=o.window, block=episodic_block_size(N),
+        return anomaly_scores(keys, valid, forced, window=o.window, block=episodic_block_size(keys.shape[2]),
                               prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
 
-    def select_rows(self):
-        keys, pos = self.stored("keys"), self.stored("positions")
+    def select(self, view, keep, allocation):
+        keys, pos = view.keys, view.positions
         order = None
-        if self.is_ragged:  # compact: each head's real rows first, in position order
+        if view.ragged:  # compact: each head's real rows first, in position order
             N = pos.shape[-1]
             r = mx.arange(N, dtype=mx.int32)
             order = mx.argsort(mx.where(pos != PAD_POSITION, r, N + r), axis=-1).astype(mx.int32)
             keys, pos = gather_rows(keys, order), gather_rows(pos, order)
-        s = self.row_scores(keys, pos)
-        d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
-        cross = self.cross_head_active and (s.shape[1] if d is None else d.total_heads(s.shape[1])) > 1
-        if cross:
-            def compete(s):  # the whole layer's heads compete for its H x budget slots
-                H, N = s.shape[1], s.shape[2]
-                k_max = max_head_rows(N, H, self.budget, self.floor_rows(), self.head_cap())
-                return rows_from_mask(cross_head_keep(s, self.budget, self.floor_rows(), self.head_cap()), k_max)
-
-            # tensor parallel: every rank runs the competition over all heads' scores (one all_gather)
-            idx, real = compete(s) if d is None else d.across_heads(compete, s)
-            real = real & (gather_rows(pos, idx) != PAD_POSITION)
+        s = self.row_scores(keys, pos, view.offset)
+        heads = s.shape[1] if view.shard is None else view.shard.total_heads(s.shape[1])
+        if isinstance(allocation, CrossHeadPool) and heads > 1:  # the layer's heads compete for H x budget slots
+            idx, real = allocation.rows(view, s, keep)
         else:
-            idx = keep_top_rows(s, self.budget, 0, 0)
-            real = gather_rows(pos, idx) != PAD_POSITION
-        if order is not None:
-            idx = gather_rows(order, idx)
-        if not self.is_ragged and not cross:
-            return idx  # uniform per-head budget: no padding
-        return idx, real
+            idx = Uniform().rows(view, s, keep, forced=False)
+            if order is None:
+                return idx  # uniform per-head budget: no padding
+            idx, real = cut(view, idx, gather_rows(pos, idx) != PAD_POSITION)
+        return (idx if order is None else gather_rows(order, idx)), real

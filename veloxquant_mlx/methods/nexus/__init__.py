@@ -1,5 +1,5 @@
-"""NexusKVCache: Nexus Sampling (its cache and its scoring ops)."""
+"""Nexus Sampling (its method and its scoring ops)."""
 
-from .cache import NexusKVCache, NexusOptions
+from .cache import Nexus, NexusOptions
 
-__all__ = ["NexusKVCache", "NexusOptions"]
+__all__ = ["Nexus", "NexusOptions"]

@@ -20,7 +20,7 @@ query heads against its own keys. See docs/methods/nexus.md.
 
 Ada-Nexus (App. C, ``allocation="ada"``): scoring is per KV head (as ``per_head=True``, whatever
 ``per_head`` says) and Ada-KV's head-adaptive budgets are applied at block granularity
-(``ops.nexus.ada_select_blocks``): heads keep different numbers of blocks, padded by whole blocks.
+(``caches.allocation.AdaBlocks``): heads keep different numbers of blocks, padded by whole blocks.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ import dataclasses
 
 import mlx.core as mx
 
-from ...caches.base import PAD_POSITION, EvictionCache
-from ...caches.quant import dequantize_rows
-from ...caches.shard import head_means, shard_of
+from ...caches.allocation import AdaBlocks, Uniform
+from ...caches.method import Method, Needs
+from ...caches.shard import head_means
 from ...ops.anomaly import ANOMALY_DEFAULTS, anomaly_scores, episodic_block_size
+from ...ops.select import PAD_POSITION
 from ...options import option
 from ...registry import register
-from .ops import (ada_select_blocks, block_distribution, block_max, block_priority, block_rows, forced_blocks,
-                  log_reservoir_priority, n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
+from .ops import (block_distribution, block_max, block_priority, block_rows, forced_blocks, log_reservoir_priority,
+                  n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
 
 @dataclasses.dataclass
 class NexusOptions:
@@ -102,11 +103,12 @@ def min_budget(block_size: int, n_sink: int, recent: int) -> int:
 
 
 @register("nexus")
-class NexusKVCache(EvictionCache):
+class Nexus(Method):
     """Nexus Sampling: walk-augmented block scores; top-K blocks at the prompt's end, n-averaged reservoir in decode."""
 
     Options = NexusOptions
-    supports_ada = True  # Ada-Nexus (App. C): block-level Ada-KV allocation in select_rows
+    needs = Needs(window="window")
+    allocations = {"uniform": Uniform, "ada": AdaBlocks}  # Ada-Nexus (App. C): Ada-KV over whole blocks
 
     @classmethod
     def default_recent(cls, budget, options):
@@ -126,22 +128,18 @@ class NexusKVCache(EvictionCache):
                 f"(up to recent={max(config.recent, 1)} + b - 1 rows) and at least one selectable block of "
                 f"b={o.block_size} rows: need budget >= {need}")
 
-    def __init__(self, config, layer_idx=0, n_layers=1):
-        super().__init__(config, layer_idx, n_layers)
-        self.query_window = self.options.window
-
-    def eviction_slack(self) -> int:
+    def slack(self) -> int:
         return self.options.block_size  # evict once a whole block of b rows is over the budget
 
     # -- scoring ------------------------------------------------------------------------------
-    def block_weights(self) -> mx.array:
-        """w (B, G, N_k) for the current stored rows (Eq. 1-5); G = 1 (layer-shared) or H_kv."""
+    def block_weights(self, view) -> mx.array:
+        """w (B, G, N_k) for the stored rows (Eq. 1-5); G = 1 (layer-shared) or H_kv."""
         o = self.options
-        keys, pos = self.stored("keys"), self.stored("positions")
+        keys, pos = view.keys, view.positions
         B, H, N, D = keys.shape
-        q, q_pos, scale = self.observed_window()
+        q, q_pos, scale = view.window()
         G = q.shape[1] // H
-        d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
+        d = view.shard  # tensor parallel: this rank's heads (None: one process)
         per_head = o.per_head or self.config.allocation == "ada"  # Ada needs per-KV-head weights
         if o.head_average == "attention":
             # S_hat per query head against its own KV head, then averaged over the heads that share a
@@ -157,83 +155,57 @@ class NexusKVCache(EvictionCache):
             q = q.reshape(B, H, G, *q.shape[2:]).mean(axis=2) if G > 1 else q  # GQA-group-averaged query
             s_hat = block_distribution(q, keys, q_pos, pos, scale, o.block_size)
         else:
-            # Head-averaged Q and K vectors (App. A.1, literal); positions agree across heads (uniform
-            # storage). Average over the whole contiguous buffer, then slice: MLX reduces a strided
-            # row-slice view ~50x slower (measured), and the unused capacity is < one storage step.
-            buf = dequantize_rows(self.keys, self.kv_bits, self.kv_group_size)  # quantized: one dequantization
-            buf = buf if buf.dtype == mx.float32 else buf.astype(mx.float32)
+            # Head-averaged Q and K vectors (App. A.1, literal); positions agree across heads (uniform storage).
+            keys = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
             if d is None:
-                k_mean, q_mean = buf.mean(axis=1, keepdims=True)[:, :, :N], q.mean(axis=1, keepdims=True)
+                k_mean, q_mean = keys.mean(axis=1, keepdims=True), q.mean(axis=1, keepdims=True)
             else:  # the means over every rank's heads
-                k_mean, q_mean = head_means(d, buf.sum(axis=1, keepdims=True)[:, :, :N], q, H)
+                k_mean, q_mean = head_means(d, keys.sum(axis=1, keepdims=True), q, H)
             s_hat = block_distribution(q_mean, k_mean, q_pos, pos[:, :1], scale, o.block_size)
         return nexus_weights(s_hat, o.walk_depth, o.lam, o.eps_tie)
 
-    def key_prior_weights(self, n_groups: int) -> mx.array:
+    def key_prior_weights(self, view, n_groups: int) -> mx.array:
         """p (B, n_groups, N_k): NestedKV's multi-scale key-anomaly score of every stored row (needs no
         query, so it is the same whatever question follows), max over each block, averaged over the
         heads that share a selection (all of them when n_groups == 1), normalised to sum 1."""
-        keys, pos = self.stored("keys"), self.stored("positions")
+        keys, pos = view.keys, view.positions
         valid = pos != PAD_POSITION
         # forced rows (sinks, the recent window) are kept anyway: keep them out of the normalisation
-        forced = valid & ((pos < self.n_sink) | (pos >= self.offset - max(self.recent, 1)))
+        forced = valid & ((pos < view.n_sink) | (pos >= view.offset - max(view.recent, 1)))
         o = ANOMALY_DEFAULTS  # the key prior scores rows with the anomaly score's defaults
         s = anomaly_scores(keys, valid, forced, window=o.window, block=episodic_block_size(keys.shape[2]),
                            prior=o.prior, beta=o.beta, tau=o.tau, kappa=o.kappa, gap_frac=o.gap_frac)
         p = block_max(mx.where(mx.isfinite(s), s, 0.0), self.options.block_size)  # (B, H, N_k)
         if n_groups == 1:
-            d = shard_of(self)  # tensor parallel: every rank's heads (one all_sum of N_k floats)
+            d = view.shard  # tensor parallel: every rank's heads (one all_sum of N_k floats)
             p = p.sum(axis=1, keepdims=True)
             p = p if d is None else d.all_sum(p)
         return p / mx.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
 
-    def _trim_ada_blocks(self, blocks, real, n_lead, n_trail):
-        """Drop the padding blocks no head needs: the layout is lead | selected + padding | trailing,
-        so keep the lead, the largest head's selected count and the trailing blocks (one read-back
-        per eviction step, as ``EvictionCache.trim_ragged``)."""
-        width = blocks.shape[-1]
-        n_sel = max(self.ragged_width(real[..., n_lead:width - n_trail].sum(axis=-1)), 0)
-        keep = list(range(n_lead + n_sel)) + list(range(width - n_trail, width))
-        if len(keep) == width:
-            return blocks, real
-        take = mx.array(keep, dtype=mx.int32)
-        return mx.take(blocks, take, axis=-1), mx.take(real, take, axis=-1)
-
-    def trim_ragged(self, idx, real):
-        return idx, real  # already trimmed by whole blocks in select_rows (padding is not at the end)
-
-    def select_rows(self):
+    def select(self, view, keep, allocation):
         o = self.options
-        (B, H), N = self.positions.shape[:2], self._rows
-        b = o.block_size
-        mask, n_forced, forced_rows = forced_blocks(N, b, self.n_sink, self.recent)
-        n_free = max((self.budget - forced_rows) // b, 0)
+        pos = view.positions
+        (B, H, N), b = pos.shape, o.block_size
+        mask, n_forced, forced_rows = forced_blocks(N, b, view.n_sink, view.recent)
+        n_free = max((keep - forced_rows) // b, 0)
         n_keep = n_forced + n_free
-        w = self.block_weights()
+        w = self.block_weights(view)
         if o.key_prior:
             w = ((1.0 - o.key_prior) * w / mx.maximum(w.sum(axis=-1, keepdims=True), 1e-30)
-                 + o.key_prior * self.key_prior_weights(w.shape[1]))
+                 + o.key_prior * self.key_prior_weights(view, w.shape[1]))
         if o.smooth_blocks:
             w = neighbour_max(w, o.smooth_blocks, mask)
-        n = None if (o.prompt_top_k and self.compressing_prompt) else o.n_samples
-        key = self.next_key() if n is not None else None
-        d = shard_of(self)  # tensor parallel: this rank's heads (None: one process)
-        if self.use_ada():
-            # Ada-Nexus: per-head budgets K_h over whole blocks; padding blocks are never candidates.
-            n_lead = min(n_blocks(self.n_sink, b), n_blocks(N, b))
-            valid = self.stored("positions")[..., ::b] != PAD_POSITION  # a block is all real or all padding
-
-            def ada(w, valid):
-                f = self.config.max_head_factor  # per-head cap, in selectable blocks
-                cap = None if f is None else max(int(f * n_free), n_free)
-                blocks, real = ada_select_blocks(block_priority(w, n, key), valid, n_lead,
-                                                 n_forced - n_lead, n_free, self.config.floor_alpha, cap=cap)
-                return self._trim_ada_blocks(blocks, real, n_lead, n_forced - n_lead)
-
-            # Tensor parallel: every rank runs the layer-wide allocation over all heads (one all_gather).
-            blocks, real = ada(w, valid) if d is None else d.across_heads(ada, w, valid)
+        n = None if (o.prompt_top_k and view.compressing) else o.n_samples
+        key = view.key() if n is not None else None
+        if isinstance(allocation, AdaBlocks):
+            # Ada-Nexus: per-head budgets over whole blocks; padding blocks are never candidates.
+            n_lead = min(n_blocks(view.n_sink, b), n_blocks(N, b))
+            valid = pos[..., ::b] != PAD_POSITION  # a block is all real or all padding
+            blocks, real = allocation.blocks(view, w, valid, n_lead, n_forced - n_lead, n_free,
+                                             rank=lambda w: block_priority(w, n, key))
             idx = block_rows(blocks, b, N)
             return idx, mx.repeat(real, b, axis=-1)[..., :idx.shape[-1]]
+        d = view.shard
         if d is not None and o.per_head and n is not None:
             # per-head draws for the global head layout, sliced to this rank's heads (no traffic)
             u = d.uniform(key, (n, *w.shape), axis=2)

@@ -17,7 +17,6 @@ import math
 
 import mlx.core as mx
 
-from ...ops.allocation import ada_keep_mask, ada_width
 
 _MASKED = -1e30  # finite "minus infinity": a fully masked row becomes uniform, never NaN
 
@@ -211,52 +210,6 @@ def forced_blocks(n_rows: int, block_size: int, n_sink: int, recent: int):
     # Every forced block is full except the newest one, which holds the remainder.
     forced_rows = (n_forced - 1) * block_size + (n_rows - (nk - 1) * block_size)
     return mask, n_forced, forced_rows
-
-
-def ada_block_width(n_blocks_total: int, n_heads: int, n_forced: int, n_sel: int, alpha: float) -> int:
-    """Static per-head width in blocks (forced included) after one Ada-Nexus step (ops.allocation.ada_width
-    counted in blocks)."""
-    return ada_width(n_blocks_total, n_heads, n_forced + n_sel, n_forced, alpha)
-
-
-def ada_select_blocks(score: mx.array, valid: mx.array, n_lead: int, n_trail: int, n_sel: int, alpha: float,
-                      cap: int | None = None):
-    """Ada-KV head-adaptive block allocation on Nexus priorities (Nexus App. C, "Ada-Nexus").
-
-    score (B, H, N_k): per-KV-head block priority (log π or w), comparable across heads (each head's
-    S_hat rows sum to 1); valid (B, H, N_k) bool: False for padding blocks of ragged storage. Forced:
-    the first ``n_lead`` (sink) and last ``n_trail`` (recent window) blocks of every head.
-
-    The selectable blocks of all heads compete layer-wide: the top H·K (K = ``n_sel``) win, head h wins
-    count_h, keeps K_h = round(count_h (1 - α) + α K) (``ops.allocation.ada_head_budgets``: largest
-    remainder, Σ K_h = H·K) of its own best blocks; a head with fewer candidates than K_h hands the
-    leftover to the layer's best remaining candidates within the static width.
-
-    Returns (blocks (B, H, Wb) int32, real (B, H, Wb) bool), Wb = n_lead + K_max + n_trail with K_max the
-    static bound ``ada_block_width``. Per head: the lead blocks, its K_h (+ extra) selected blocks in
-    ascending order, padding blocks (real False), then the trailing blocks, so padding is whole blocks
-    and the last slot is the newest (possibly partial) block N_k - 1: the block grid survives.
-    ``cap``: most selected blocks one head keeps (None: the static bound); the total is unchanged, the
-    capped heads' leftover goes to the others.
-    """
-    B, H, nk = score.shape
-    n_forced = n_lead + n_trail
-    k_max = ada_block_width(nk, H, n_forced, n_sel, alpha) - n_forced
-    if cap is not None:
-        k_max = min(k_max, max(cap, n_sel))
-    j = mx.arange(nk)
-    lead, trail = j < n_lead, j >= nk - n_trail
-    keep = ada_keep_mask(score, valid & ~(lead | trail), n_sel, alpha, k_max)
-    # Layout: lead + kept blocks ascending, then the rest (padding sources), then the trailing blocks.
-    order_key = mx.where(trail, 2 * nk + j, mx.where(lead | keep, j, nk + j))
-    order = mx.argsort(order_key, axis=-1)
-    wb = n_forced + k_max
-    t = mx.arange(wb)
-    slot = mx.where(t < n_lead + k_max, t, nk - wb + t)
-    blocks = mx.take(order, slot, axis=-1).astype(mx.int32)
-    n_kept = keep.sum(axis=-1, keepdims=True)
-    real = (t < n_lead + n_kept) | (t >= n_lead + k_max)
-    return blocks, real
 
 
 def shared_block_weights(d, s_sum: mx.array, n_local: int, walk_depth: int, lam: float,

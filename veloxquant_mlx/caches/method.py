@@ -1,0 +1,104 @@
+"""The Method protocol: an eviction rule, outside the cache.
+
+A method says which stored rows to keep; the cache (``caches.cache.EvictionCache``) stores them, decides
+when to evict, and hands the method a read-only :class:`~veloxquant_mlx.caches.view.View` of what it may
+read. A method implements one of
+
+* ``scores(view)``: a (B, H, rows) importance of the stored rows, higher kept; the configured allocation
+  (``caches.allocation``) turns it into rows (uniform top-k per head, or Ada-KV's head budgets), or
+* ``select(view, keep, allocation)``: its own selection of ``keep`` rows per head: row indices
+  (B, H, K), or (indices, real) where ``real`` marks the real rows of ragged heads,
+
+and optionally ``on_rows(view, step)``, the per-row state it keeps (``row_fields``) updated at every step,
+the light decode step included. What a method needs from the model is declared (:class:`Needs`), never
+probed; which allocations it supports is declared (``allocations``), and the config reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..options import NoOptions
+from .allocation import AdaRows, Uniform
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a method reads beyond the stored rows, so the builder installs it (nothing is probed)."""
+
+    queries: bool = True  # the query tap's post-RoPE queries (False: key-only or position-only rules)
+    window: int | str = 0  # recent queries kept for scores(): a number, or the name of the option holding it
+    hidden_states: bool = False  # each step's attention input (step.hidden): the builder's hidden-state tap
+    model_pass: bool = False  # work after the forward, with the model at hand (token ids in step.ids)
+
+    def window_of(self, options) -> int:
+        return getattr(options, self.window) if isinstance(self.window, str) else self.window
+
+
+class Method:
+    """Base of every eviction method: the protocol's defaults (module docstring)."""
+
+    Options = NoOptions
+    name: str = ""  # set by ``registry.register``
+    needs = Needs()
+    prefill_only = False  # True: compress once when the prompt ends, then only append
+    # config.allocation -> the strategy this method runs it with (caches.allocation); the config refuses others
+    allocations: dict = {"uniform": Uniform, "ada": AdaRows}
+    row_fields: dict = {}  # per-row state, name -> value of a new row; moves with its row, saved with the cache
+    state_fields: tuple = ()  # attributes of the method saved with the cache (small JSON values)
+    config_defaults: dict = {}  # KVCacheConfig head-budget fields this method defaults differently
+    supports_kv_bits = True  # can the kept rows be stored quantized (config.kv_bits)?
+    # The per-row field on_rows adds each query's attention mass to (H2O): the paged prompt computes it
+    # over the rows in its file too, instead of on_rows.
+    attention_mass_field: str | None = None
+    compresses_in_model_pass = False  # the prompt-end compression runs in the model pass (recall_hold refuses it)
+    model_pass_note = ""  # what runs in the model pass, for a progress bar
+
+    def __init__(self, config, layer: int = 0, n_layers: int = 1):
+        self.config, self.options, self.layer, self.n_layers = config, config.options, layer, n_layers
+
+    # -- the rule ------------------------------------------------------------------------------------
+    def scores(self, view):
+        """(B, H, rows) importance of every stored row; higher is kept."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither scores() nor select()")
+
+    def select(self, view, keep: int, allocation):
+        """Rows to keep, ``keep`` per head: (B, H, K) indices, or (indices, real) for ragged heads."""
+        return allocation.rows(view, self.scores(view), keep)
+
+    # on_rows(view, step) -> {field: values of the last n stored rows} (or (fields, output) when
+    # step.attend and the method computed the layer's attention output): defined by methods with per-row state
+    on_rows = None
+
+    # -- configuration (read by KVCacheConfig before any cache exists) ------------------------------
+    @classmethod
+    def default_recent(cls, budget: int, options) -> int:
+        """The recent window kept when the config leaves ``recent`` unset."""
+        return min(32, max(budget // 8, 1))
+
+    @classmethod
+    def supports_allocation(cls, allocation: str) -> bool:
+        return allocation in cls.allocations
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Cross-field validation (raise ValueError)."""
+
+    def layer_budget(self) -> int:
+        """Rows per KV head this layer keeps (PyramidKV varies it by layer)."""
+        return self.config.budget
+
+    def slack(self) -> int:
+        """Rows allowed above the budget before an eviction runs: the ``evict_every`` option, else 32."""
+        return getattr(self.options, "evict_every", None) or 32
+
+    # -- the model (declared needs) ------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model, methods: list) -> None:
+        """The model, once the builder made this method's caches (``methods``: their Method instances)."""
+
+    @classmethod
+    def model_pass(cls, driver, seq: list) -> None:
+        """After a forward in which a cache of this method asked for it (``needs.model_pass``): ``seq`` is
+        one sequence's per-layer (cache, batch index or None) pairs; ``driver`` the glue's ModelPassDriver."""
+        raise NotImplementedError(f"{cls.__name__} asked for a model pass but has no model_pass")

@@ -1,0 +1,111 @@
+"""What a method may read of its cache: the :class:`View` (read-only) and the :class:`Step` it is handed.
+
+A View reads the cache's stored rows when asked, so a method that needs no keys never loads them: keys
+and values come back dequantized where the rows are stored quantized, and every array is a new array
+object (writing into it never reaches the cache). Setting an attribute raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import mlx.core as mx
+
+
+class View:
+    """A read-only view of one cache for its method (module docstring)."""
+
+    __slots__ = ("_cache", "_of")
+
+    def __init__(self, cache):
+        # a proxy: the cache holds its view, and a cycle would keep a freed cache (and its files) alive
+        object.__setattr__(self, "_cache", weakref.proxy(cache))
+        object.__setattr__(self, "_of", id(cache))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a View is read-only (set {name!r})")
+
+    __delattr__ = __setattr__
+
+    def __deepcopy__(self, memo):  # a copied cache (batching, prompt-cache reuse) gets a view of the copy
+        return View(memo[self._of])
+
+    @property
+    def keys(self) -> mx.array:
+        """(B, H, rows, D) the stored keys (post-RoPE), as attention reads them."""
+        return self._cache.stored("keys")
+
+    @property
+    def values(self) -> mx.array:
+        """(B, H, rows, D_v) the stored values."""
+        return self._cache.stored("values")
+
+    @property
+    def positions(self) -> mx.array:
+        """(B, H, rows) int32 absolute positions of the stored rows (``PAD_POSITION`` on padding)."""
+        return self._cache.stored("positions")
+
+    def field(self, name: str) -> mx.array:
+        """(B, H, rows) float32 per-row state the method declared (``Method.row_fields``)."""
+        return self._cache.stored(name)
+
+    def window(self):
+        """(queries (B, H_q, W, D), their positions (W,), scale) of the last W queries; where none was seen
+        yet (no query tap, an eviction before the first query) the newest W keys stand in, scaled 1/sqrt(D)."""
+        return self._cache.observed_window()
+
+    def key(self) -> mx.array:
+        """A fresh PRNG key (the cache's key for ``config.seed`` and the layer, split at every call)."""
+        return self._cache.next_key()
+
+    @property
+    def offset(self) -> int:
+        """Tokens seen (the position the next row gets)."""
+        return self._cache.offset
+
+    @property
+    def n_sink(self) -> int:
+        return self._cache.n_sink
+
+    @property
+    def recent(self) -> int:
+        return self._cache.recent
+
+    @property
+    def budget(self) -> int:
+        """Rows per KV head this layer keeps (``Method.layer_budget``)."""
+        return self._cache.budget
+
+    @property
+    def scale(self) -> float | None:
+        """The attention's softmax scale of the last queries (None before any)."""
+        return self._cache.scale
+
+    @property
+    def shard(self):
+        """This rank's ``caches.shard.HeadShard`` under tensor parallelism, else None."""
+        return self._cache.dist
+
+    @property
+    def ragged(self) -> bool:
+        """Heads keep different numbers of rows (padding rows present)."""
+        return self._cache.is_ragged
+
+    @property
+    def compressing(self) -> bool:
+        """Inside the one-shot compression when a prompt ends (not a decode-time eviction)."""
+        return self._cache.prompt.compressing
+
+
+class Step:
+    """One step's new rows, as ``Method.on_rows`` receives them."""
+
+    __slots__ = ("queries", "scale", "hidden", "ids", "attend")
+
+    def __init__(self, queries=None, scale=None, hidden=None, ids=None, attend=False):
+        self.queries = queries  # (B, H_q, S, D) post-RoPE queries of the S new rows (None: none arrived)
+        self.scale = scale  # their softmax scale
+        self.hidden = hidden  # (B, S, d_model) attention input of the step (Needs.hidden_states), or None
+        self.ids = ids  # (B, S) token ids of the step (Needs.model_pass), or None
+        self.attend = attend  # the method may return the layer's attention output over the stored rows
