@@ -46,7 +46,6 @@ from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.batch import BatchEvictionCache
 from veloxquant_mlx.caches.storage import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
-from veloxquant_mlx.methods.nexus.cache import NexusKVCache
 from veloxquant_mlx.ops import gather_rows
 from veloxquant_mlx.registry import methods
 
@@ -236,7 +235,7 @@ def components(model, T, budget, methods, repeats=25):
     x1 = mx.random.normal((1, 1, int(model.args.hidden_size)), key=mx.random.key(4))
 
     def put(cache):
-        if getattr(cache, "needs_hidden_states", False):
+        if cache.method.needs.hidden_states:
             cache.observe_attention_input(x1)
         return cache.update_and_fetch(k1, k1)
 
@@ -570,7 +569,7 @@ def median_time(fn, repeats, warmup=3):
 def bench(tokens: int, per_head: bool, repeats: int) -> dict:
     b = 32
     cfg = KVCacheConfig(method="nexus", budget=tokens, nexus_per_head=per_head)
-    cache = NexusKVCache(cfg)
+    cache = EvictionCache(cfg)
     rows = tokens + b + 1  # the step fires once rows exceed budget + b
     mx.random.seed(0)
     k = mx.random.normal((B, HKV, rows, nexus_D))
@@ -584,7 +583,7 @@ def bench(tokens: int, per_head: bool, repeats: int) -> dict:
 
     t_select = median_time(cache.select_rows, repeats)
 
-    def select_gather():  # what NexusKVCache._evict does: one flat mx.take of whole rows
+    def select_gather():  # what the cache's eviction does: one flat mx.take of whole rows
         idx = cache.select_rows()
         return gather_rows(cache.keys, idx), gather_rows(cache.values, idx)
 

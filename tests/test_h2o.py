@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.methods.h2o.ops import attention_mass
+from veloxquant_mlx.methods.h2o import attention_mass
 
 from conftest import greedy, make_cache, make_tiny_model, random_prompt
 

@@ -17,7 +17,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, sav
 from veloxquant_mlx.caches.storage import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.kvzap_fit import hidden_states, split_windows, windows
-from veloxquant_mlx.methods.kvzap.cache import (KVzapCache, find_scorer, load_scorer, model_identity,
+from veloxquant_mlx.methods.kvzap.cache import (KVzap, find_scorer, load_scorer, model_identity,
                                           read_scorer_metadata, save_scorer)
 from veloxquant_mlx.methods.kvzap.fit import keep_overlap, r2, ridge, spearman
 from veloxquant_mlx.tap import hidden_tap_installed, remove_query_tap
@@ -153,7 +153,7 @@ def test_save_load_carries_the_scorer_and_refuses_a_changed_one(model, tmp_path)
     feed(model, a, random_prompt(50, seed=5), decode=3)
     save_prompt_cache(tmp_path / "c.safetensors", a)
     b = load_prompt_cache(tmp_path / "c.safetensors")
-    assert b[0].scorer_file == a[0].scorer_file
+    assert (b[0].method.scorer, b[0].method.sha256) == (a[0].method.scorer, a[0].method.sha256)
     weights, meta, _ = load_scorer(path)
     w = {i: (np.array(x) + 1.0, np.array(y)) for i, (x, y) in weights.items()}
     save_scorer(path, w, meta["identity"], meta["fit"], meta["provenance"], meta["quality"])
@@ -175,8 +175,8 @@ def test_tensor_parallel_slices_the_scorer_columns(model):
     caches = KVCacheBuilder.for_model(model, kvzap(budget=200))
     c = caches[0]
     c.dist = Shard()
-    w, b = c._layer_weights(1)
-    assert np.array_equal(np.array(w), np.array(c._weights[0])[:, 1:]) and np.array_equal(np.array(b), np.array(c._weights[1])[1:])
+    w, b = c.method._layer_weights(1, c.view.shard)
+    assert np.array_equal(np.array(w), np.array(c.method._weights[0])[:, 1:]) and np.array_equal(np.array(b), np.array(c.method._weights[1])[1:])
 
 
 def test_generate_step_runs_kvzap(model):
@@ -210,7 +210,7 @@ def test_fit_windows_split_train_validation_held_out():
 def test_default_recent_is_the_papers_window_capped_at_half_the_budget():
     assert KVCacheConfig("kvzap", budget=1000).recent == 128
     assert KVCacheConfig("kvzap", budget=100).recent == 50
-    assert KVzapCache.needs_hidden_states and not KVzapCache.prefill_only
+    assert KVzap.needs.hidden_states and not KVzap.prefill_only
 
 
 def test_fit_command_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
@@ -305,7 +305,7 @@ def test_default_is_one_ranking_across_layers_with_ada_heads(model):
         KVCacheConfig("kvzap", budget=24, recall="memory")
     stream = KVCacheBuilder.for_model(model, cfg.replace(prompt_eviction="stream"))  # auto: one ranking there too
     feed(model, stream, random_prompt(90, seed=23))
-    assert all(c.global_layers and c.layer_share is not None for c in stream)
+    assert all(c.method.layer_shares and c.layer_share is not None for c in stream)
     assert KVCacheConfig("kvzap", budget=24, recall="memory", allocation="uniform").recall == "memory"
 
 
@@ -434,7 +434,7 @@ def test_an_mlp_scorer_scores_rows_in_the_cache_and_a_refit_reuses_the_collected
         assert np.allclose(np.array(c.stored("zap_score"))[0], mlp_predict(xs[i], *weights[i]).T, atol=1e-4)
     c = KVCacheBuilder.for_model(m, kvzap(budget=200, kvzap_scorer=str(path)))[0]
     c.dist = Shard()  # tensor parallel: the MLP's first layer is whole, its output columns this rank's
-    w1, b1, w, b = c._layer_weights(1)
+    w1, b1, w, b = c.method._layer_weights(1, c.view.shard)
     assert np.array_equal(np.array(w1), np.array(weights[0][0])) and np.array_equal(np.array(b1), np.array(weights[0][1]))
     assert np.array_equal(np.array(w), np.array(weights[0][2])[:, 1:]) and np.array_equal(np.array(b), np.array(weights[0][3])[1:])
     with pytest.raises(ValueError, match=r"\(W, b\) or \(W1, b1, W, b\)"):

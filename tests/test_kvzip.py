@@ -19,7 +19,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
-from veloxquant_mlx.methods.kvzip.cache import KVzipCache
+from veloxquant_mlx import EvictionCache
+from veloxquant_mlx.methods.kvzip import KVzip
 from veloxquant_mlx.model_pass import model_pass_installed, remove_model_pass
 
 from conftest import VOCAB, greedy, make_tiny_model, random_prompt, tiny_tokenizer
@@ -62,7 +63,7 @@ def test_budget_above_the_sequence_equals_kvcache(arch):
     got = steps(model, prompt, caches, 10)
     assert got[0] == ref[0]
     np.testing.assert_allclose(got[1], ref[1], atol=1e-5)
-    assert all(c.evictions == 0 and c.zip_passes == 0 and c.offset == 90 + 10 for c in caches)
+    assert all(c.evictions == 0 and c.method.passes == 0 and c.offset == 90 + 10 for c in caches)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -76,7 +77,7 @@ def test_compression_keeps_the_budget_and_only_real_rows(arch):
         caches = build(model, kvzip(budget=budget, kvzip_chunk=40))  # 3 reconstruction chunks
         steps(model, prompt, caches, 6)
         for c, f in zip(caches, full):
-            assert c.zip_passes == 1 and c.evictions == 1 and c.zip_scored == 100
+            assert c.method.passes == 1 and c.evictions == 1 and c.method.scored == 100
             assert c.offset == 100 + 6  # the prompt and the decoded tokens fed back, nothing of the pass
             assert c.size() == budget + 6  # compressed at the prompt's last token, decode appended
             assert c.keys.shape[2] <= budget + c.decode_step  # allocation follows the budget
@@ -144,7 +145,7 @@ def test_rows_the_reconstruction_attends_to_are_kept_and_ignored_rows_evicted():
     caches = build(model, config)
     steps(model, prompt, caches, 2)
     (c,) = caches
-    assert c.zip_passes == 1
+    assert c.method.passes == 1
     assert all(50 in pos for pos in positions(c)), "the row the reconstruction attends to was evicted"
     s = np.array(c.stored("zip_score")[0])
     kp = np.array(c.kept_positions()[0])
@@ -155,10 +156,10 @@ def test_rows_the_reconstruction_attends_to_are_kept_and_ignored_rows_evicted():
     # Without the reconstruction (a cache used directly: the prompt's last queries score instead)
     # the planted row is the one every prompt query ignores: it is evicted in every head.
     remove_model_pass(model)
-    bare = [KVzipCache(config, 0, 1)]
+    bare = [EvictionCache(config, 0, 1)]
     bare[0].tap_active = True
     steps(model, prompt, bare, 2)
-    assert bare[0].zip_passes == 0 and bare[0].evictions == 1
+    assert bare[0].method.passes == 0 and bare[0].evictions == 1
     assert all(50 not in pos for pos in positions(bare[0]))
 
 
@@ -207,7 +208,7 @@ def test_follow_up_turn_continues_the_compressed_cache(arch):
 
     steps(model, turn2, caches, 6)  # the real budget: the new turn is scored and compressed
     for c in caches:
-        assert c.zip_passes == 2 and c.evictions == 2 and c.zip_scored == 100 + 4 + 30
+        assert c.method.passes == 2 and c.evictions == 2 and c.method.scored == 100 + 4 + 30
         assert c.offset == 100 + 4 + 30 + 6 and c.size() == 32 + 6
     # Only the new text was reconstructed: the rows kept from turn 1 keep their turn-1 scores.
     kp = np.array(caches[0].kept_positions()[0])
@@ -234,12 +235,12 @@ def test_save_load_then_two_questions(tmp_path):
         loaded = load_prompt_cache(path)
         for c in loaded:
             c.continue_on_purpose()
-        assert [(c.offset, c.size(), c.zip_scored, c.zip_passes) for c in loaded] == \
-               [(c.offset, c.size(), c.zip_scored, c.zip_passes) for c in caches]
+        assert [(c.offset, c.size(), c.method.scored, c.method.passes) for c in loaded] == \
+               [(c.offset, c.size(), c.method.scored, c.method.passes) for c in caches]
         a, b = steps(model, q, live, 6), steps(model, q, loaded, 6)
         assert a[0] == b[0]
         np.testing.assert_allclose(a[1], b[1], atol=1e-6)
-        assert all(c.zip_passes == 2 for c in loaded)  # each question reconstructed its own text
+        assert all(c.method.passes == 2 for c in loaded)  # each question reconstructed its own text
         answers.append(b[0])
     assert answers[0] != answers[1]
 
@@ -263,7 +264,7 @@ def test_batch_generate_equals_each_prompt_alone(normalize):
     for (tokens, caches), got, got_caches in zip(alone, out.token_ids, out.caches):
         assert list(got) == tokens
         for a, b in zip(caches, got_caches):
-            assert a.zip_passes == b.zip_passes == 1 and a.offset == b.offset
+            assert a.method.passes == b.method.passes == 1 and a.offset == b.offset
             assert all(np.array_equal(x, y) for x, y in zip(positions(a), positions(b)))
 
 
@@ -301,7 +302,7 @@ def test_cli_compress_once_then_ask_twice(tmp_path, capsys):
                  "--kvzip-chunk", "32", "--prefill-step-size", "16"]) == 0
     assert "Compressed 90 tokens with kvzip (budget 24/head)" in capsys.readouterr().out
     loaded = load_prompt_cache(out)
-    assert all(c.offset == 90 and c.zip_passes == 1 for c in loaded)
+    assert all(c.offset == 90 and c.method.passes == 1 for c in loaded)
     kept = [sum(len(h) for h in positions(c)) for c in loaded]  # the paper's budget: one ranking
     H = loaded[0].positions.shape[1]
     assert abs(sum(kept) - len(loaded) * H * 24) <= len(loaded) * H  # per-layer rounding
@@ -345,7 +346,7 @@ def test_sliding_layers_of_gemma3_are_not_touched_by_the_pass():
             assert a.offset == b.offset == 80
             assert all(mx.array_equal(p, q) for p, q in zip(a.state, b.state)), i
         else:
-            assert isinstance(b, KVzipCache) and b.zip_passes == 1 and b.size() == 24 and b.offset == 80
+            assert isinstance(b.method, KVzip) and b.method.passes == 1 and b.size() == 24 and b.offset == 80
     KVCacheBuilder.uninstall(model)
 
 
@@ -362,20 +363,20 @@ def test_the_pass_forces_no_host_sync():
         for t in range(3):
             out = model(x[:, t:t + 1], cache=caches)
     mx.eval(out, [c.state for c in caches])
-    assert all(c.zip_passes == 1 and c.size() == 24 + 3 for c in caches)
+    assert all(c.method.passes == 1 and c.size() == 24 + 3 for c in caches)
 
 
 def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monkeypatch):
     model = make_tiny_model("llama", layers=4)
     prompt = random_prompt(100, seed=13)
     seen = []
-    original = KVzipCache.compress
+    original = EvictionCache.compress
 
     def spy(self, budget=None):  # the scores every layer holds when the shares are decided
         seen.append((np.array(self.stored("zip_score")[0]), np.array(self.stored("positions")[0]), budget))
         return original(self, budget)
 
-    monkeypatch.setattr(KVzipCache, "compress", spy)
+    monkeypatch.setattr(EvictionCache, "compress", spy)
     each = build(model, kvzip(budget=32, kvzip_chunk=40))
     steps(model, prompt, each, 1)
     assert [c.size() for c in each] == [33] * 4 and [b for _, _, b in seen] == [None] * 4
@@ -532,8 +533,8 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
                             query_pre_attn_scalar=50)
     seen, hidden = [], []
     real_scores, real_attend = kz.reconstruction_scores, kz.reconstruction_attend
-    monkeypatch.setattr(KVzipCache, "observe_hidden", lambda self, h, w, _f=KVzipCache.observe_hidden:
-                        (hidden.append((self.layer_idx, np.array(h), np.array(w))), _f(self, h, w))[1])
+    monkeypatch.setattr(KVzip, "observe_hidden", lambda self, h, w, _f=KVzip.observe_hidden:
+                        (hidden.append((self.layer, np.array(h), np.array(w))), _f(self, h, w))[1])
 
     def spy_scores(q, ctx, own, scale, n_lead=0, q_block=512, plus=None):
         seen.append((np.array(q), np.array(ctx), np.array(own), scale, plus))
@@ -546,14 +547,14 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
     monkeypatch.setattr(kz, "reconstruction_scores", spy_scores)
     monkeypatch.setattr(kz, "reconstruction_attend", spy_attend)
     before = {}
-    real_compress = KVzipCache.compress
-    monkeypatch.setattr(KVzipCache, "compress", lambda self, b=None: (
+    real_compress = EvictionCache.compress
+    monkeypatch.setattr(EvictionCache, "compress", lambda self, b=None: (
         before.__setitem__(self.layer_idx, np.array(self.stored("zip_score")[0, :, :60])), real_compress(self, b))[1])
     prompt = random_prompt(60, seed=21)
     full = model.make_cache()  # the rows the kvzip caches hold before they evict
     mx.eval(model(mx.array([prompt]), cache=full))
     caches = build(model, kvzip(budget=24, kvzip_normalize="plus", kvzip_pass_attention=pass_attention))
-    zips = [c for c in caches if isinstance(c, KVzipCache)]
+    zips = [c for c in caches if isinstance(getattr(c, "method", None), KVzip)]
     assert [i for i, c in enumerate(caches) if isinstance(c, RotatingKVCache)] == [0, 1, 3, 4]
     steps(model, prompt, caches, 2)
     assert [i for i, _, _ in hidden] == [2, 5] and len(seen) == 2
@@ -566,7 +567,7 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
         values = np.array(full[i].values[:, :, :60])
         want = _plus_reference(q, ctx, own, scale, inv_h, w, values)
         np.testing.assert_allclose(before[i], want[0], rtol=2e-3, atol=1e-7)
-        assert z.zip_passes == 1 and z.size() == 24 + 2
+        assert z.method.passes == 1 and z.size() == 24 + 2
 
 
 def test_kvzip_plus_without_an_attention_output_projection_is_a_clear_error():
@@ -574,7 +575,7 @@ def test_kvzip_plus_without_an_attention_output_projection_is_a_clear_error():
 
     from veloxquant_mlx.methods.kvzip.model_pass import _hidden_hooks
 
-    cache = KVzipCache(kvzip(budget=24, kvzip_normalize="plus"), 0, 1)
+    cache = EvictionCache(kvzip(budget=24, kvzip_normalize="plus"), 0, 1)
     model = SimpleNamespace(layers=[SimpleNamespace(mixer=nn.Linear(4, 4))])  # no self_attn.o_proj
     with pytest.raises(ValueError, match="no attention module with o_proj"):
         with _hidden_hooks(model, [(cache, None)], {id(cache)}):

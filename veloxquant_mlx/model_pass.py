@@ -1,21 +1,22 @@
-"""The model-pass hook: work a cache defers to after the model's own forward, with the model at hand.
+"""The model-pass hook: compressions that wait for the model, run after the model's own forward.
 
 A cache cannot call the model; the builder can. ``install_model_pass(model)`` gives the model
 instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_step`` /
 ``BatchGenerator`` call) does, per forward:
 
-1. opens a frame (``caches.forward.feeding``) holding the forward's token ids, which a cache may read
-   (``caches.forward.input_ids``; a batch cache narrows it to each row's slice);
-2. runs the original forward (lazily, as always); a cache whose work needs the model (a
-   reconstruction pass at the prompt's end, say) defers it (``caches.forward.defer``);
+1. hands every eviction cache it is given the forward's token ids (``cache.feed``; a batch cache slices
+   them per row), which also tells a cache that a deferred compression will run;
+2. runs the original forward (lazily, as always); a prompt-time compression whose method needs the model
+   marks its cache ``pass_due`` instead of evicting;
 3. after the forward, per sequence holding such a cache (a batch row's own caches, or the plain list),
-   calls ``type(cache).run_model_pass(driver, seq)``: ``seq`` lists that sequence's per-layer
-   (cache, batch index or None) pairs, ``driver`` gives the model's own forward, scratch copies of
-   the other caches, the tokenizer and a per-model memo (:class:`ModelPassDriver`).
+   runs ``caches.passes.run_model_pass(driver, seq)``: the method's pass, the cross-layer shares, each
+   layer's compression. ``seq`` lists that sequence's per-layer (cache, batch index or None) pairs, ``driver``
+   gives the model's own forward, scratch copies of the other caches, the tokenizer and a per-model memo
+   (:class:`ModelPassDriver`).
 
-The glue names no method: what a pass does lives with the method that asks for it
-(``EvictionCache.run_model_pass``). Reversible (``remove_model_pass``); the instance keeps its
-class's name, module, parameters and ``isinstance`` checks.
+The glue names no method: what a pass does lives with the method that asks for it (``Method.model_pass``).
+Reversible (``remove_model_pass``); the instance keeps its class's name, module, parameters and
+``isinstance`` checks.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import copy
 import mlx.core as mx
 
 from .caches.batch import BatchEvictionCache
-from .caches.forward import feeding
+from .caches.passes import run_model_pass
 
 _DRIVER = "_veloxquant_model_pass"
 _SUBCLASSES: dict = {}
 
 
 class ModelPassDriver:
-    """What a cache's ``run_model_pass`` hook may use: the model, its original forward, scratch copies
+    """What a method's ``model_pass`` may use: the model, its original forward, scratch copies
     of layer caches, the tokenizer (None when not given) and a memo the hooks keep per model."""
 
     def __init__(self, tokenizer=None):
@@ -100,35 +101,41 @@ def _forward(model, base, inputs, args, kwargs):
     cache = kwargs.get("cache", args[0] if args else None)
     ids = inputs if (isinstance(inputs, mx.array) and inputs.ndim == 2
                      and mx.issubdtype(inputs.dtype, mx.integer)) else None
-    with feeding(ids) as frame:
+    ours = [c for c in cache or () if hasattr(c, "pass_driven")]
+    for c in ours:  # (attribute writes, not calls: this runs on every forward)
+        c.pass_driven = True
+        if c.needs_ids:
+            c.feed(ids)
+    try:
         out = base.__call__(model, inputs, *args, **kwargs)
-    if frame.due and cache is not None:
+    finally:
+        for c in ours:
+            c.pass_driven = False
+    seqs = _due_sequences(cache) if ours else ()
+    if seqs:
         driver = model.__dict__.get(_DRIVER)
         if driver is None:
             driver = ModelPassDriver()
             object.__setattr__(model, _DRIVER, driver)
         driver.bind(model, base)
         try:
-            for seq, kinds in _due_sequences(list(cache), frame.due):
-                for kind in kinds:
-                    kind.run_model_pass(driver, seq)
+            for seq in seqs:
+                run_model_pass(driver, seq)
         finally:
             driver.bind(None, None)
     return out
 
 
-def _due_sequences(cache: list, due: list) -> list:
-    """Per sequence with a deferred pass: its per-layer caches (a batch row's own caches, or the plain
-    list), each a (cache, batch index or None) pair, and the classes that deferred, in layer order."""
-    due_ids = {id(c) for c in due}
-    rows = set()
-    plain = False
-    for c in cache:
-        if id(c) in due_ids:
+def _due_sequences(cache) -> list:
+    """Per sequence whose compression waits for the pass: its per-layer caches (a batch row's own caches,
+    or the plain list), each a (cache, batch index or None) pair, in layer order."""
+    plain, rows = False, set()
+    for c in cache:  # (a loop, not a generator: it runs on every forward)
+        if isinstance(c, BatchEvictionCache):
+            rows.update(i for i, r in enumerate(c.rows) if r.pass_due)
+        elif getattr(c, "pass_due", False):
             plain = True
-        elif isinstance(c, BatchEvictionCache):
-            rows.update(i for i, r in enumerate(c.rows) if id(r) in due_ids)
     seqs = [[(c, None) for c in cache]] if plain else []
     for i in sorted(rows):
         seqs.append([(c.rows[i] if isinstance(c, BatchEvictionCache) else c, i) for c in cache])
-    return [(seq, list(dict.fromkeys(type(c) for c, _ in seq if id(c) in due_ids))) for seq in seqs]
+    return seqs

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from veloxquant_mlx.methods.h2o.cache import H2OKVCache
+from veloxquant_mlx.methods.h2o import H2O
 from lab import provenance as P
 from lab.stamp import stamp_store
 from veloxquant_mlx.evaluation.results import ResultStore
@@ -37,8 +37,8 @@ def test_fingerprint_is_deterministic_and_per_method(fresh_cache):
 def test_fingerprint_changes_with_the_kept_set_of_that_method_only(fresh_cache, monkeypatch):
     before = P.fingerprint(["h2o", "streaming"])
     P._cache.clear()
-    original = H2OKVCache.scores
-    monkeypatch.setattr(H2OKVCache, "scores", lambda self: -original(self))  # keep the least attended
+    original = H2O.scores
+    monkeypatch.setattr(H2O, "scores", lambda self, view: -original(self, view))  # keep the least attended
     after = P.fingerprint(["h2o", "streaming"])
     assert after["h2o"] != before["h2o"]
     assert after["streaming"] == before["streaming"]

@@ -14,9 +14,11 @@ takes the full path, which the light one equals row for row (tests/test_light_st
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 
-from .quant import row_dim
+from .quant import quantize_rows, row_dim, rows_zip
 
 
 class MlxLmAdapter:
@@ -32,12 +34,13 @@ class MlxLmAdapter:
             self.values[:, :, r:r + 1] = values
             self._rows = r = r + 1
             self.offset += 1
+            self._step.rows = 1
             self._fetched_store, self._fetched_rows, self._light_now = self.positions, r, True
             self._fetched_ragged = self._light_ragged
-            if self.on_light_append is not None:
-                self.on_light_append(r - 1)
             return self.keys[:, :, :r], self.values[:, :, :r]
         self._light_rows, self._light_now = 0, False
+        if self._reading:  # a model pass reads the stored rows: this forward's rows are attended, never stored
+            return self._read_fetch(keys, values)
         if self._awaiting_queries:
             raise self.missing_tap_error()
         if self.pages is not None:
@@ -76,6 +79,9 @@ class MlxLmAdapter:
         if self.pages is not None and self.pages.reading:  # the paged step (its output is the tap's to use)
             self.pages.tap(self, queries, scale, None, {})
             return
+        if self._reading:
+            self._read_observe(queries, queries.shape[-1] ** -0.5 if scale is None else float(scale))
+            return
         self.check_queries(queries)
         self._observe(queries, queries.shape[-1] ** -0.5 if scale is None else float(scale))
 
@@ -108,6 +114,8 @@ class MlxLmAdapter:
         """Arrays a step updates that attention does not read (positions, per-row scores, the query
         window): the query tap makes the layer's output depend on them (``mx.depends``), so they are
         evaluated with the token instead of growing a lazy graph that pins old buffers."""
+        if self._reading:
+            return self._read_deps
         if self.keys is None:
             return []
         return [a for a in (self.positions, self._window_q, *self.row_extras.values()) if a is not None]
@@ -122,16 +130,12 @@ class MlxLmAdapter:
             self.cold.note_queries(queries)  # the streamed prompt's last queries recall at its end
         if self.prompt.ending:
             self._end_prompt()
-        elif self._evicts_during(queries.shape[2]) and self._rows > self.evict_threshold():
-            self._evict()
+        elif self._evicts_during(queries.shape[2]):
+            due = self._rows > self.evict_threshold()
+            if not (queries.shape[2] > 1 and self._through_pass(False, due)) and due:
+                self._evict()
         self.refresh_light()
 
-    # A method's per-step work on the light path, declared (None: none): ``on_light_append(row)`` after the
-    # new row is stored (kvzap's score, kvzip's token id); ``on_light_queries(queries, attend)`` with the
-    # step's queries (H2O's attention mass), returning the layer's output when ``attend`` allows and its
-    # scoring computed it (one pass), else None.
-    on_light_append = None
-    on_light_queries = None
     # MLA (set by tap.bind_latent_queries): maps a step's queries into the space of the cached latent rows.
     latent_query = None
 
@@ -172,8 +176,8 @@ class MlxLmAdapter:
                 i = self._window_at
                 self._window_q[:, :, i:i + 1] = queries
                 self._window_at = i + 1 if i + 1 < self.query_window else 0
-            if self.on_light_queries is not None:
-                out = self.on_light_queries(queries, (mask is None or isinstance(mask, str)) and not (
+            if self.method.on_rows is not None:  # the method's per-row work, as on the full path
+                out = self.rows_step(queries, scale, (mask is None or isinstance(mask, str)) and not (
                     kwargs and any(v is not None for v in kwargs.values())))
             if out is None and (self._fetched_ragged or isinstance(mask, mx.array)):
                 mask = self.attention_mask(mask, queries)
@@ -192,3 +196,40 @@ class MlxLmAdapter:
         if self._light_rows and queries.shape[2] == 1 and seen is queries:
             self._light_q = queries.shape
         return out, mask, self.step_state() or None
+
+    # -- a model pass reading the stored rows (Needs.model_pass: KVzip's reconstruction) ----------------
+    @contextlib.contextmanager
+    def reading(self):
+        """Inside: a forward attends to the stored rows followed by its own, which are never stored, and its
+        queries (with its own rows: step.keys / step.values) go to the method's ``on_rows``; the fields it
+        returns are not stored, only evaluated with the layer's output."""
+        self._reading, self._read_deps, self._light_rows = True, [], 0  # (a reading step is never light)
+        try:
+            yield
+        finally:
+            self._reading, self._own, self._read_deps = False, None, []
+
+    def _read_fetch(self, keys, values):
+        self._check_kv(keys, values)
+        self._own = (keys, values)
+        k, v = self._fetch()
+        B, H, S = keys.shape[:3]
+        new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
+        self.note_fetched(mx.concatenate([self.positions[:, :, :self._rows], new_pos], axis=2))
+        if self.queries_from_keys:  # no tap: keys stand in for the queries, as everywhere else
+            self._read_observe(keys, keys.shape[-1] ** -0.5)
+        # quantized rows: this forward's rows join in the stored layout, so attention takes one path
+        join = lambda stored, new: rows_zip(lambda a, b: mx.concatenate([a, b], axis=2), stored,
+                                            quantize_rows(new, self.kv_bits, self.kv_group_size))
+        return join(k, keys), join(v, values)
+
+    def _read_observe(self, queries, scale):
+        step = self._step
+        step.queries, step.scale, step.rows, step.attend = queries, scale, queries.shape[2], self.attend.active
+        step.keys, step.values = self._own
+        got = self.method.on_rows(self.view, step)
+        step.queries = step.keys = step.values = None
+        fields, out = got if isinstance(got, tuple) else (got, None)
+        self._read_deps = list(fields.values())
+        if out is not None:
+            self.attend.out = out

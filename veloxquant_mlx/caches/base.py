@@ -26,7 +26,6 @@ from ..options import NoOptions
 from ..ops import keep_top_rows
 from ..ops.allocation import ada_keep
 from ..ops.attention import fused_scoring_default
-from . import forward
 from .accounting import Accounting
 from .adapter import MlxLmAdapter
 from .allocation import Uniform
@@ -90,7 +89,13 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
             self.query_window = self.method.needs.window_of(config.options)
             self.attention_mass_field = self.method.attention_mass_field
         self.view = View(self)
-        self._hidden = self._ids = None  # this step's attention input and token ids, for the method's on_rows
+        self._step = Step()  # the step the method's on_rows receives (reused: the light step builds no object)
+        self._rows_due = False  # rows were stored and the method's on_rows has not seen them yet
+        self._reading, self._own, self._read_deps = False, None, []  # a model pass reading the rows (reading())
+        self.pass_due = False  # the compression waits for the model pass after this forward (run_model_pass)
+        self.pass_driven = False  # inside a forward of the builder's model-pass wrapper (it runs deferred passes)
+        self.needs_ids = self.method.needs.token_ids  # the wrapper feeds each forward's token ids (feed)
+        self.layer_share = None  # rows per head a cross-layer ranking gave this layer (LayerShares), or None
         self.kv_bits, self.kv_group_size = config.kv_bits, config.kv_group_size
         if config.kv_bits is not None:
             # mlx-lm's scaled_dot_product_attention picks its quantized path by hasattr(cache, "bits"):
@@ -221,21 +226,35 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
                 self.attend.out = out
 
     def rows_step(self, queries, scale, attend: bool):
-        """The method's per-row work of this step (``Method.on_rows``); returns the layer's output where the
-        method computed it (``attend``: the tap allows it), else None."""
-        step = Step(queries, scale, self._hidden, self._ids, attend)
-        self._hidden = self._ids = None
+        """The method's per-row work of this step (``Method.on_rows``, the same on the light and the full
+        step): its fields are written to the newest rows; returns the layer's output where the method
+        computed it (``attend``: the tap allows it), else None."""
+        step, self._rows_due = self._step, False
+        step.queries, step.scale, step.attend = queries, scale, attend
+        step.all_visible = queries is not None and queries.shape[2] == 1 and not self._fetched_ragged
         got = self.method.on_rows(self.view, step)
+        step.queries = step.hidden = step.ids = None
         fields, out = got if isinstance(got, tuple) else (got, None)
+        r = self._rows
+        for name, v in fields.items():  # (write_rows, inline: the light step's calls are counted)
+            self.row_extras[name][:, :, r - v.shape[2]:r] = v
+        return out
+
+    def write_rows(self, fields: dict) -> None:
+        """Per-row fields of the newest stored rows: ``{name: (B, H or 1, n)}`` covers the last n rows."""
         r = self._rows
         for name, v in fields.items():
             self.row_extras[name][:, :, r - v.shape[2]:r] = v
-        return out
 
     def observe_attention_input(self, x, module=None) -> None:
         """The hidden-state tap: this step's attention input (B, S, d_model), before update_and_fetch."""
         if self.method.needs.hidden_states:
-            self._hidden = x
+            self._step.hidden = x
+
+    def feed(self, ids) -> None:
+        """The model-pass wrapper, before a forward: its (B, S) token ids (None: embeddings were fed), for a
+        method that reads them (``Needs.token_ids``)."""
+        self._step.ids = ids
 
     def note_window(self, queries: mx.array) -> None:
         """Keep the newest ``query_window`` queries (the observation window)."""
@@ -306,7 +325,9 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
         """Rows per head this eviction step keeps: the budget, or the target of a compression that
         asks for another (``PromptState.compressing_to``); the budget itself never changes."""
         t = self.prompt.target
-        return self.budget if t is None else t
+        if t is not None:
+            return t
+        return self.budget if self.layer_share is None else self.layer_share
 
     def evict_threshold(self) -> int:
         """Stored rows above which a (decode-bounded) method runs an eviction step: the rows it keeps

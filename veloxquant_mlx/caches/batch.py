@@ -41,7 +41,6 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from .batch_storage import BatchRows
-from .forward import input_span
 from .quant import buf_nbytes, quantize_rows, rows_map
 from .storage import PAD_POSITION, with_headroom
 
@@ -229,6 +228,7 @@ class BatchEvictionCache(_BaseCache):
             raise ValueError(f"keys hold {B} sequences but the batch cache has {len(self.rows)} rows")
         spans = self._spans(S)
         hidden, self._hidden = getattr(self, "_hidden", None), None
+        fed, self._fed = getattr(self, "_fed", None), None
         held = []  # per row: rows stored before this step's tokens
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
             if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
@@ -236,12 +236,13 @@ class BatchEvictionCache(_BaseCache):
                 row._check_kv(k, v)
                 row._before_append(n)
             held.append(row._rows)
-            if n:
-                if hidden is not None and hasattr(row, "observe_attention_input"):  # the row's own hidden states
-                    row.observe_attention_input(hidden[0] if (B == 1 and n == S) else hidden[0][i:i + 1, a:a + n],
-                                                hidden[1])
-                with input_span(i, a, n):  # a row reading its token ids reads its own slice
-                    row._append(k, v)
+            if n:  # the row's own hidden states and token ids
+                whole = B == 1 and n == S
+                if hidden is not None:
+                    row.observe_attention_input(hidden[0] if whole else hidden[0][i:i + 1, a:a + n], hidden[1])
+                if fed is not None:
+                    row.feed(None if fed[0] is None else fed[0] if whole else fed[0][i:i + 1, a:a + n])
+                row._append(k, v)
         bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
         # every row's tokens quantized at once: the same as row by row (groups lie along head_dim)
         self._kv.store(spans, held, quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs))
@@ -252,6 +253,23 @@ class BatchEvictionCache(_BaseCache):
                 ragged = ragged or row.fetched_ragged
         self._step = (spans, list(self._kv.n), ragged)
         return self._kv.fetch()
+
+    def feed(self, ids) -> None:
+        """The model-pass wrapper's token ids of the next forward (B, S): each row is fed its own slice."""
+        self._fed = (ids,)
+
+    @property
+    def needs_ids(self) -> bool:
+        return bool(self.rows) and self.rows[0].needs_ids
+
+    @property
+    def pass_driven(self) -> bool:
+        return any(r.pass_driven for r in self.rows)
+
+    @pass_driven.setter
+    def pass_driven(self, on: bool) -> None:
+        for r in self.rows:
+            r.pass_driven = on
 
     def observe_attention_input(self, x: mx.array, module=None) -> None:
         """The hidden-state tap (before update_and_fetch): held until update_and_fetch hands each row

@@ -72,7 +72,8 @@ class AttentionMasks:
             return create_causal_mask(n_queries, offset=rows - n_queries)
         if n_queries == 1 and self._fetched_store is not None:
             return self.decode_mask(self._fetched_store, rows, queries)
-        return self.ragged_mask(pos, mx.arange(self.offset - n_queries, self.offset), queries)
+        q_start = self.offset if self._reading else self.offset - n_queries  # a reading pass stores nothing
+        return self.ragged_mask(pos, mx.arange(q_start, q_start + n_queries), queries)
 
     def decode_mask(self, store: mx.array, rows: int, queries: mx.array) -> mx.array:
         """A decode step's ragged mask: ``ragged_mask`` for one query over the first ``rows`` rows of the

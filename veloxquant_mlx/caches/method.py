@@ -29,7 +29,8 @@ class Needs:
     queries: bool = True  # the query tap's post-RoPE queries (False: key-only or position-only rules)
     window: int | str = 0  # recent queries kept for scores(): a number, or the name of the option holding it
     hidden_states: bool = False  # each step's attention input (step.hidden): the builder's hidden-state tap
-    model_pass: bool = False  # work after the forward, with the model at hand (token ids in step.ids)
+    model_pass: bool = False  # prompt-time compressions may run after the forward, with the model at hand
+    token_ids: bool = False  # each step's token ids (step.ids), which the model-pass wrapper feeds
 
     def window_of(self, options) -> int:
         return getattr(options, self.window) if isinstance(self.window, str) else self.window
@@ -53,6 +54,7 @@ class Method:
     attention_mass_field: str | None = None
     compresses_in_model_pass = False  # the prompt-end compression runs in the model pass (recall_hold refuses it)
     model_pass_note = ""  # what runs in the model pass, for a progress bar
+    layer_shares: str | None = None  # the per-row field one ranking across layers reads after the model pass
 
     def __init__(self, config, layer: int = 0, n_layers: int = 1):
         self.config, self.options, self.layer, self.n_layers = config, config.options, layer, n_layers
@@ -97,8 +99,15 @@ class Method:
     def attach(cls, model, methods: list) -> None:
         """The model, once the builder made this method's caches (``methods``: their Method instances)."""
 
+    def wants_pass(self, view, ending: bool, due: bool) -> bool:
+        """Does this prompt-time compression run through the model pass after the forward (``Needs.model_pass``)?
+        ``ending``: at the prompt's end, else after a streamed chunk; ``due``: the cache compresses now anyway
+        (over the budget at the end, over its eviction threshold after a chunk)."""
+        return False
+
     @classmethod
-    def model_pass(cls, driver, seq: list) -> None:
-        """After a forward in which a cache of this method asked for it (``needs.model_pass``): ``seq`` is
-        one sequence's per-layer (cache, batch index or None) pairs; ``driver`` the glue's ModelPassDriver."""
-        raise NotImplementedError(f"{cls.__name__} asked for a model pass but has no model_pass")
+    def model_pass(cls, driver, seq: list):
+        """The pass itself, after the forward (``caches.passes``): ``seq`` is one sequence's per-layer (cache,
+        batch index or None) pairs, ``driver`` the glue's ModelPassDriver (None: no model at hand). Returns,
+        per cache whose compression waited, the per-row fields of its newest rows to set first (or None)."""
+        return None

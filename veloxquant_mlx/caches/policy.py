@@ -15,6 +15,8 @@ import warnings
 
 import mlx.core as mx
 
+from .passes import run_model_pass
+
 
 @dataclasses.dataclass
 class PromptState:
@@ -74,6 +76,11 @@ class PromptPolicy:
     def _before_append(self, S: int) -> None:
         """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per
         row: caches.batch)."""
+        if self._rows_due:  # the last step's rows got no queries (no tap): the method's per-row work now
+            step = self._step
+            mine, step.hidden, step.ids = (step.hidden, step.ids), None, None  # (this step's, kept for it)
+            self.rows_step(None, None, False)
+            step.hidden, step.ids = mine
         p = self.prompt
         if self.pages is not None and S > 1 and not p.open:
             self.pages.begin_input(self)  # this input is read against every row so far, from the file
@@ -126,13 +133,33 @@ class PromptPolicy:
         """After the prompt's last step: the one-shot compression (prefill-only methods, and every
         method under prompt_eviction="end")."""
         self.prompt.ending = False
-        if not self._holds_recall():
+        if not self._holds_recall() and not self._through_pass(True, self._rows > self.budget):
             self._compress_to_budget()
 
     def _compress_to_budget(self) -> None:
         if self._rows > self.budget:  # (a closed paged prompt counts the rows in its file)
             with self.prompt.compressing_to():
                 self._evict()
+
+    def compress(self, keep: int | None = None) -> None:
+        """The compression that waited for the model pass (``pass_due``), to ``keep`` rows per head (None:
+        the budget); a cross-layer share stays this layer's keep where decode evicts (``keep_rows``)."""
+        self.pass_due, self._light_rows = False, 0
+        self.layer_share = None if self.prefill_only else keep
+        if self._rows > (self.keep_rows() if keep is None else keep):
+            with self.prompt.compressing_to(keep):
+                self._evict()
+
+    def _through_pass(self, ending: bool, due: bool) -> bool:
+        """Does this prompt-time compression (``ending``: the prompt's end, else a streamed chunk; ``due``: over
+        the budget or the threshold) run through the method's model pass (``Method.wants_pass``)? Then it runs
+        after the forward where the builder's model-pass wrapper drives the cache, else now."""
+        if not (self.method.needs.model_pass and self.method.wants_pass(self.view, ending, due)):
+            return False
+        self.pass_due = True
+        if not self.pass_driven:
+            run_model_pass(None, [(self, None)])
+        return True
 
     def _holds_recall(self) -> bool:
         """``recall_hold``: a follow-up input that recalled ends without its compression, so its answer

@@ -97,7 +97,15 @@ class StateRoundTrip:
             "ending": self.prompt.ending,
             "ragged": self.is_ragged, "evict_floor": self._evict_floor,
             **({} if self.cold is None else {"recall": self.cold.meta()}),
+            **({} if self.layer_share is None else {"layer_share": self.layer_share}),
+            **self._method_state(),
         }, sort_keys=True)
+
+    def _method_state(self) -> dict:
+        """The method's declared ``state_fields``, under its name (None values left out)."""
+        m = self.method
+        got = {f: getattr(m, f) for f in m.state_fields if getattr(m, f) is not None}
+        return {m.name: got} if got else {}
 
     @meta_state.setter
     def meta_state(self, text):
@@ -126,6 +134,12 @@ class StateRoundTrip:
         self._evict_floor = meta.get("evict_floor", 0)
         if self.cold is not None:
             self.cold.set_meta(meta.get("recall", {}))
+        # (a share was saved under the method's name before every method could keep one)
+        self.layer_share = meta.get("layer_share", meta.get(f"{self.method.name}_layer_share"))
+        m = self.method
+        for f, v in (meta.get(m.name) or {}).items():
+            if f in m.state_fields:
+                setattr(m, f, v)
 
     @classmethod
     def from_state(cls, state, meta_state):

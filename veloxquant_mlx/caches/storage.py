@@ -140,6 +140,7 @@ class RowStorage:
                     self.row_extras[name][:, :, prev:need] = fill
         self._rows = need
         self.offset += S
+        self._step.rows, self._rows_due = S, self.method.on_rows is not None
 
     def future_positions(self, kept: mx.array, extra: int) -> mx.array:
         """A NEW positions buffer: the ``kept`` rows' positions, then ``extra`` headroom rows holding the

@@ -34,12 +34,16 @@ class View:
     @property
     def keys(self) -> mx.array:
         """(B, H, rows, D) the stored keys (post-RoPE), as attention reads them."""
-        return self._cache.stored("keys")
+        c = self._cache
+        k = c.keys
+        return k[:, :, :c._rows] if c.kv_bits is None and k is not None else c.stored("keys")
 
     @property
     def values(self) -> mx.array:
         """(B, H, rows, D_v) the stored values."""
-        return self._cache.stored("values")
+        c = self._cache
+        v = c.values
+        return v[:, :, :c._rows] if c.kv_bits is None and v is not None else c.stored("values")
 
     @property
     def positions(self) -> mx.array:
@@ -48,7 +52,9 @@ class View:
 
     def field(self, name: str) -> mx.array:
         """(B, H, rows) float32 per-row state the method declared (``Method.row_fields``)."""
-        return self._cache.stored(name)
+        c = self._cache
+        f = c.row_extras.get(name)
+        return f[:, :, :c._rows] if f is not None and c.keys is not None else c.stored(name)
 
     def window(self):
         """(queries (B, H_q, W, D), their positions (W,), scale) of the last W queries; where none was seen
@@ -58,6 +64,11 @@ class View:
     def key(self) -> mx.array:
         """A fresh PRNG key (the cache's key for ``config.seed`` and the layer, split at every call)."""
         return self._cache.next_key()
+
+    @property
+    def rows(self) -> int:
+        """Stored rows per head (padding included)."""
+        return self._cache.size()
 
     @property
     def offset(self) -> int:
@@ -101,11 +112,14 @@ class View:
 class Step:
     """One step's new rows, as ``Method.on_rows`` receives them."""
 
-    __slots__ = ("queries", "scale", "hidden", "ids", "attend")
+    __slots__ = ("rows", "queries", "scale", "all_visible", "hidden", "ids", "attend", "keys", "values")
 
-    def __init__(self, queries=None, scale=None, hidden=None, ids=None, attend=False):
-        self.queries = queries  # (B, H_q, S, D) post-RoPE queries of the S new rows (None: none arrived)
-        self.scale = scale  # their softmax scale
-        self.hidden = hidden  # (B, S, d_model) attention input of the step (Needs.hidden_states), or None
-        self.ids = ids  # (B, S) token ids of the step (Needs.model_pass), or None
-        self.attend = attend  # the method may return the layer's attention output over the stored rows
+    def __init__(self):
+        self.rows = 0  # S, the number of new rows (the newest S stored rows)
+        self.queries = None  # (B, H_q, S, D) their post-RoPE queries (None: none arrived, no query tap)
+        self.scale = None  # the queries' softmax scale
+        self.all_visible = False  # every stored row is visible to the step's query (one query, no padding)
+        self.hidden = None  # (B, S, d_model) the attention input of the step (Needs.hidden_states), or None
+        self.ids = None  # (B, S) token ids of the step (Needs.model_pass), or None
+        self.attend = False  # the method may return the layer's attention output over the stored rows
+        self.keys = self.values = None  # inside a reading model pass: the forward's own rows (never stored)

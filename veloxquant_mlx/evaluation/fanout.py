@@ -66,6 +66,25 @@ class FanOutCache:
     def observe_queries(self, queries, scale=None):
         self._each("observe_queries", queries, scale)
 
+    # the model-pass wrapper: every forward's token ids for the sub-caches that keep them, and whether the
+    # wrapper drives this forward
+    @property
+    def needs_ids(self) -> bool:
+        return any(getattr(c, "needs_ids", False) for c in self.subs.values())
+
+    def feed(self, ids):
+        self._each("feed", ids)
+
+    @property
+    def pass_driven(self) -> bool:
+        return any(getattr(c, "pass_driven", False) for c in self.subs.values())
+
+    @pass_driven.setter
+    def pass_driven(self, on: bool) -> None:
+        for c in self.subs.values():
+            if hasattr(c, "pass_driven"):
+                c.pass_driven = on
+
     def observe_attention_input(self, x, module=None):
         self._each("observe_attention_input", x, module)  # the hidden-state tap, for caches that read it
 

@@ -93,14 +93,14 @@ def kvzip_plus_rows(model, tokenizer, ids: list, n_sink: int = 4) -> dict:
 
     from ..builder import KVCacheBuilder
     from ..config import KVCacheConfig
-    from ..methods.kvzip import KVzipCache
+    from ..methods.kvzip import KVzip
     from ..tap import install_hidden_tap
 
     n = len(ids)
     cfg = KVCacheConfig("kvzip", budget=n - 1, n_sink=n_sink, allocation="uniform", kvzip_normalize="plus",
                         kvzip_layers="each")
     caches = KVCacheBuilder.for_model(model, cfg, tokenizer=tokenizer)
-    zips = {i: c for i, c in enumerate(caches) if isinstance(c, KVzipCache)}
+    zips = {i: c for i, c in enumerate(caches) if isinstance(getattr(c, "method", None), KVzip)}
     install_hidden_tap(model)
     seen = {}
     for i, c in zips.items():  # the prompt's forward hands each layer's input to the tap: record it there
@@ -114,7 +114,7 @@ def kvzip_plus_rows(model, tokenizer, ids: list, n_sink: int = 4) -> dict:
     model(x[:, -1:], cache=caches)  # then the last alone (the prompt's end: the pass runs)
     out = {}
     for i, c in zips.items():
-        if c.zip_passes < 1:
+        if c.method.passes < 1:
             raise RuntimeError(f"layer {i}: the KVzip+ reconstruction pass did not run")
         pos = np.array(c.stored("positions"))[0]
         sc = np.array(c.stored("zip_score").astype(mx.float32))[0]

@@ -1,7 +1,7 @@
-"""KVzapCache: a learned query-agnostic scorer (its cache, scorer files, the fit's regression, shipped scorers)."""
+"""KVzap: a learned query-agnostic scorer (its method, scorer files, the fit's regression, shipped scorers)."""
 
-from .cache import (KVzapCache, KVzapOptions, find_scorer, load_scorer, model_identity, read_scorer_metadata,
+from .cache import (KVzap, KVzapOptions, find_scorer, load_scorer, model_identity, read_scorer_metadata,
                     save_scorer)
 
-__all__ = ["KVzapCache", "KVzapOptions", "find_scorer", "load_scorer", "model_identity", "read_scorer_metadata",
+__all__ = ["KVzap", "KVzapOptions", "find_scorer", "load_scorer", "model_identity", "read_scorer_metadata",
            "save_scorer"]

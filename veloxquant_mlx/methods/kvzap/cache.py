@@ -8,8 +8,8 @@ paper regresses log-scores): linear, ``s = x W + b`` with W (d_model, H_kv), or 
 is scored as it is stored, in the prompt and in decode, so the method evicts during decode too; the
 prompt is compressed once at its end (``prompt_eviction="end"``) with no extra model pass.
 
-The hidden states reach the cache through the hidden-state tap (``veloxquant_mlx.tap``), which the
-builder installs for ``needs_hidden_states``. The builder also calls :meth:`KVzapCache.attach_model`,
+The hidden states reach the method through the hidden-state tap (``veloxquant_mlx.tap``), which the
+builder installs for ``Needs.hidden_states``. The builder also calls :meth:`KVzap.attach`,
 which finds the scorer (the ``scorer`` option, else a fitted file whose model identity matches, see
 :func:`find_scorer`) and checks that it was fitted for this model. ``python -m veloxquant_mlx fit-kvzap``
 fits one (``methods/kvzap/fit.py`` holds the regression).
@@ -27,11 +27,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...caches import forward
-from ...caches.base import EvictionCache
-from ...caches.layer_shares import global_layer_shares
+from ...caches.method import Method, Needs
 from ...model_dims import model_dims
-from ...options import option
+from ...options import evict_every, option
 from ...registry import register
 
 SCORER_FORMAT = "veloxquant-kvzap-scorer/1"
@@ -45,7 +43,7 @@ PAPER_WINDOW = 128
 @dataclasses.dataclass
 class KVzapOptions:
     scorer: str = option("", doc="scorer file (safetensors from fit-kvzap); empty: the fitted file for this model")
-    evict_every: int = option(32, low=1, small=4, doc="amortization slack: evict once this many extra rows exist")
+    evict_every: int = evict_every()
     # "each": every layer keeps ``budget`` rows per head. "global": at a prompt's end one ranking of every
     # layer's predicted log KVzip+ scores decides each layer's share (KVzip's non-uniform layer budget,
     # KVzip Sec. 3; the surrogates regress one target scale, so their predictions compare across layers),
@@ -174,7 +172,7 @@ _warned: set = set()
 
 
 @register("kvzap")
-class KVzapCache(EvictionCache):
+class KVzap(Method):
     """KVzap: rows scored as they arrive by a fitted map (linear or MLP) of their hidden state (KVzip+ surrogate)."""
 
     Options = KVzapOptions
@@ -182,42 +180,49 @@ class KVzapCache(EvictionCache):
     # budgets: one ranking of a layer's heads, floor 0, and the library's storage cap of 2x a head's share
     # (measured against the Ada-KV reference floor 0.2 and cap 1.1 in docs/methods/kvzap.md).
     config_defaults = {"allocation": "ada", "floor_alpha": 0.0, "max_head_factor": 2.0}
-    needs_queries = False
-    needs_hidden_states = True  # the builder installs the hidden-state tap (veloxquant_mlx.tap)
-    needs_model_pass = True  # layers="global": the prompt-end compression waits for every layer's scores
+    # the hidden-state tap; the model pass: layers="global" ranks every layer's rows after the forward
+    needs = Needs(queries=False, hidden_states=True, model_pass=True)
+    row_fields = {"zap_score": 0.0}  # every row's predicted log KVzip+ score
+    state_fields = ("scorer", "sha256")  # the scorer travels by path and hash
 
     @classmethod
     def default_recent(cls, budget, options):
         # The paper's window, capped at half the budget so the scorer still picks at small budgets.
         return min(PAPER_WINDOW, max(budget // 2, 1))
 
-    def __init__(self, config, layer_idx=0, n_layers=1):
-        super().__init__(config, layer_idx, n_layers)
-        self._hidden = None  # this step's attention input, from the hidden-state tap
-        self._weights = None  # (W (d_model, H_kv of the whole model), b), set by attach_model / on load
-        self._local = None  # the same, sliced to this rank's heads
-        self.scorer_file = None  # (path, sha256) of the scorer in use
-        self.layer_share = None  # layers="global": this layer's rows per head since a prompt's end
-        self._share_due = False  # layers="global": compression deferred to after the forward
-        self._ranking_possible = True  # False once a forward ran without the builder's model wrapper
+    def __init__(self, config, layer=0, n_layers=1):
+        super().__init__(config, layer, n_layers)
+        self._scorer = self._sha = None  # the scorer file in use and its sha256
+        self._weights = self._local = None  # (W (d_model, H_kv of the whole model), b); the same, this rank's heads
+        self.layer_shares = "zap_score" if self.options.layers in ("global", "auto") else None
 
-    def extra_row_fields(self):
-        return {"zap_score": 0.0}
+    def scores(self, view):
+        return view.field("zap_score")
 
-    rows_written_on_append = ("zap_score",)  # _append scores every new row
+    def on_rows(self, view, step):
+        """Every new row's predicted score, from the step's hidden states (Sec. 3: the surrogate)."""
+        x, S = step.hidden, step.rows
+        if self._weights is None or x is None:
+            return {"zap_score": self._unscored(view, S)}
+        if x.shape[1] != S:
+            raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows")
+        params = self._local or self._layer_weights(view.positions.shape[1], view.shard)
+        return {"zap_score": _score_compiled[len(params)](x, *params)}
 
-    def scores(self):
-        return self.stored("zap_score")
+    def wants_pass(self, view, ending, due) -> bool:
+        # layers="global": one ranking of every layer's rows at the prompt's end, and, streaming, after every
+        # chunk once the prompt passes budget + slack (a row's score is fixed when it arrives)
+        return self.layer_shares is not None and view.offset > view.budget + (0 if ending else self.slack())
 
     # -- the scorer ------------------------------------------------------------------------------------
     @classmethod
-    def attach_model(cls, model, caches: list) -> None:
-        """Give every kvzap cache of ``model`` its layer's scorer (called by the builder): the ``scorer``
-        option's file, else the fitted file of this model's identity. Clear errors otherwise."""
-        if not caches:
+    def attach(cls, model, methods: list) -> None:
+        """Give every kvzap layer of ``model`` its scorer: the ``scorer`` option's file, else the fitted file of
+        this model's identity. Clear errors otherwise."""
+        if not methods:
             return
         ident = model_identity(model)
-        path = caches[0].options.scorer or find_scorer(ident)
+        path = methods[0].options.scorer or find_scorer(ident)
         if path is None:
             raise ValueError(
                 f"kvzap: no fitted scorer for this model ({_describe(ident)}): fit one with `python -m "
@@ -227,69 +232,46 @@ class KVzapCache(EvictionCache):
         if meta["identity"] != ident:
             raise ValueError(f"kvzap scorer {str(path)!r} was fitted for {_describe(meta['identity'])}, "
                              f"not this model ({_describe(ident)})")
-        for c in caches:
-            c.use_scorer(path)
+        for m in methods:
+            m.scorer = path
 
-    def use_scorer(self, path) -> None:
-        weights, meta, sha = load_scorer(path)
-        if self.layer_idx not in weights:
-            raise ValueError(f"kvzap scorer {str(path)!r} has no weights for layer {self.layer_idx} "
+    @property
+    def scorer(self):
+        """Path of the scorer file in use (None: none yet); setting it loads this layer's weights."""
+        return self._scorer
+
+    @scorer.setter
+    def scorer(self, path) -> None:
+        if path is None:
+            return
+        weights, meta, self._sha = load_scorer(path)
+        if self.layer not in weights:
+            raise ValueError(f"kvzap scorer {str(path)!r} has no weights for layer {self.layer} "
                              f"(fitted layers: {meta['layers']})")
-        self._weights, self._local = weights[self.layer_idx], None
-        self.scorer_file = (str(path), sha)
+        self._weights, self._local, self._scorer = weights[self.layer], None, str(path)
 
-    def observe_attention_input(self, x, module=None) -> None:
-        """The hidden-state tap: this step's attention input (B, S, d_model), before update_and_fetch."""
-        self._hidden = x
+    @property
+    def sha256(self):
+        return self._sha
 
-    def _layer_weights(self, n_local: int):
-        if self._local is None:
-            *hidden, w, b = self._weights  # (an MLP's first layer is shared by every head)
-            if w.shape[1] != (n_local if self.dist is None else self.dist.total_heads(n_local)):
-                raise ValueError(f"kvzap scorer has {w.shape[1]} KV heads for layer {self.layer_idx}, the "
-                                 f"cache holds {n_local}")
-            if self.dist is not None:  # tensor parallel: this rank's head columns
-                w, b = self.dist.local(w, n_local, axis=1), self.dist.local(b, n_local, axis=0)
-            self._local = (*hidden, w, b)
+    @sha256.setter
+    def sha256(self, sha) -> None:  # restored after the scorer: it must be the file the cache was saved with
+        if sha is not None and self._sha is not None and sha != self._sha:
+            raise ValueError(f"kvzap scorer {self._scorer!r} changed since this cache was saved "
+                             f"(sha256 {self._sha}, saved with {sha})")
+
+    def _layer_weights(self, n_local: int, shard):
+        """This layer's (hidden..., W, b), W's columns those of this rank's ``n_local`` KV heads."""
+        *hidden, w, b = self._weights  # (an MLP's first layer is shared by every head)
+        if w.shape[1] != (n_local if shard is None else shard.total_heads(n_local)):
+            raise ValueError(f"kvzap scorer has {w.shape[1]} KV heads for layer {self.layer}, the cache holds "
+                             f"{n_local}")
+        if shard is not None:  # tensor parallel: this rank's head columns
+            w, b = shard.local(w, n_local, axis=1), shard.local(b, n_local, axis=0)
+        self._local = (*hidden, w, b)
         return self._local
 
-    def _append(self, keys, values):
-        prev = self._rows
-        super()._append(keys, values)
-        self._score_rows(prev, keys.shape)
-
-    def _score_rows(self, prev, shape):
-        """Score the rows ``prev .. prev + S`` just appended (``shape``: their keys' (B, H, S, D))."""
-        S = shape[2]
-        x, self._hidden = self._hidden, None  # a row of a batch gets its own slice (caches.batch)
-        if self._weights is None or x is None:
-            s = self._unscored(prev, S)
-        else:
-            if x.shape[1] != S or x.shape[0] != shape[0]:
-                raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows of "
-                                 f"{shape[0]} sequences")
-            params = self._layer_weights(shape[1])
-            s = _score_compiled[len(params)](x, *params)
-        self.row_extras["zap_score"][:, :, prev:prev + S] = s
-        if (self._streams_globally(S) and self._ranking_possible and not self._share_due
-                and self.offset > self.budget + self.slack):
-            self._defer_ranking()
-
-    def refresh_light(self):
-        super().refresh_light()
-        params = self._local
-        self._light_score = None if params is None else (len(params), params)  # (no function: caches are copied)
-
-    def on_light_append(self, row):
-        """_score_rows of the light step's one row, once the full path has checked the scorer and its heads."""
-        x, light = self._hidden, self._light_score
-        if light is None or x is None or x.shape[:2] != (self._light_k[0], 1):
-            return self._score_rows(row, self._light_k)  # its checks and errors
-        self._hidden = None
-        n, params = light
-        self.row_extras["zap_score"][:, :, row:row + 1] = _score_compiled[n](x, *params)
-
-    def _unscored(self, prev, S):
+    def _unscored(self, view, S):
         """No scorer or no hidden state: a cache built without the builder ranks rows by recency (a
         StreamingLLM window, warned once); a scorer without the tap is an error."""
         if self._weights is not None:
@@ -298,88 +280,5 @@ class KVzapCache(EvictionCache):
         if "direct" not in _warned:
             _warned.add("direct")
             warnings.warn("kvzap cache without a scorer (built without KVCacheBuilder): rows are ranked by "
-                          "recency instead", stacklevel=4)
-        return self.positions[:, :, prev:prev + S].astype(mx.float32)
-
-    # -- layers="global": one ranking across layers at each prompt's end -------------------------------
-    @property
-    def global_layers(self) -> bool:
-        """Does one ranking of every layer's rows split the budget (layers "global" or "auto")?"""
-        return self.options.layers in ("global", "auto")
-
-    def _streams_globally(self, S: int) -> bool:
-        """A prompt chunk under prompt_eviction="stream" with one ranking across layers: the chunk's
-        eviction waits for the forward's end, when every layer holds its rows (run_model_pass)."""
-        return S > 1 and self.global_layers and self.config.prompt_eviction == "stream"
-
-    def evict_threshold(self) -> int:
-        if self._share_due:  # this forward's eviction is the ranking after it (run_model_pass)
-            return self._rows + 1
-        return super().evict_threshold()
-
-    def _defer_ranking(self) -> None:
-        """Ask for the ranking across layers after this forward; without the builder's model wrapper
-        each layer evicts on its own (warned once)."""
-        if forward.defer(self):
-            self._share_due = True
-            return
-        self._ranking_possible = False
-        if "no pass" not in _warned:
-            _warned.add("no pass")
-            warnings.warn("kvzap layers='global' needs the caches built by KVCacheBuilder (its model "
-                          "wrapper runs the ranking after the forward): each layer keeps its own budget",
-                          stacklevel=5)
-
-    def keep_rows(self) -> int:
-        # The layer's share sizes the decode threshold and the buffers too (base evict_threshold and
-        # headroom_after_eviction read keep_rows), so a layer kept below the budget holds no budget-wide rows.
-        if self.layer_share is None or self.prompt.target is not None:
-            return super().keep_rows()  # the budget, or a compression's target
-        return self.layer_share
-
-    def _end_prompt(self):
-        if self.global_layers and self.offset > self.budget and not self._holds_recall():
-            self._defer_ranking()  # after the forward, with every layer's rows: run_model_pass
-            if self._share_due:
-                self.prompt.ending = False
-                return
-        super()._end_prompt()
-
-    @classmethod
-    def run_model_pass(cls, driver, seq):
-        """After the forward whose prompt end (or, streaming, whose prompt chunk) every kvzap layer of
-        this sequence deferred: one ranking of all their rows, then each compresses to its share (no
-        model pass runs)."""
-        due = [c for c, _ in seq if isinstance(c, cls) and c._share_due]
-        if not due:
-            return
-        shares = global_layer_shares(due, "zap_score", "kvzap")
-        for i, c in enumerate(due):
-            c._share_due = False
-            c.layer_share = None if shares is None else shares[i]
-            c._light_rows = 0  # its eviction threshold moved: the next step is a full one
-            if c._rows > c.keep_rows():
-                with c.prompt.compressing_to(c.layer_share):
-                    c._evict()
-
-    # -- save / load: the scorer travels by path and hash ----------------------------------------------
-    @property
-    def meta_state(self):
-        meta = json.loads(EvictionCache.meta_state.fget(self))
-        if self.scorer_file is not None:
-            meta["kvzap"] = {"scorer": self.scorer_file[0], "sha256": self.scorer_file[1]}
-        if self.layer_share is not None:
-            meta["kvzap_layer_share"] = self.layer_share
-        return json.dumps(meta, sort_keys=True)
-
-    @meta_state.setter
-    def meta_state(self, text):
-        EvictionCache.meta_state.fset(self, text)
-        meta = json.loads(text)
-        self.layer_share = meta.get("kvzap_layer_share")
-        z = meta.get("kvzap")
-        if z:
-            self.use_scorer(z["scorer"])
-            if self.scorer_file[1] != z["sha256"]:
-                raise ValueError(f"kvzap scorer {z['scorer']!r} changed since this cache was saved "
-                                 f"(sha256 {self.scorer_file[1]}, saved with {z['sha256']})")
+                          "recency instead", stacklevel=5)
+        return view.positions[:, :, -S:].astype(mx.float32)

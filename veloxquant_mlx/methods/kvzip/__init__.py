@@ -1,5 +1,5 @@
-"""KVzipCache: query-agnostic compression by context reconstruction (its cache and its scoring ops)."""
+"""KVzip: query-agnostic compression by context reconstruction (its method, its pass and its scoring ops)."""
 
-from .cache import KVzipCache, KVzipOptions
+from .cache import KVzip, KVzipOptions
 
-__all__ = ["KVzipCache", "KVzipOptions"]
+__all__ = ["KVzip", "KVzipOptions"]

@@ -1,12 +1,12 @@
-"""KVzip's reconstruction pass (paper Sec. 3), run by the glue's model-pass hook after a forward in
-which a KVzip cache deferred its compression (``KVzipCache.run_model_pass``).
+"""KVzip's reconstruction pass (paper Sec. 3), run by the glue's model-pass hook after a forward whose
+prompt ended (``KVzip.model_pass``).
 
 Per sequence: the pending context is re-read in chunks (``repeat prompt + chunk``, about 2K tokens)
-through the same model, the KVzip caches in scoring mode (the pass's own K/V are never stored) and
-fresh copies of every other cache (``driver.scratch``: e.g. Gemma 3's sliding RotatingKVCache is never
-mutated); then every KVzip cache of the sequence evicts. With ``normalize="plus"`` (KVzip+) each KVzip
-layer's attention module hands its input and output projection to its cache during the pass (a
-subclass swapped in for the pass only). Everything stays lazy: the scores are evaluated with the next
+through the same model, the KVzip caches reading their rows (``cache.reading()``: the pass's own K/V are
+never stored) and fresh copies of every other cache (``driver.scratch``: e.g. Gemma 3's sliding
+RotatingKVCache is never mutated); the scores become the rows' ``zip_score`` and every KVzip cache of the
+sequence compresses. With ``normalize="plus"`` (KVzip+) each KVzip layer's attention module hands its input
+and output projection to its method during the pass (a subclass swapped in for the pass only). Everything stays lazy: the scores are evaluated with the next
 token, chunk after chunk (docs/methods/kvzip.md measures the pass's peak memory).
 
 ``driver`` is what the glue hands a model-pass hook: ``model``, ``forward(inputs, cache)`` (the
@@ -20,7 +20,6 @@ import warnings
 
 import mlx.core as mx
 
-from ...caches.layer_shares import global_layer_shares
 
 # The repeat prompts of the reconstruction input (paper Sec. 3, Fig. 2: "Repeat the previous
 # context"); later chunks quote the previous chunk's last tokens so the model knows where to resume.
@@ -76,44 +75,46 @@ def chunk_parts(prompt: PassPrompt, take, lo: int, hi: int, overlap: int) -> lis
     return head + [prompt.suffix, take(lo, hi)]
 
 
-def reconstruct(cls, driver, seq: list) -> None:
-    """The chunked reconstruction pass over one sequence's pending text (``seq``: its per-layer
-    (cache, batch index or None) pairs), then the evictions of its ``cls`` caches."""
-    zips = [c for c, _ in seq if isinstance(c, cls)]
-    if not zips:
-        return
-    first = zips[0]
-    n = first.pending
-    if any(z.pending != n for z in zips):
-        raise RuntimeError("kvzip caches of one sequence disagree on the pending text "
-                           f"({sorted({z.pending for z in zips})} tokens)")
+def reconstruct(driver, seq: list, zips: list) -> list:
+    """The chunked reconstruction pass over one sequence's pending text (``seq``: its per-layer (cache, batch
+    index or None) pairs; ``zips``: its KVzip caches); returns each one's per-row fields (the scores)."""
+    views = [z.view for z in zips]
+    pending = {v.offset - z.method.scored for v, z in zip(views, zips)}
+    if len(pending) != 1:
+        raise RuntimeError(f"kvzip caches of one sequence disagree on the pending text ({sorted(pending)} tokens)")
+    n = pending.pop()
+    first = zips[0].method
     prompt = pass_prompt(driver)
-    ids = first.pending_ids()
+    ids = views[0].field("zip_ids")[:, 0, -n:].astype(mx.int32)
     B = ids.shape[0]
     m, overlap = first.options.chunk, first.options.overlap
 
     def tokens(lst):
         return mx.broadcast_to(mx.array(lst, dtype=mx.int32)[None], (B, len(lst)))
 
-    zip_ids = {id(z) for z in zips}
-    with _hidden_hooks(driver.model, seq, zip_ids) if first.options.normalize == "plus" else _nothing():
+    reading = {id(z) for z in zips}
+    with _hidden_hooks(driver.model, seq, reading) if first.options.normalize == "plus" else _nothing():
         for lo in range(0, n, m):  # Sec. 3 (chunked scoring): each chunk with its own repeat prompt
             hi = min(lo + m, n)
             parts = chunk_parts(prompt, lambda a, b: ids[:, a:b], lo, hi, overlap)
             parts = [tokens(p) if isinstance(p, list) else p for p in parts]
             inp = mx.concatenate([p for p in parts if p.shape[1]], axis=1)
-            for z in zips:
-                z.begin_chunk(lo, hi)
+            for z, v in zip(zips, views):
+                z.method.begin_chunk(v, lo, hi)
             try:
-                driver.forward(inp, [c if id(c) in zip_ids else driver.scratch(c, i) for c, i in seq])
+                with contextlib.ExitStack() as stack:
+                    for z in zips:
+                        stack.enter_context(z.reading())
+                    driver.forward(inp, [c if id(c) in reading else driver.scratch(c, i) for c, i in seq])
             finally:
                 for z in zips:
-                    z.end_chunk()
-    for z in zips:
-        z.finish_pass()
-    shares = global_layer_shares(zips, "zip_score", "kvzip") if first.options.layers == "global" else None
-    for i, z in enumerate(zips):
-        z.compress(None if shares is None else shares[i])
+                    z.method.chunk = z.method.plus = None
+    out = []
+    for z, v in zip(zips, views):
+        parts, z.method.parts = z.method.parts, []
+        z.method.passes += 1 if parts else 0
+        out.append(z.method.finish(v, parts))
+    return out
 
 
 _HOOKED: dict = {}
@@ -165,7 +166,7 @@ def _hidden_hooks(model, seq, zip_ids):
                     return _base.__call__(self, x, *args, **kwargs)
 
                 sub = _HOOKED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-            object.__setattr__(attn, "_veloxquant_zip", c)
+            object.__setattr__(attn, "_veloxquant_zip", c.method)
             attn.__class__ = sub
             hooked.append((attn, cls))
         yield
