@@ -115,7 +115,7 @@ def attended_rows(caches) -> dict:
     each layer's widest head, padding included: what attention reads) and ``real`` (padding left out)."""
     import numpy as np
 
-    from veloxquant_mlx.caches.storage import PAD_POSITION
+    from veloxquant_mlx.caches import PAD_POSITION
 
     attended = real = 0
     for c in caches:

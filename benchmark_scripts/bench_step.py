@@ -44,7 +44,7 @@ from _common import FIGURES, blas_info, budget, provenance, tiny_llama, run_subc
 import veloxquant_mlx
 from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.batch import BatchEvictionCache
-from veloxquant_mlx.caches.storage import PAD_POSITION
+from veloxquant_mlx.caches import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.ops import gather_rows
 from veloxquant_mlx.registry import methods
@@ -125,7 +125,7 @@ def fill(cache, T, kv_heads, q_heads, hd, seed):
     R = min(T, cache.budget)
     k = mx.random.normal((1, kv_heads, R, hd), key=mx.random.key(seed))
     pos = np.broadcast_to(_kept_positions(T, R, cache.n_sink, cache.recent), (1, kv_heads, R)).copy()
-    ragged = cache.method == "nestedkv"
+    ragged = cache.config.method == "nestedkv"
     if ragged:  # heads keep different counts; real rows first, padding after (as NestedKV stores them)
         for h in range(kv_heads):
             drop = (h * R) // (4 * kv_heads)
@@ -134,13 +134,14 @@ def fill(cache, T, kv_heads, q_heads, hd, seed):
                                                                replace=False))
                 pos[0, h] = np.concatenate([pos[0, h, keep], pos[0, h, R - cache.recent:], [PAD_POSITION] * drop])
     st = {"keys": k, "values": k + 1, "positions": mx.array(pos.astype(np.int32)), "rng": mx.random.key(seed)}
-    for name in cache.extra_row_fields():
+    for name in cache.store.fills:
         st["row." + name] = mx.random.uniform(shape=(1, kv_heads, R), key=mx.random.key(seed + 1))
     if cache.query_window:
         st["window_q"] = mx.random.normal((1, q_heads, cache.query_window, hd), key=mx.random.key(seed + 2))
     cache.state = st
-    cache.offset, cache.scale, cache._ragged, cache._evict_floor = T, hd ** -0.5, ragged, R
+    cache.offset, cache.scale, cache.store.ragged, cache.schedule.floor = T, hd ** -0.5, ragged, R
     cache.prompt.open, cache.prompt.saw_decode, cache.queries_observed = False, True, 1
+    cache.note_fetched()
     mx.eval(cache.state)
 
 
@@ -148,7 +149,7 @@ def switch_off(cache, variant):
     if variant == "no_depends":
         cache.step_state = lambda: []
     elif variant == "no_evict":
-        cache.evict_threshold = lambda: 1 << 40
+        cache.schedule.threshold = lambda: 1 << 40
     elif variant == "no_mask":
         cache.attention_mask = lambda mask, queries: mask
     elif variant == "no_tap":
@@ -212,7 +213,17 @@ def run_setting(model, name, T, density, methods, variants, rounds, steps, warmu
             "cpu_ms_per_step": ms, "wall_ms_per_step": wall, "build_cpu_ms_per_step": build}
 
 
-_SNAP = ("keys", "values", "positions", "_rows", "offset", "_rng", "_window_q", "_evict_floor", "_ragged")
+def _snapshot(c) -> dict:
+    """What a decode step changes in a cache (its store, offset, key, window, eviction floor)."""
+    return {"store": dict(vars(c.store)), "fields": dict(c.store.fields), "offset": c.offset, "rng": c._rng,
+            "window": (c.window.q, c.window.at), "floor": c.schedule.floor}
+
+
+def _restore(c, snap) -> None:
+    vars(c.store).update(snap["store"])
+    c.store.fields = dict(snap["fields"])
+    c.offset, c._rng, c.schedule.floor = snap["offset"], snap["rng"], snap["floor"]
+    c.window.q, c.window.at = snap["window"]
 
 
 def components(model, T, budget, methods, repeats=25):
@@ -236,7 +247,7 @@ def components(model, T, budget, methods, repeats=25):
 
     def put(cache):
         if cache.method.needs.hidden_states:
-            cache.observe_attention_input(x1)
+            cache.attention_input = x1
         return cache.update_and_fetch(k1, k1)
 
     K = mx.random.normal((1, kvh, budget, hd), key=mx.random.key(1))
@@ -259,17 +270,16 @@ def components(model, T, budget, methods, repeats=25):
         c = make(model, f"{m}:full", T, budget)[0]
         put(c)  # one decode append first: the buffers then have their decode headroom
         mx.eval(c.state)
-        snap = {a: getattr(c, a) for a in _SNAP} | {"row_extras": dict(c.row_extras)}
+        snap = _snapshot(c)
 
         def restore():
-            for a, v in snap.items():
-                setattr(c, a, dict(v) if a == "row_extras" else v)
+            _restore(c, snap)
 
         def append():
             restore()
-            c.evict_threshold = lambda: 1 << 40
+            c.schedule.threshold = lambda: 1 << 40
             t = appends(c)
-            del c.evict_threshold
+            del c.schedule.threshold
             return t / 1e3
 
         def observe():  # the scoring work of one step, no eviction
@@ -278,10 +288,10 @@ def components(model, T, budget, methods, repeats=25):
             mx.eval(c.state)
             c0 = time.process_time()
             c.prompt.ending = False
-            c.evict_threshold = lambda: 1 << 40
+            c.schedule.threshold = lambda: 1 << 40
             c.observe_queries(q, hd ** -0.5)
             mx.eval(c.step_state())
-            del c.evict_threshold
+            del c.schedule.threshold
             return time.process_time() - c0
 
         def observe_attend():  # the tap's path: scoring, plus the layer output where the method fuses them
@@ -289,12 +299,12 @@ def components(model, T, budget, methods, repeats=25):
             put(c)
             mx.eval(c.state)
             c0 = time.process_time()
-            c.evict_threshold = lambda: 1 << 40
+            c.schedule.threshold = lambda: 1 << 40
             o = c.observe_and_attend(q, hd ** -0.5)
             if o is None:
-                o = mx.fast.scaled_dot_product_attention(q, *c._fetch(), scale=hd ** -0.5)
+                o = mx.fast.scaled_dot_product_attention(q, *c.store.fetch(), scale=hd ** -0.5)
             mx.eval(o, c.step_state())
-            del c.evict_threshold
+            del c.schedule.threshold
             return time.process_time() - c0
 
         def mask():
@@ -313,7 +323,7 @@ def components(model, T, budget, methods, repeats=25):
                 put(c)
             mx.eval(c.state)
             c0 = time.process_time()
-            c._evict()
+            c.evict(c.keep_rows())
             mx.eval(c.state)
             return time.process_time() - c0
 
@@ -539,7 +549,7 @@ def batch_main(argv=None):
 NEXUS_DOC = """Cost of one Nexus eviction step vs one decode-step attention (CPU, SmolLM2-like shapes).
 
 One eviction step = scoring (Eq. 1-5) + selection (Eq. 6, top-K) over the stored rows, timed as
-``cache.select_rows()``; "+gather" also gathers the kept keys/values (what ``_evict`` then does).
+``cache.method.select(...)``; "+gather" also gathers the kept keys/values (what ``evict`` then does).
 It runs once every b = block_size decoded tokens, so its amortized cost per token is step / b,
 reported as a percentage of one decode step's attention (``mx.fast.scaled_dot_product_attention``,
 1 query, over the same number of kept keys). Target: <= 10 %.
@@ -578,13 +588,16 @@ def bench(tokens: int, per_head: bool, repeats: int) -> dict:
     mx.eval(k, v, q)
     cache.update_and_fetch(k, v)  # no eviction yet: it runs after the queries arrive
     cache.scale = nexus_D ** -0.5
-    cache.on_queries(q)
+    cache.window.add(q)
     mx.eval(cache.state)
 
-    t_select = median_time(cache.select_rows, repeats)
+    def select():
+        return cache.method.select(cache.view, cache.keep_rows(), cache.allocation())
+
+    t_select = median_time(select, repeats)
 
     def select_gather():  # what the cache's eviction does: one flat mx.take of whole rows
-        idx = cache.select_rows()
+        idx = select()
         return gather_rows(cache.keys, idx), gather_rows(cache.values, idx)
 
     def select_gather_base():  # the base class's take_along_axis gather, for comparison
@@ -763,7 +776,9 @@ def _held_arrays(caches):
     getter's slices would add nodes of their own."""
     out = []
     for c in caches:
-        held = [*vars(c).values(), *getattr(c, "row_extras", {}).values()]
+        st = getattr(c, "store", None)
+        held = [*vars(c).values()] if st is None else [st.keys, st.values, st.positions, *st.fields.values(),
+                                                        c.window.q]
         for a in held:
             out.extend(x for x in (a if isinstance(a, (tuple, list)) else (a,)) if isinstance(x, mx.array))
     return out

@@ -1,5 +1,5 @@
-"""The Python API warns when something is wrong, and only then: no reuse warning for caches passed
-explicitly (the README's "compress once, ask many"), one slow-BLAS warning per process on a Linux CPU,
+"""The Python API warns when something is wrong, and only then: no reuse warning for caches continued on
+purpose (told so by ``continue_on_purpose``, or loaded from a file: the README's "compress once, ask many"), one slow-BLAS warning per process on a Linux CPU,
 and the README's quick start with kvzip silent."""
 
 import os
@@ -27,15 +27,20 @@ def _user_warnings(run) -> list:
     return [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
 
 
-def test_caches_passed_explicitly_continue_without_a_warning(tmp_path):
+def test_caches_continued_on_purpose_continue_without_a_warning(tmp_path):
     model, tok = make_tiny_model("llama"), tiny_tokenizer()
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="h2o", budget=40))
     prompt = random_prompt(80)
     first = _user_warnings(lambda: mlx_lm.generate(model, tok, prompt, max_tokens=4, prompt_cache=caches))
     assert first == []
-    # a second call with the same caches, passed explicitly: a deliberate continuation
+    # a second call with the same caches: they are told it is a deliberate continuation
+    for c in caches:
+        c.continue_on_purpose()
     assert _user_warnings(lambda: mlx_lm.generate(model, tok, random_prompt(8, seed=1), max_tokens=4,
                                                   prompt_cache=caches)) == []
+    # not told: the same call warns (the cache cannot tell an explicit list from a shared make_cache one)
+    assert any("already holds" in w for w in _user_warnings(
+        lambda: mlx_lm.generate(model, tok, random_prompt(8, seed=3), max_tokens=4, prompt_cache=caches)))
     # compress once, ask many: a saved file loaded and continued
     path = str(tmp_path / "doc.safetensors")
     save_prompt_cache(path, caches, model=model)

@@ -25,7 +25,7 @@ from conftest import small_config
 from mlx_lm_archs import (ARCHS, EVICTS, KEYS_AS_QUERIES, REFUSED, VARIANTS, CannotRun, NoTinyConfig,
                           architecture_files, build)
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.caches.base import EvictionCache
+from veloxquant_mlx.caches import EvictionCache
 from veloxquant_mlx.model_dims import model_dims
 from veloxquant_mlx.tap import kv_sources
 
@@ -134,7 +134,7 @@ def _check(name, expected, extra=None, record=True):
         toks, _ = _run(model, caches)
         assert len(toks) == NEW
         assert all(c.evictions > 0 for c in ours), f"{name} {method}: a layer did not evict"
-        assert all(c._rows <= BUDGET + c.slack for c in ours), f"{name} {method}: rows above the budget"
+        assert all(c.size() <= BUDGET + c.slack for c in ours), f"{name} {method}: rows above the budget"
         if method == "snapkv":
             if expected == EVICTS:
                 assert all(c.tap_active and not c.queries_from_keys and c.queries_observed > 0 for c in ours), \
@@ -216,7 +216,7 @@ def test_mla_scores_rows_as_each_attention_call_reads_them(variant, monkeypatch)
     def spy(queries, keys, values, cache=None, **kwargs):
         to_rows = getattr(cache, "latent_query", None)
         if to_rows is not None:
-            latent = cache.keys[:, :, :cache._rows]  # nothing is evicted: the rows this call reads
+            latent = cache.keys[:, :, :cache.size()]  # nothing is evicted: the rows this call reads
             width = keys.shape[-1] if keys is values else to_rows.nope
             calls.append((queries.shape[2], to_rows(queries) @ latent.swapaxes(-1, -2),
                           queries[..., :width] @ keys[..., :width].swapaxes(-1, -2)))

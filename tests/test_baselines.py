@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.caches.base import PAD_POSITION
+from veloxquant_mlx.caches import PAD_POSITION
 from veloxquant_mlx.methods.pyramidkv import pyramid_budgets
 from veloxquant_mlx.registry import get_method
 from veloxquant_mlx.ops.allocation import ada_keep
@@ -354,8 +354,8 @@ def test_ada_snapkv_ragged_attention_equals_hand_computed():
 
 
 def test_ada_without_tap_falls_back_to_uniform_with_warning():
-    import veloxquant_mlx.caches.base as base
-    base._warned_ada_no_tap.discard("snapkv")
+    import veloxquant_mlx.caches.cache as cache_module
+    cache_module._warned.discard("snapkv")
     with pytest.warns(UserWarning, match="uniform"):
         cache, keys, q = _ada_snapkv(tap=False)
         cache.update_and_fetch(keys[:, :, :1], keys[:, :, :1])  # the prompt's last token
@@ -388,7 +388,7 @@ def test_ada_decode_bounded_methods_re_evict_with_exact_total(method, kw):
         for h in range(2):
             real = pos[0, h][pos[0, h] >= 0]
             assert len(set(real.tolist())) == len(real) and real.max() == cache.offset - 1
-        if cache.evictions and cache._rows == cache._evict_floor:  # right after an eviction step
+        if cache.evictions and cache.size() == cache.schedule.floor:  # right after an eviction step
             assert np.array(cache.kept_per_head()).sum() == 2 * 12
     assert cache.evictions >= 3 and cache.is_ragged
     assert cache.size() <= 1 + cache.recent + 20 + 3  # static width: bounded through decode

@@ -113,7 +113,7 @@ def test_continuous_batching_equals_alone(model, method, kw):
         tokens, _, ref = alone(model, config, prompt, m)
         assert out[uid] == tokens
         assert all(same_cache(a, b) for a, b in zip(ref, caches[uid]))
-        assert all(b.keys is not None and not b.kv_external for b in caches[uid])  # a lone cache again
+        assert all(b.keys is not None and not b.store.external for b in caches[uid])  # a lone cache again
     if not config.method_class.prefill_only:
         assert calls["put_row"] > 0  # rows evicted during decode and wrote back their own slice
 

@@ -255,7 +255,7 @@ def test_radix_top_k_equals_stable_argsort_rank():
 
 
 def test_ada_keep_through_a_shard_of_one_equals_ada_keep():
-    from veloxquant_mlx.caches.base import PAD_POSITION
+    from veloxquant_mlx.caches import PAD_POSITION
     from veloxquant_mlx.ops.allocation import ada_keep
 
     d, rng = HeadShard(mx.distributed.init()), np.random.default_rng(1)

@@ -259,14 +259,18 @@ def test_chunk_that_triggers_eviction_attends_to_every_fetched_row(method):
     assert mx.array_equal(ours, ref).item()
 
 
-def test_what_a_method_needs_is_declared_on_the_base_and_never_probed():
+def test_what_a_method_needs_is_declared_on_the_protocol_and_never_probed():
+    import dataclasses
     import inspect
 
-    from veloxquant_mlx import builder
-    from veloxquant_mlx.caches.base import EvictionCache
+    from veloxquant_mlx import builder, config, model_pass
+    from veloxquant_mlx.caches.method import Method, Needs
 
-    declared = ("needs_queries", "needs_hidden_states", "needs_model_pass", "compresses_in_model_pass",
-                "model_pass_note", "attach_model")
-    assert [n for n in declared if n not in vars(EvictionCache)] == []
-    src = inspect.getsource(builder)
-    assert [n for n in declared if f'getattr(cls, "{n}"' in src or f'getattr(c, "{n}"' in src] == []
+    assert {f.name for f in dataclasses.fields(Needs)} == {"queries", "window", "hidden_states", "model_pass",
+                                                          "token_ids"}
+    declared = ("needs", "allocations", "prefill_only", "compresses_in_model_pass", "model_pass_note", "attach")
+    assert [n for n in declared if n not in vars(Method)] == []
+    for module in (builder, config, model_pass):
+        src = inspect.getsource(module)
+        assert [n for n in (*declared, "needs_queries", "supports_ada") if f'getattr(cls, "{n}"' in src
+                or f'getattr(method, "{n}"' in src or f'hasattr(cls, "{n}"' in src] == []

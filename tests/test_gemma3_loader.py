@@ -21,7 +21,7 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.caches.base import EvictionCache
+from veloxquant_mlx.caches import EvictionCache
 from veloxquant_mlx.models import ModelNotAvailableError, convert_gguf, gguf_gemma3, gguf_packages, load_model
 from veloxquant_mlx.models.gguf_common import assemble_chunks
 

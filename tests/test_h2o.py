@@ -68,11 +68,11 @@ def test_budget_invariants(budget, n_sink, every, chunks, seed):
         c.observe_queries(q[:, :, seen:seen + ch])
         seen += ch
         assert c.offset == seen == c.tokens_seen
-        assert c._rows <= max(budget + every, ch)  # bounded after every observed step
+        assert c.size() <= max(budget + every, ch)  # bounded after every observed step
         pos = np.array(c.kept_positions())
         assert (np.diff(pos, axis=-1) > 0).all()
         if c.evictions:
-            rows = c._rows
+            rows = c.size()
             assert rows <= budget + every
             for p in range(min(n_sink, seen)):
                 assert (pos == p).any(-1).all()  # sinks always kept
@@ -96,7 +96,7 @@ def test_hand_built_pattern_keeps_top_cumulative_plus_recent():
     c = _cache(budget, n_sink=n_sink, recent=recent, evict_every=8)
     c.update_and_fetch(mx.array(k), mx.array(k))
     c.observe_queries(mx.array(q))
-    assert c.evictions == 1 and c._rows == budget
+    assert c.evictions == 1 and c.size() == budget
     ref = _np_cumulative(q, k, D ** -0.5)
     for h in (0, 1):
         middle = np.arange(n_sink, N - recent)
@@ -153,7 +153,7 @@ def test_stream_generate_chunked_prefill_evicts_and_stays_bounded():
         assert c.tap_active and not c.queries_from_keys
         assert c.evictions >= 5  # during chunked prefill and during decode
         assert c.offset == 150 + len(t)  # mlx-lm runs one token ahead
-        assert c._rows <= 32 + 8
+        assert c.size() <= 32 + 8
         assert c.kept_bytes < c.full_seq_bytes
         pos = np.array(c.kept_positions())
         assert (pos[..., :2] == [0, 1]).all()

@@ -89,36 +89,38 @@ def test_factor_validation():
                                           ("snapkv:allocation=ada,kv_bits=8,kv_group_size=32", 40)])
 def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, budget, monkeypatch):
     """A ragged decode step's mask is built once per positions buffer and sliced after that
-    (``EvictionCache.decode_mask``): at every step, decode evictions included, it equals the mask built
+    (``caches.masks.Fetched``): at every step, decode evictions included, it equals the mask built
     from the step's fetched positions (``ragged_mask``), so the tokens are those of the fresh mask."""
     from conftest import greedy, make_tiny_model, random_prompt
     from veloxquant_mlx import KVCacheBuilder
-    from veloxquant_mlx.caches.base import EvictionCache
+    from veloxquant_mlx.caches.masks import Fetched
 
     model = make_tiny_model(hidden_size=128)  # head_dim 32: whole groups of 32 for the 8-bit rows
     config = KVCacheConfig.parse(spec, budget=budget)
     checked = {"ragged": 0, "builds": 0}
-    reused = EvictionCache.attention_mask
-    build = EvictionCache.decode_mask
+    reused = Fetched.mask
+    build = Fetched._decode_mask
 
-    def fresh(self, queries):  # the mask built per step, as before decode_mask
-        return self.ragged_mask(self.fetched_positions, mx.arange(self.offset - 1, self.offset), queries)
+    def fresh(self, queries, q_start, per_kv_head):  # the mask built from the step's fetched positions
+        visible = mx.expand_dims(self.positions, 2) <= mx.arange(q_start, q_start + 1)[:, None]
+        group = queries.shape[1] // visible.shape[1]
+        return visible if group == 1 or per_kv_head else mx.repeat(visible, group, axis=1)
 
-    def counted_build(self, store, rows, queries):
-        if self._decode_mask is None or self._decode_mask[0] is not store:
+    def counted_build(self, group, per_kv_head):
+        if self.decode is None or self.decode[0] is not self.store:
             checked["builds"] += 1
-        return build(self, store, rows, queries)
+        return build(self, group, per_kv_head)
 
-    def both(self, mask, queries):
-        out = reused(self, mask, queries)
-        if queries.shape[2] == 1 and self.fetched_ragged:
-            expected = fresh(self, queries)
-            assert out.shape == expected.shape and bool(mx.array_equal(out, expected)), (self.layer_idx, self.offset)
+    def both(self, mask, queries, q_start, per_kv_head):
+        out = reused(self, mask, queries, q_start, per_kv_head)
+        if queries.shape[2] == 1 and self.ragged:
+            expected = fresh(self, queries, q_start, per_kv_head)
+            assert out.shape == expected.shape and bool(mx.array_equal(out, expected)), q_start
             checked["ragged"] += 1
         return out
 
-    monkeypatch.setattr(EvictionCache, "decode_mask", counted_build)
-    monkeypatch.setattr(EvictionCache, "attention_mask", both)
+    monkeypatch.setattr(Fetched, "_decode_mask", counted_build)
+    monkeypatch.setattr(Fetched, "mask", both)
     prompt = random_prompt(3 * budget, seed=3)
     toks, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
     assert checked["ragged"] >= 60 * len(model.layers)  # the prompt's end makes every layer ragged
@@ -126,11 +128,11 @@ def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, bu
     if not config.method_class.prefill_only:  # decode evictions gave new buffers, and new masks
         assert checked["builds"] > len(model.layers)
 
-    def fresh_only(self, mask, queries):
-        if queries.shape[2] == 1 and self.fetched_ragged:
-            return fresh(self, queries)
-        return reused(self, mask, queries)
+    def fresh_only(self, mask, queries, q_start, per_kv_head):
+        if queries.shape[2] == 1 and self.ragged:
+            return fresh(self, queries, q_start, per_kv_head)
+        return reused(self, mask, queries, q_start, per_kv_head)
 
-    monkeypatch.setattr(EvictionCache, "attention_mask", fresh_only)
+    monkeypatch.setattr(Fetched, "mask", fresh_only)
     again, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
     assert toks == again

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import batch_generate, generate_step
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
-from veloxquant_mlx.caches.storage import PAD_POSITION
+from veloxquant_mlx.caches import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.kvzap_fit import hidden_states, split_windows, windows
 from veloxquant_mlx.methods.kvzap.cache import (KVzap, find_scorer, load_scorer, model_identity,

@@ -80,7 +80,7 @@ def test_compression_keeps_the_budget_and_only_real_rows(arch):
             assert c.method.passes == 1 and c.evictions == 1 and c.method.scored == 100
             assert c.offset == 100 + 6  # the prompt and the decoded tokens fed back, nothing of the pass
             assert c.size() == budget + 6  # compressed at the prompt's last token, decode appended
-            assert c.keys.shape[2] <= budget + c.decode_step  # allocation follows the budget
+            assert c.keys.shape[2] <= budget + c.store.decode_step  # allocation follows the budget
             for h, pos in enumerate(positions(c)):
                 assert len(pos) == budget + 6 and len(set(pos)) == len(pos) and pos.max() < c.offset
                 assert pos[:4].tolist() == [0, 1, 2, 3] and pos[-10:].tolist() == list(range(96, 106))

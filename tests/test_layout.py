@@ -115,7 +115,7 @@ def method_names_in_code(source: str, names) -> list:
 def test_shared_code_names_no_method_outside_comments():
     names = [n for n in methods() if get_method(n).__module__.startswith(PACKAGE + ".")]
     files = {m: p for m, p in module_files(ROOT, PACKAGE).items() if _under(m, SHARED)}
-    assert f"{PACKAGE}.caches.base" in files and f"{PACKAGE}.model_pass" in files
+    assert f"{PACKAGE}.caches.cache" in files and f"{PACKAGE}.model_pass" in files
     bad = {m: h for m, p in files.items() if (h := method_names_in_code(p.read_text(), names))}
     assert not bad, f"shared code names a registered method (a hook should carry it instead): {bad}"
 
@@ -152,9 +152,9 @@ def test_density_to_budget_rule_exists_once():
 
 
 def test_a_compression_target_is_closed_even_when_the_eviction_fails():
-    from veloxquant_mlx.caches.policy import PromptState
+    from veloxquant_mlx.caches.schedule import Schedule
 
-    p = PromptState()
+    p = Schedule("end", False, 32, 32, 64)
     try:
         with p.compressing_to(7):
             assert p.compressing and p.target == 7

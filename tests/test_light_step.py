@@ -17,7 +17,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 import veloxquant_mlx
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.caches.base import EvictionCache
+from veloxquant_mlx.caches import EvictionCache
 from veloxquant_mlx.decode import feed_prompt, greedy, step
 
 from conftest import fit_tiny_scorer, make_tiny_model, random_prompt
@@ -35,7 +35,7 @@ def _generate(model, cfg, light: bool):
     caches = KVCacheBuilder.for_model(model, cfg)
     if not light:
         for c in caches:
-            c.refresh_light = lambda c=c: setattr(c, "_light_rows", 0)
+            c._refresh_light = lambda c=c: setattr(c, "_light", 0)
     x = mx.array(random_prompt(PROMPT))
     feed_prompt(model, x, caches, 128)
     y = step(model, x[-1:], caches)
@@ -58,7 +58,7 @@ def test_light_step_keeps_what_the_full_step_keeps(method, kw):
     for a, b in zip(light, full):
         assert a.offset == b.offset and a.evictions == b.evictions
         assert np.array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
-        for name in a.row_extras:
+        for name in a.store.fields:
             assert np.array_equal(np.array(a.stored(name)), np.array(b.stored(name))), name
         qa, qb = a.window_queries()[0], b.window_queries()[0]
         assert (qa is None) == (qb is None) and (qa is None or np.array_equal(np.array(qa), np.array(qb)))
@@ -80,6 +80,15 @@ def _decode_ready(method, model):
     return caches, y
 
 
+def held_arrays(c) -> list:
+    """Every array a cache holds (its buffers, positions, fields, query window), as held."""
+    if not isinstance(c, EvictionCache):
+        return [a for a in vars(c).values() if isinstance(a, mx.array)]
+    st = c.store
+    bufs = [st.keys, st.values, st.positions, *st.fields.values(), c.window.q]
+    return [x for b in bufs for x in (b if isinstance(b, tuple) else (b,)) if isinstance(x, mx.array)]
+
+
 def _weight(method):
     """(Python calls, of them in veloxquant_mlx, graph nodes) of one decode step, per layer."""
     model = make_tiny_model(layers=4)
@@ -88,8 +97,7 @@ def _weight(method):
     prof.enable()
     logits = model(y.reshape(1, 1), cache=caches)
     prof.disable()
-    held = [a for c in caches for a in (*vars(c).values(), *getattr(c, "row_extras", {}).values())
-            if isinstance(a, mx.array)]
+    held = [a for c in caches for a in held_arrays(c)]
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
         mx.export_to_dot(f.name, logits, *held)
         nodes = len(re.findall(r'shape=rectangle\]', Path(f.name).read_text()))
@@ -114,7 +122,7 @@ def test_light_step_refuses_a_bad_token_like_the_full_step():
     model = make_tiny_model()
     caches, y = _decode_ready("streaming", model)
     c = caches[0]
-    assert c._light_rows > c._rows  # the next step would be light
+    assert c._light > c.size()  # the next step would be light
     k = mx.zeros((1, c.keys.shape[1], 1, c.keys.shape[3] + 1))
     with pytest.raises(ValueError, match="do not match the stored"):
         c.update_and_fetch(k, k)
@@ -125,10 +133,10 @@ def test_light_path_is_off_where_the_full_step_has_work():
     model = make_tiny_model()
     caches, _ = _decode_ready("streaming", model)
     c = caches[0]
-    assert c._light_rows == c.evict_threshold()  # at most up to the next eviction
+    assert c._light == c.evict_threshold()  # at most up to the next eviction
     c.prompt.open = True
-    c.refresh_light()
-    assert c._light_rows == 0
+    c._refresh_light()
+    assert c._light == 0
     KVCacheBuilder.uninstall(model)
     assert isinstance(c, EvictionCache)
 
@@ -155,7 +163,7 @@ def test_continue_on_purpose_ends_the_light_steps():
     model = make_tiny_model()
     caches, _ = _decode_ready("streaming", model)
     c = caches[0]
-    assert c._light_rows > c._rows
+    assert c._light > c.size()
     c.continue_on_purpose()
-    assert c._light_rows == 0 and not c.prompt.saw_decode
+    assert c._light == 0 and not c.prompt.saw_decode
     KVCacheBuilder.uninstall(model)

@@ -89,7 +89,7 @@ def test_prefill_only_shrinks_right_after_its_one_shot_compression():
             assert c.evictions == 1
             appended = c.offset - len(prompt)  # decode steps after the compression (it ends the last prompt step)
             width = int(c.kept_per_head().max()) - appended  # ragged storage: the largest head actually kept
-            assert c.keys.shape[2] == width + c.decode_step, (name, c.keys.shape, width)
+            assert c.keys.shape[2] == width + c.store.decode_step, (name, c.keys.shape, width)
 
 
 def test_prefill_only_prompt_shorter_than_budget_is_never_compressed():
@@ -157,7 +157,7 @@ def test_saved_query_window_does_not_pin_the_chunk():
     del q
     mx.clear_cache()
     assert mx.get_active_memory() - before < 512 * 1024
-    assert cache._window_q.shape == (1, 8, 16, 64)
+    assert cache.window.q.shape == (1, 8, 16, 64)
 
 
 @pytest.mark.parametrize("call", ["lambda", "install"])

@@ -134,7 +134,7 @@ def test_budget_invariants(H, N, budget, alpha, seed, batch):
     assert (kept.sum(-1) == H * budget + H).all()  # layer total = H * B (+ one decode row per head)
     assert (kept >= min(floor, N) + 1).all()
     # storage is as wide as the largest head actually kept, never the spec's worst-case bound
-    assert c._rows == kept.max() <= max_head_rows(N, H, budget, floor) + 1
+    assert c.size() == kept.max() <= max_head_rows(N, H, budget, floor) + 1
     pos = np.array(c.kept_positions())
     assert ((pos == 0).any(-1) & (pos == 1).any(-1) & (pos == N).any(-1)).all()  # sinks + decode row
     for row in pos.reshape(-1, pos.shape[-1]):
@@ -167,7 +167,7 @@ def test_uniform_fallback_without_tap():
     k = mx.array(rng.normal(size=(1, 3, 200, 8)).astype(np.float32))
     c = _cache(24, tap=False)
     _prefill_then_decode(c, k)
-    assert not c.is_ragged and c._rows == 25
+    assert not c.is_ragged and c.size() == 25
     assert (np.array(c.kept_per_head()) == 25).all()
     c2 = _cache(24, cross_head=False)
     _prefill_then_decode(c2, k)
@@ -181,7 +181,7 @@ def test_head_cap_option_bounds_storage():
     c = _cache(32, max_head_factor=1.5)
     _prefill_then_decode(c, mx.array(k))
     kept = np.array(c.kept_per_head())[0] - 1
-    assert kept.sum() == 4 * 32 and kept.max() <= 48 and c._rows == 49
+    assert kept.sum() == 4 * 32 and kept.max() <= 48 and c.size() == 49
 
 
 def test_ragged_mask_hides_padding():

@@ -382,8 +382,8 @@ def test_ada_nexus_config_and_fallback_without_tap():
     assert cfg.allocation == "ada" and Nexus.supports_allocation("ada")
     assert KVCacheConfig.from_dict(cfg.to_dict()) == cfg
     # No tap: uniform (per-KV-head) budgets with a warning, never ragged storage.
-    from veloxquant_mlx.caches import base
-    base._warned_ada_no_tap.discard("nexus")
+    from veloxquant_mlx.caches import cache as cache_module
+    cache_module._warned.discard("nexus")
     cache = EvictionCache(_ada_cfg())
     with pytest.warns(UserWarning, match="uniform"):
         _drive(cache, [60, 9, 1], Hkv=3, Hq=6)
@@ -428,7 +428,7 @@ def test_ada_nexus_per_head_block_counts_follow_the_winners():
     probe, cache = _ada_cache(nexus_n_samples=None), _ada_cache(nexus_n_samples=None)
     probe.update_and_fetch(k, k)
     probe.scale = 8 ** -0.5
-    probe.on_queries(q)
+    probe.window.add(q)
     w = _np(probe.method.block_weights(probe.view))
     assert w.shape == (1, H, 15)  # per KV head although per_head=False: Ada needs per-head weights
     cache.update_and_fetch(k, k)
@@ -487,13 +487,13 @@ def test_ada_nexus_budget_invariants_under_chunked_updates(n_sink, recent, B, n,
             assert (_np(c.kept_per_head()) >= forced_rows + np.floor(alpha * K) * b).all()
         assert _np(c.kept_per_head()).mean() <= budget + b + max(chunks)
 
-    orig = cache._evict
+    orig = cache.evict
 
-    def spy():
+    def spy(keep):
         cache.rows_before_evict = cache.size()
-        orig()
+        orig(keep)
 
-    cache._evict = spy
+    cache.evict = spy
     _drive(cache, chunks, B=B, Hkv=H, Hq=2 * H, seed=seed, check=check)
     assert cache.evictions >= 1
 

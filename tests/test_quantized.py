@@ -130,7 +130,7 @@ def test_eviction_gathers_packed_rows_without_requantizing(method):
             assert cache.evictions >= 1, (method, allocation)
             pos = np.array(cache.stored("positions"))
             real = pos != 2**31 - 1
-            for buf, x in ((cache.stored_raw("keys"), k), (cache.stored_raw("values"), v)):
+            for buf, x in ((cache.store.raw("keys"), k), (cache.store.raw("values"), v)):
                 want = mx.quantize(x, group_size=32, bits=bits)  # each token quantized once, on arrival
                 for part, w in zip(buf, want):
                     got, ref = np.array(part), np.array(w)
@@ -186,11 +186,10 @@ def test_four_bit_bytes_at_a_small_budget(method, model):
         for c in got[4]:
             assert c.evictions >= 1
             # allocated: every held array, packed words + scales + biases included
-            parts = [*c.keys, *c.values, c.positions, *c.row_extras.values(), c._window_q,
-                     *c.extra_state().values()]
+            parts = [*c.keys, *c.values, c.positions, *c.store.fields.values(), c.window.q]
             assert c.nbytes == sum(p.nbytes for p in parts if p is not None)
             row = 2 * (D * 4 // 8 + 2 * (D // 64) * 4)  # K and V: 4-bit words + fp32 scale + bias
-            assert c._row_bytes() == row
+            assert c.store.row_bytes() == row
             assert c.full_seq_bytes == 2 * c.offset * 2 * D * 4  # the fp cache's bytes: B=1, H=2
             kept = np.array(c.kept_per_head()).sum()
             assert c.kept_bytes == kept * row
@@ -227,7 +226,7 @@ def test_save_load_round_trips_packed_rows(method, model, tmp_path):
         for x, y in zip(a, b):
             assert x.evictions >= 1 and y.config.kv_bits == 4 and y.bits == 4
             for name in ("keys", "values"):
-                for p, r in zip(x.stored_raw(name), y.stored_raw(name)):
+                for p, r in zip(x.store.raw(name), y.store.raw(name)):
                     assert p.dtype == r.dtype and np.array_equal(np.array(p), np.array(r))
         la = [np.array(model(mx.array([[t]]), cache=a)) for t in (7, 8, 9)]
         lb = [np.array(model(mx.array([[t]]), cache=b)) for t in (7, 8, 9)]

@@ -19,7 +19,7 @@ from conftest import fit_tiny_scorer, small_config
 from mlx_lm_archs import build
 from test_architectures import BUDGET, _run
 from veloxquant_mlx import KVCacheBuilder, tap
-from veloxquant_mlx.caches.storage import PAD_POSITION
+from veloxquant_mlx.caches import PAD_POSITION
 
 
 def _reference(q, keys, values, scale, positions, offset, bits=None, group_size=None):

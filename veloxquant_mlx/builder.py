@@ -6,7 +6,7 @@ import warnings
 
 from mlx_lm.models.cache import CacheList, KVCache
 
-from .caches.base import EvictionCache
+from .caches.cache import EvictionCache
 from .config import KVCacheConfig
 from .caches.shard import HeadShard
 from .model_dims import config_field

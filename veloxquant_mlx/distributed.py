@@ -75,7 +75,7 @@ def attach(caches, group) -> list:
     """Give eviction caches built outside :meth:`KVCacheBuilder.for_model` (or loaded with
     ``load_prompt_cache``) this rank's :class:`HeadShard`. Returns ``caches``."""
     for c in caches:
-        if hasattr(c, "select_rows"):
+        if hasattr(c, "method") and hasattr(c, "dist"):  # an eviction cache
             c.dist = HeadShard(group) if group is not None and group.size() > 1 else None
     return caches
 

@@ -4,8 +4,8 @@ A cache cannot call the model; the builder can. ``install_model_pass(model)`` gi
 instance a subclass whose ``__call__`` (what ``mlx_lm.generate`` / ``generate_step`` /
 ``BatchGenerator`` call) does, per forward:
 
-1. hands every eviction cache it is given the forward's token ids (``cache.feed``; a batch cache slices
-   them per row), which also tells a cache that a deferred compression will run;
+1. hands every eviction cache whose method reads them the forward's token ids (``cache.input_ids``; a batch
+   cache slices them per row), and tells every one that a deferred compression will run (``pass_driven``);
 2. runs the original forward (lazily, as always); a prompt-time compression whose method needs the model
    marks its cache ``pass_due`` instead of evicting;
 3. after the forward, per sequence holding such a cache (a batch row's own caches, or the plain list),
@@ -105,7 +105,7 @@ def _forward(model, base, inputs, args, kwargs):
     for c in ours:  # (attribute writes, not calls: this runs on every forward)
         c.pass_driven = True
         if c.needs_ids:
-            c.feed(ids)
+            c.input_ids = ids
     try:
         out = base.__call__(model, inputs, *args, **kwargs)
     finally:

@@ -20,7 +20,7 @@ import warnings
 
 import mlx.core as mx
 
-from .caches.base import EvictionCache
+from .caches.cache import EvictionCache
 from .registry import get_method, methods
 
 _FILE_FORMAT = "veloxquant-prompt-cache/1"
@@ -189,7 +189,9 @@ def load_prompt_cache(path: str, return_metadata: bool = False, model=None):
         else:
             state = [data[str(j)] for j in range(len(data))]
         if issubclass(cls, EvictionCache):
-            caches.append(cls.from_state(state, layer["meta_state"]))
+            cache = cls.from_state(state, layer["meta_state"])
+            cache.continue_on_purpose()  # a loaded file is continued deliberately: no reuse warning
+            caches.append(cache)
         else:
             obj = cls.__new__(cls)
             obj.state = state

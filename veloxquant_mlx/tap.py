@@ -257,10 +257,10 @@ def query_tap_installed(model) -> bool:
 
 
 # -- the hidden-state tap ----------------------------------------------------------------------------
-# A method that scores rows from the layer's input (``needs_hidden_states``) gets it from each attention
-# module: the module's class is swapped, per instance, for a subclass whose ``__call__`` hands ``x`` to
-# the cache passed in (when it has ``observe_attention_input``) before the original runs, so the cache
-# holds this step's hidden states when ``update_and_fetch`` stores the step's rows.
+# A method that scores rows from the layer's input (``Needs.hidden_states``) gets it from each attention
+# module: the module's class is swapped, per instance, for a subclass whose ``__call__`` sets ``x`` as the
+# ``attention_input`` of the cache passed in (when it has one) before the original runs, so the cache holds
+# this step's hidden states when it stores the step's rows.
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 _HIDDEN_SUBCLASSES: dict = {}
 
@@ -278,9 +278,8 @@ def _hidden_subclass(cls):
     if sub is None:
         def __call__(self, x, *args, **kwargs):
             cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-            observe = getattr(cache, "observe_attention_input", None)
-            if observe is not None:
-                observe(x, self)
+            if hasattr(cache, "attention_input"):
+                cache.attention_input = x
             return cls.__call__(self, x, *args, **kwargs)
 
         sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
@@ -291,7 +290,7 @@ def _hidden_subclass(cls):
 
 
 def install_hidden_tap(model) -> int:
-    """Hand every attention module's input to its cache (``observe_attention_input(x, module)``).
+    """Hand every attention module's input to its cache (``cache.attention_input = x``).
     Idempotent; returns how many modules carry the tap."""
     n = 0
     for attn in attention_modules(model):

@@ -3,7 +3,8 @@ batched), head shards, the cold tier, byte accounting; and the protocol a method
 over a read-only ``View``, with ``caches.allocation``'s strategies). The methods live in
 ``veloxquant_mlx.methods``."""
 
-from .base import PAD_POSITION, EvictionCache
+from .cache import EvictionCache
+from .rows import PAD_POSITION
 from .method import Method, Needs
 from .view import View
 

@@ -5,12 +5,13 @@ mlx-lm batches sequences by merging their per-layer caches (``type(c).merge([...
 layer once over the batch, filters finished rows out and extends the batch with new ones. Eviction
 state (kept positions, scores, reservoir RNG, query window, counters) belongs to one sequence, and
 sequences of different lengths evict at different times, so :class:`BatchEvictionCache` keeps one
-single-row :class:`~veloxquant_mlx.caches.base.EvictionCache` per sequence for that state, while the
+single-row :class:`~veloxquant_mlx.caches.cache.EvictionCache` per sequence for that state, while the
 keys and values of every row live in one (B, H, capacity, D) buffer per layer
 (``caches.batch_storage.BatchRows``):
 
-* ``update_and_fetch`` runs each row's own policy on its real new tokens (dropping the padding mlx-lm
-  adds to prompts of different lengths) and records them in the row's positions; in decode the batch
+* ``update_and_fetch`` runs each row's own step on its real new tokens (dropping the padding mlx-lm adds
+  to prompts of different lengths): its policy, positions and per-row fields (the row's store holds no
+  keys or values of its own, ``RowStore.external``); in decode the batch
   writes every row's token into the buffer with one slice assignment and returns a view of it, left
   padded to the row that keeps most (no per-step copy of the batch's rows);
 * each row reads its kept rows as a view of the buffer (``row.keys``), so it scores and evicts exactly
@@ -27,8 +28,8 @@ A cache can batch when the query tap reaches it (per-layer masks need it) and it
 sequence. Where it cannot, the cache has no ``merge`` attribute at all, which is how mlx-lm's server
 decides to serve requests one at a time instead of batching (``hasattr(c, "merge")``).
 
-Imports: ``caches.base`` imports this module (``EvictionCache.merge = BatchMerge()``); this module never
-imports ``caches.base``, so there is no cycle: a row is recognized by the ``BatchMerge`` its class declares.
+Imports: ``caches.cache`` imports this module (``EvictionCache.merge = BatchMerge()``); this module never
+imports ``caches.cache``, so there is no cycle: a row is recognized by the ``BatchMerge`` its class declares.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from .batch_storage import BatchRows
 from .quant import buf_nbytes, quantize_rows, rows_map
-from .storage import PAD_POSITION, with_headroom
+from .rows import PAD_POSITION, with_headroom
 
 # Free columns a new batch buffer gets (EvictionCache.decode_step): a copy of the batch's rows every
 # HEADROOM decode steps, whatever the batch size.
@@ -101,6 +102,9 @@ class BatchEvictionCache(_BaseCache):
         self._rpad = None  # right padding announced without lengths: resolved at the next update
         self._step = None  # (spans, fetched row counts, ragged) of the last update_and_fetch
         self._kv = BatchRows(self.rows, HEADROOM)  # every row's keys and values (caches.batch_storage)
+        # the hidden-state tap's attention input (B, S, hidden) and the model-pass wrapper's token ids of the
+        # next step: update_and_fetch hands each row its own slice
+        self.attention_input = self._ids = None
         self._sync_bits()
 
     def _sync_bits(self):
@@ -171,13 +175,13 @@ class BatchEvictionCache(_BaseCache):
             out = copy.deepcopy(row)
         else:
             held = row.keys, row.values
-            extra = row.positions.shape[2] - row._rows  # a lone row's buffers match its positions' capacity
-            row.keys, row.values = (rows_map(lambda a: with_headroom(a, extra), buf) for buf in held)
+            extra = row.positions.shape[2] - row.size()  # a lone row's buffers match its positions' capacity
+            row.store.bind(*(rows_map(lambda a: with_headroom(a, extra), buf) for buf in held))
             try:
                 out = copy.deepcopy(row)
             finally:
-                row.keys, row.values = held
-        out.kv_external = False
+                row.store.bind(*held)
+        out.store.external = False
         return out
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -227,22 +231,18 @@ class BatchEvictionCache(_BaseCache):
         if B != len(self.rows):
             raise ValueError(f"keys hold {B} sequences but the batch cache has {len(self.rows)} rows")
         spans = self._spans(S)
-        hidden, self._hidden = getattr(self, "_hidden", None), None
-        fed, self._fed = getattr(self, "_fed", None), None
+        hidden, fed, self.attention_input, self._ids = self.attention_input, self._ids, None, None
         held = []  # per row: rows stored before this step's tokens
         for i, (row, (a, n)) in enumerate(zip(self.rows, spans)):
-            if n:  # the row's own policy and positions, exactly as alone (keys/values are stored below)
-                k, v = (keys, values) if (B == 1 and n == S) else (keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
-                row._check_kv(k, v)
-                row._before_append(n)
-            held.append(row._rows)
-            if n:  # the row's own hidden states and token ids
+            if n:  # the row's own step, exactly as alone (its keys / values are stored below, in the batch's)
                 whole = B == 1 and n == S
-                if hidden is not None:
-                    row.observe_attention_input(hidden[0] if whole else hidden[0][i:i + 1, a:a + n], hidden[1])
+                k, v = (keys, values) if whole else (keys[i:i + 1, :, a:a + n], values[i:i + 1, :, a:a + n])
+                if hidden is not None:  # the row's own hidden states and token ids
+                    row.attention_input = hidden if whole else hidden[i:i + 1, a:a + n]
                 if fed is not None:
-                    row.feed(None if fed[0] is None else fed[0] if whole else fed[0][i:i + 1, a:a + n])
-                row._append(k, v)
+                    row.input_ids = fed if whole else fed[i:i + 1, a:a + n]
+                row.update_and_fetch(k, v)
+            held.append(row.size() - n)
         bits, gs = self.rows[0].kv_bits, self.rows[0].kv_group_size
         # every row's tokens quantized at once: the same as row by row (groups lie along head_dim)
         self._kv.store(spans, held, quantize_rows(keys, bits, gs), quantize_rows(values, bits, gs))
@@ -254,9 +254,14 @@ class BatchEvictionCache(_BaseCache):
         self._step = (spans, list(self._kv.n), ragged)
         return self._kv.fetch()
 
-    def feed(self, ids) -> None:
-        """The model-pass wrapper's token ids of the next forward (B, S): each row is fed its own slice."""
-        self._fed = (ids,)
+    @property
+    def input_ids(self):
+        return self._ids
+
+    @input_ids.setter
+    def input_ids(self, ids) -> None:
+        """The model-pass wrapper's token ids of the next forward (B, S): each row gets its own slice."""
+        self._ids = ids
 
     @property
     def needs_ids(self) -> bool:
@@ -270,11 +275,6 @@ class BatchEvictionCache(_BaseCache):
     def pass_driven(self, on: bool) -> None:
         for r in self.rows:
             r.pass_driven = on
-
-    def observe_attention_input(self, x: mx.array, module=None) -> None:
-        """The hidden-state tap (before update_and_fetch): held until update_and_fetch hands each row
-        that reads hidden states its own slice of the input (B, S, hidden)."""
-        self._hidden = (x, module)
 
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
@@ -368,7 +368,7 @@ class BatchEvictionCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes the batch buffers and every row's own state hold (allocated, not just kept)."""
-        return self._kv.nbytes + sum(r.nbytes - buf_nbytes(r.keys) - buf_nbytes(r.values) for r in self.rows)
+        return self._kv.nbytes + sum(r.nbytes - buf_nbytes(r.store.keys) - buf_nbytes(r.store.values) for r in self.rows)
 
     def is_trimmable(self) -> bool:
         return False

@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .quant import buf_nbytes, rows_map, rows_zip
-from .storage import with_headroom
+from .rows import with_headroom
 
 
 def _first(buf):
@@ -53,7 +53,7 @@ class BatchRows:
         # buffer (it joined with its rows, or evicted since): the next step writes it into the batch.
         self.views: list = [None] * len(rows)
         for r in rows:
-            r.kv_external = True
+            r.store.external = True
 
     @property
     def capacity(self) -> int:
@@ -66,19 +66,19 @@ class BatchRows:
     # -- the rows' views of the buffers -----------------------------------------------------------
     def synced(self, i: int) -> bool:
         """Row i's keys/values are its view of the buffers (or it holds nothing yet)."""
-        view = self.views[i]
-        return self.rows[i].positions is None if view is None else self.rows[i].keys is view[0]
+        view, store = self.views[i], self.rows[i].store
+        return store.positions is None if view is None else store.keys is view[0]
 
     def bind(self, which) -> None:
         """Hand each row in ``which`` fresh views of its rows. Every step rebinds every row, so no view
         of an older buffer outlives the step (a live view makes the next in-place write copy it)."""
         for i in which:
-            row = self.rows[i]
-            if row.positions is None:  # nothing stored yet (only padding so far)
+            store = self.rows[i].store
+            if store.positions is None:  # nothing stored yet (only padding so far)
                 self.views[i] = None
                 continue
             self.views[i] = view = self.row(i)
-            row.keys, row.values = view
+            store.bind(*view)
 
     def held(self, i: int, n: int):
         """Row i's first n rows (those before this step's tokens) as lists of stored parts: its view
@@ -90,7 +90,8 @@ class BatchRows:
                 raise RuntimeError(f"batch row {i} holds {self.n[i]} rows in the batch buffer, its cache {n}")
             k, v = self.row(i)
         else:
-            k, v = (rows_map(lambda a: a[:, :, :n], buf) for buf in (self.rows[i].keys, self.rows[i].values))
+            store = self.rows[i].store
+            k, v = (rows_map(lambda a: a[:, :, :n], buf) for buf in (store.keys, store.values))
         return [k], [v]
 
     def store(self, spans: list, held: list, k, v) -> None:
@@ -237,5 +238,6 @@ class BatchRows:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers, plus the rows' own buffers not written back yet."""
-        own = sum(buf_nbytes(r.keys) + buf_nbytes(r.values) for i, r in enumerate(self.rows) if not self.synced(i))
+        own = sum(buf_nbytes(r.store.keys) + buf_nbytes(r.store.values) for i, r in enumerate(self.rows)
+                  if not self.synced(i))
         return buf_nbytes(self.keys) + buf_nbytes(self.values) + own

@@ -22,9 +22,9 @@ States of a cache with pages (``reading`` / ``closed``):
   ``>= next_pos`` are not in the file yet, and they are the newest hot rows.
 * ``reading``: an input is being read; the hot rows are that input's rows not yet paged, at positions
   ``next_pos .. offset - 1``; the query tap's step goes through :meth:`PromptPages.tap`.
-* ``closed``: the input ended and every row is in the file; the hot storage is empty and the cache's
-  ``_rows`` counts the paged rows, which ``stored()`` reads from here. Its eviction (or, when it keeps
-  everything, its next step) reads them back.
+* ``closed``: the input ended and every row is in the file; the hot storage is empty and counts the
+  paged rows (``RowStore.drop(rows)``), which the cache's ``stored()`` reads from here. Its eviction (or,
+  when it keeps everything, its next step) reads them back.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 from ..ops.attention import BlockAttention, chunk_visibility
 from .quant import buf_parts, dequantize_rows, rows_map
 from .scratch_files import OwnedFile
-from .storage import PAD_POSITION
+from .rows import PAD_POSITION
 
 # numpy has no bfloat16: rows are written as their raw bits, viewed back on reading
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -165,27 +165,28 @@ class PromptPages:
         self.flush()
         return self._kv(self._read(0, self.written))
 
-    def stored(self, name: str):
-        """``EvictionCache.stored_raw`` of a closed cache: every paged row's ``name``."""
+    def stored(self, name: str, bits, gs):
+        """``EvictionCache.stored`` of a closed cache: every paged row's ``name`` (keys / values dequantized)."""
         if name == "positions":
             return self.all_positions()
         if name in ("keys", "values"):
-            return self.read_all()[0 if name == "keys" else 1]
+            return dequantize_rows(self.read_all()[0 if name == "keys" else 1], bits, gs)
         return self.extras[name]
 
     # -- the cache's steps --------------------------------------------------------------------------------
     def begin_input(self, cache) -> None:
         """A new input starts (its first chunk, before it is stored): the history not in the file yet joins
         it, and the hot rows (all of them in the file now) are dropped: this input attends to the file."""
+        store = cache.store
         if self.closed:
             self.closed = False
-        elif cache.keys is not None and self.rows == 0 and cache.offset > cache.size():
-            self._add_tail(cache, cache.size(), flush=True, in_order=False)  # a loaded cache: its kept rows
-        elif cache.keys is not None:
+        elif store.keys is not None and self.rows == 0 and cache.offset > store.rows:
+            self._add_tail(cache, store.rows, flush=True, in_order=False)  # a loaded cache: its kept rows
+        elif store.keys is not None:
             self._add_tail(cache, cache.offset - self.next_pos, flush=True)
         self.flush()
         self.next_pos = cache.offset
-        cache.drop_rows()
+        store.drop()
         self.reading = True
 
     def _add_tail(self, cache, n: int, flush: bool, in_order: bool = True) -> None:
@@ -193,11 +194,12 @@ class PromptPages:
         offset - 1``, in order in every head (``in_order`` False: any rows, a loaded cache's)."""
         if n <= 0:
             return
-        r = cache.size()
+        store = cache.store
+        r = store.rows
         take = lambda a: mx.contiguous(a[:, :, r - n:r])  # a copy: a slice would pin the hot buffer
         in_order = in_order and self.next_pos == self.rows
-        self.add(rows_map(take, cache.stored_raw("keys")), rows_map(take, cache.stored_raw("values")),
-                 take(cache.stored("positions")), {name: take(cache.stored(name)) for name in cache.row_extras},
+        self.add(rows_map(take, store.raw("keys")), rows_map(take, store.raw("values")),
+                 take(store.raw("positions")), {name: take(store.raw(name)) for name in store.fields},
                  in_order=in_order, flush=flush)
 
     def before_evict(self, cache) -> bool:
@@ -219,28 +221,23 @@ class PromptPages:
         """The closed cache's rows back into its hot storage (one layer's rows: memory of one layer)."""
         keys, values = self.read_all()
         # fresh arrays: the hot storage writes into its per-row fields in place
-        cache.restore_rows(keys, values, self.all_positions(), {k: mx.array(v) for k, v in self.extras.items()},
-                           ragged=self.padded)
+        cache.store.replace(keys, values, self.all_positions(), {k: mx.array(v) for k, v in self.extras.items()},
+                            ragged=self.padded)
         self.closed = False
 
-    def tap(self, cache, queries: mx.array, scale, mask, kwargs: dict, keys=None):
-        """The query tap's step while an input is read: this chunk's attention over every paged row and
-        its own (returned as the layer's output), the method's per-query work, then the chunk's rows go
-        to the file. ``keys``: what the model hands attention (None: not known). Returns the tap's
-        (output, mask, dependencies)."""
+    def attend(self, cache, queries: mx.array, scale: float, mask, kwargs: dict, keys=None) -> mx.array:
+        """A chunk's attention while an input is read: over every paged row and its own (the layer's output),
+        and, for a method that keeps each row's attention mass (``attention_mass_field``), the mass every row
+        receives from this chunk, added to its field (a second pass over the file). ``keys``: what the model
+        hands attention (None: not known)."""
         why = self._unsupported(cache, mask, kwargs, keys)
         if why:
             raise ValueError(f"prompt_eviction='offload' cannot read this model's attention: {why}; "
                              "use prompt_eviction='end'")
-        B, Hq, S, D = queries.shape
-        scale = D ** -0.5 if scale is None else float(scale)
-        cache.check_queries(queries)
-        cache.scale = scale
-        cache.queries_observed += 1
-        bits, gs = cache.kv_bits, cache.kv_group_size
-        tail_k = dequantize_rows(cache.stored_raw("keys"), bits, gs)
-        tail_v = dequantize_rows(cache.stored_raw("values"), bits, gs)
-        field = cache.attention_mass_field
+        S = queries.shape[2]
+        store, bits, gs = cache.store, cache.kv_bits, cache.kv_group_size
+        tail_k, tail_v = store.read("keys"), store.read("values")
+        field = cache.method.attention_mass_field
         att = BlockAttention(queries, tail_k.shape[1], scale, kwargs.get("sinks"))
         for lo, hi, k, v, vis in self._blocks(bits, gs):
             att.add(k, v, vis)
@@ -256,24 +253,23 @@ class PromptPages:
                 mx.eval(parts[-1])
             if parts:
                 self.extras[field] = self.extras[field] + mx.concatenate(parts, axis=2)
-            r = cache.size()
-            cache.row_extras[field][:, :, :r] = cache.stored(field) + att.mass(tail_k, tail_vis)
-            cache.note_window(queries)
-        else:
-            cache.on_queries(queries)
+            store.write({field: store.read(field) + att.mass(tail_k, tail_vis)})
+        return out
+
+    def store_step(self, cache) -> None:
+        """After the chunk's step: its rows go to the file, and the hot storage is emptied."""
         self._add_tail(cache, cache.offset - self.next_pos, flush=True)
         self.step_rows = self.written
         # the per-row state and the query window now: left lazy, they would pin this chunk's queries and
         # hidden states (kvzap's scores are computed from them) in every layer until the prompt ends
         mx.eval([*self.extras.values(), *cache.step_state()])
         self.next_pos = cache.offset
-        cache.drop_rows()
-        if cache.prompt.ending:  # the input's last token: every row is in the file; the method picks
-            self.reading, self.closed = False, True
-            cache.close_rows(self.rows)
-            cache._end_prompt()
-            cache.refresh_light()
-        return out, mask, None
+        cache.store.drop()
+
+    def close(self, cache) -> None:
+        """The input's last token was read: every row is in the file; the method picks (the cache evicts)."""
+        self.reading, self.closed = False, True
+        cache.store.drop(self.rows)
 
     def _blocks(self, bits, gs, values: bool = True, stop: int | None = None):
         """(lo, hi, keys, values, visibility) of the written rows (up to ``stop``), a block at a time,
@@ -320,7 +316,7 @@ class PromptPages:
         if mask is not None and not isinstance(mask, str):
             return "it passes an array mask"
         first = keys[0] if isinstance(keys, tuple) else keys  # quantized rows: their packed words
-        if first is not None and tuple(first.shape[1:3]) != (cache.stored("positions").shape[1], cache.size()):
+        if first is not None and tuple(first.shape[1:3]) != (cache.store.positions.shape[1], cache.size()):
             return "it attends to other keys than the rows its cache returned (repeated or transformed heads)"
         return ""
 

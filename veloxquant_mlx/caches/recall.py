@@ -32,7 +32,7 @@ import mlx.core as mx
 from ..ops.select import flat_rows, gather_rows_of
 from ..ops.recall import gather_evicted, join_in_order, page_rows, page_summaries, pick_pages, summarize_pages
 from .quant import buf_dtype, buf_nbytes, buf_parts, dequantize_rows, from_parts, quantize_rows, rows_map
-from .storage import with_headroom
+from .rows import with_headroom
 
 COLD_GROUP = 32  # cold rows' quantization group along head_dim ("memory" tier)
 
@@ -145,18 +145,19 @@ class ColdTier:
             self.arm()
 
     def evicted(self, cache, kept: mx.array, real) -> None:
-        """Called by ``EvictionCache._evict`` before it replaces the hot buffers: ``kept`` (B, H, K) are
-        the row indices the method keeps, so every other stored row comes here: first into the pages a
-        recall just emptied, then into new pages; fewer than a page's rows wait in ``carry``."""
+        """Called by ``EvictionCache.evict`` before the hot buffers change: ``kept`` (B, H, K) are the row
+        indices the method keeps, so every other stored row comes here: first into the pages a recall just
+        emptied, then into new pages; fewer than a page's rows wait in ``carry``."""
         if real is not None:
             raise ValueError("recall needs uniform per-head storage, and this eviction step keeps ragged "
                              "heads: nothing was evicted (use allocation='uniform')")
-        rows, K = cache.size(), kept.shape[-1]
+        store = cache.store
+        rows, K = store.rows, kept.shape[-1]
         if rows - K <= 0:
             return
-        bits, gs = cache.kv_bits, cache.kv_group_size
-        k_raw, v_raw = cache.stored_raw("keys"), cache.stored_raw("values")
-        pos, gone = gather_evicted(kept, cache.stored("positions"), buf_parts(k_raw) + buf_parts(v_raw))
+        bits, gs = store.bits, store.group_size
+        k_raw, v_raw = store.raw("keys"), store.raw("values")
+        pos, gone = gather_evicted(kept, store.raw("positions"), buf_parts(k_raw) + buf_parts(v_raw))
         nk = len(buf_parts(k_raw))
         keys = dequantize_rows(from_parts(gone[:nk], k_raw), bits, gs)
         values = dequantize_rows(from_parts(gone[nk:], v_raw), bits, gs)
@@ -176,7 +177,7 @@ class ColdTier:
             whole = [a[:, :, :n] for a in parts]
             self._add_summaries(*summarize_pages(whole[0], whole[2], self.page, summary_dtype(whole[0].dtype)))
             self.store(*whole)
-        if cache.compressing_prompt or cache.prompt.open:  # (open: a streamed prompt's chunk)
+        if cache.schedule.compressing or cache.schedule.open:  # (open: a streamed prompt's chunk)
             self.flush()  # the disk tier writes now, so a streamed prompt holds no pending rows
 
     def _add_summaries(self, lo, hi):
@@ -210,22 +211,19 @@ class ColdTier:
         pages = pick_pages(q, self.kmin[:, :, :n], self.kmax[:, :, :n], self.pages)
         ck, cv, cpos = self.read(pages, page_rows(pages, self.page))
         self.holes = pages
-        R = cache.size()
-        bits, gs = cache.kv_bits, cache.kv_group_size
-        k_raw, v_raw = cache.stored_raw("keys"), cache.stored_raw("values")
+        store = cache.store
+        bits, gs = store.bits, store.group_size
+        k_raw, v_raw = store.raw("keys"), store.raw("values")
         dtype = buf_dtype(k_raw)  # the candidates converted once to the hot rows' storage
         hot, cold = buf_parts(k_raw) + buf_parts(v_raw), buf_parts(quantize_rows(ck.astype(dtype), bits, gs)) + \
             buf_parts(quantize_rows(cv.astype(dtype), bits, gs))
-        fills = cache.extra_row_fields()  # recalled rows start from the method's fill
-        hot += [cache.stored(name) for name in fills]
+        fills = store.fills  # recalled rows start from the method's fill
+        hot += [store.raw(name) for name in fills]
         cold += [mx.full(cpos.shape, fill, mx.float32) for fill in fills.values()]
-        pos, joined = join_in_order(cache.stored("positions"), cpos, hot, cold)  # rows stay in position order
+        pos, joined = join_in_order(store.raw("positions"), cpos, hot, cold)  # rows stay in position order
         nk, nv = len(buf_parts(k_raw)), len(buf_parts(v_raw))
-        cache.keys, cache.values = from_parts(joined[:nk], k_raw), from_parts(joined[nk:nk + nv], v_raw)
-        for name, rows in zip(fills, joined[nk + nv:], strict=True):
-            cache.row_extras[name] = rows
-        cache.positions = pos
-        cache._rows = R + cpos.shape[2]
+        store.replace(from_parts(joined[:nk], k_raw), from_parts(joined[nk:nk + nv], v_raw), pos,
+                      dict(zip(fills, joined[nk + nv:], strict=True)), ragged=False)
         self.recalls += 1
         return True
 

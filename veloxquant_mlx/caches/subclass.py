@@ -1,7 +1,8 @@
 """The deprecated way to write a method, kept working for one release: an ``EvictionCache`` subclass that
-overrides ``scores(self)`` (reading ``self.stored(...)``, ``self.observed_window()``). Registering such a
-subclass registers the :class:`Subclassed` method that stands for it; new methods implement
-``caches.method.Method`` (docs/add_a_method.md)."""
+overrides ``scores(self)`` (reading ``self.stored(...)``, ``self.observed_window()``), declaring
+``Options``, ``query_window``, ``needs_queries``, ``prefill_only``, ``supports_ada`` and ``default_recent`` as
+class attributes. Registering such a subclass registers the :class:`Subclassed` method that stands for it;
+new methods implement ``caches.method.Method`` (docs/add_a_method.md)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,13 @@ import inspect
 import warnings
 import weakref
 
+from ..options import NoOptions
 from .allocation import AdaRows, Uniform
 from .method import Method, Needs
 
-# Class attributes of a subclass that its method declares in the new protocol.
-_DECLARED = ("Options", "prefill_only", "config_defaults", "supports_kv_bits", "attention_mass_field",
-             "compresses_in_model_pass", "model_pass_note")
-
 
 class Subclassed(Method):
-    """The method of an ``EvictionCache`` subclass: its hooks are the subclass's own."""
+    """The method of an ``EvictionCache`` subclass: its scores are the subclass's ``scores()``."""
 
     cache_class = None  # the subclass (set per subclass by :func:`method_of_subclass`)
 
@@ -38,39 +36,26 @@ class Subclassed(Method):
 
     @classmethod
     def default_recent(cls, budget, options):
-        return cls.cache_class.default_recent(budget, options)
-
-    @classmethod
-    def check_config(cls, config):
-        cls.cache_class.check_config(config)
-
-    @classmethod
-    def attach(cls, model, methods):
-        cls.cache_class.attach_model(model, [m.cache for m in methods])
-
-    @classmethod
-    def model_pass(cls, driver, seq):
-        cls.cache_class.run_model_pass(driver, seq)
+        own = getattr(cls.cache_class, "default_recent", None)
+        return own(budget, options) if own is not None else Method.default_recent(budget, options)
 
 
-def method_of_subclass(cls, base):
-    """The :class:`Subclassed` method standing for ``cls``, a subclass of ``base`` (EvictionCache); warns when
-    it is not one of this package's."""
+def method_of_subclass(cls):
+    """The :class:`Subclassed` method standing for the EvictionCache subclass ``cls``; warns when it is not one
+    of this package's."""
     if not cls.__module__.startswith("veloxquant_mlx."):
         warnings.warn(f"{cls.__name__} subclasses EvictionCache, which is deprecated and will stop working in the "
                       "next release: write the method as a veloxquant_mlx.Method (docs/add_a_method.md)",
                       DeprecationWarning, stacklevel=3)
-    attrs = {name: inspect.getattr_static(cls, name) for name in _DECLARED}
-    needs = Needs(queries=cls.needs_queries, hidden_states=cls.needs_hidden_states, model_pass=cls.needs_model_pass)
-    return type(cls.__name__, (Subclassed,), {**attrs, "cache_class": cls, "needs": needs,
-                                              "allocations": _allocations(cls, base), "__module__": cls.__module__,
-                                              "__doc__": cls.__doc__})
 
+    def declared(name, default):
+        v = inspect.getattr_static(cls, name, default)
+        return v if isinstance(v, type(default)) or name == "Options" else default
 
-def _allocations(cls, base) -> dict:
-    """What the subclass supports: Ada-KV where it declares it, or keeps the base selection over its scores."""
-    if cls.supports_ada is not None:
-        ada = cls.supports_ada
-    else:
-        ada = cls.select_rows is base.select_rows and cls.scores is not base.scores
-    return {"uniform": Uniform, "ada": AdaRows} if ada else {"uniform": Uniform}
+    ada = declared("supports_ada", True)
+    window = declared("query_window", 0)
+    return type(cls.__name__, (Subclassed,), {
+        "cache_class": cls, "__module__": cls.__module__, "__doc__": cls.__doc__,
+        "Options": getattr(cls, "Options", NoOptions), "prefill_only": declared("prefill_only", False),
+        "needs": Needs(queries=declared("needs_queries", True), window=window),
+        "allocations": {"uniform": Uniform, "ada": AdaRows} if ada else {"uniform": Uniform}})

@@ -34,16 +34,16 @@ class View:
     @property
     def keys(self) -> mx.array:
         """(B, H, rows, D) the stored keys (post-RoPE), as attention reads them."""
-        c = self._cache
-        k = c.keys
-        return k[:, :, :c._rows] if c.kv_bits is None and k is not None else c.stored("keys")
+        st = self._cache.store
+        k = st.keys
+        return k[:, :, :st.rows] if st.bits is None and k is not None else self._cache.stored("keys")
 
     @property
     def values(self) -> mx.array:
         """(B, H, rows, D_v) the stored values."""
-        c = self._cache
-        v = c.values
-        return v[:, :, :c._rows] if c.kv_bits is None and v is not None else c.stored("values")
+        st = self._cache.store
+        v = st.values
+        return v[:, :, :st.rows] if st.bits is None and v is not None else self._cache.stored("values")
 
     @property
     def positions(self) -> mx.array:
@@ -52,9 +52,9 @@ class View:
 
     def field(self, name: str) -> mx.array:
         """(B, H, rows) float32 per-row state the method declared (``Method.row_fields``)."""
-        c = self._cache
-        f = c.row_extras.get(name)
-        return f[:, :, :c._rows] if f is not None and c.keys is not None else c.stored(name)
+        st = self._cache.store
+        f = st.fields.get(name)
+        return f[:, :, :st.rows] if f is not None and st.keys is not None else self._cache.stored(name)
 
     def window(self):
         """(queries (B, H_q, W, D), their positions (W,), scale) of the last W queries; where none was seen
@@ -101,12 +101,12 @@ class View:
     @property
     def ragged(self) -> bool:
         """Heads keep different numbers of rows (padding rows present)."""
-        return self._cache.is_ragged
+        return self._cache.store.ragged
 
     @property
     def compressing(self) -> bool:
         """Inside the one-shot compression when a prompt ends (not a decode-time eviction)."""
-        return self._cache.prompt.compressing
+        return self._cache.schedule.compressing
 
 
 class Step:
@@ -119,7 +119,9 @@ class Step:
         self.queries = None  # (B, H_q, S, D) their post-RoPE queries (None: none arrived, no query tap)
         self.scale = None  # the queries' softmax scale
         self.all_visible = False  # every stored row is visible to the step's query (one query, no padding)
-        self.hidden = None  # (B, S, d_model) the attention input of the step (Needs.hidden_states), or None
+        self.hidden = None  # (B, S, d_model) the step's attention input (Needs.hidden_states), or None
         self.ids = None  # (B, S) token ids of the step (Needs.model_pass), or None
         self.attend = False  # the method may return the layer's attention output over the stored rows
-        self.keys = self.values = None  # inside a reading model pass: the forward's own rows (never stored)
+        # (B, H, rows, D) the rows the step attends to, as attention reads them: the stored ones (and, in a
+        # reading model pass, the forward's own after them, never stored)
+        self.keys = self.values = None

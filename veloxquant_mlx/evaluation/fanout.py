@@ -72,8 +72,15 @@ class FanOutCache:
     def needs_ids(self) -> bool:
         return any(getattr(c, "needs_ids", False) for c in self.subs.values())
 
-    def feed(self, ids):
-        self._each("feed", ids)
+    @property
+    def input_ids(self):
+        return None
+
+    @input_ids.setter
+    def input_ids(self, ids):
+        for c in self.subs.values():
+            if getattr(c, "needs_ids", False):
+                c.input_ids = ids
 
     @property
     def pass_driven(self) -> bool:
@@ -85,8 +92,15 @@ class FanOutCache:
             if hasattr(c, "pass_driven"):
                 c.pass_driven = on
 
-    def observe_attention_input(self, x, module=None):
-        self._each("observe_attention_input", x, module)  # the hidden-state tap, for caches that read it
+    @property
+    def attention_input(self):
+        return None
+
+    @attention_input.setter
+    def attention_input(self, x):  # the hidden-state tap, for the caches that read it
+        for c in self.subs.values():
+            if hasattr(c, "attention_input"):
+                c.attention_input = x
 
     def attention_mask(self, mask, queries):
         return mask

@@ -103,14 +103,15 @@ def kvzip_plus_rows(model, tokenizer, ids: list, n_sink: int = 4) -> dict:
     zips = {i: c for i, c in enumerate(caches) if isinstance(getattr(c, "method", None), KVzip)}
     install_hidden_tap(model)
     seen = {}
-    for i, c in zips.items():  # the prompt's forward hands each layer's input to the tap: record it there
-        c.observe_attention_input = (lambda x, module=None, i=i: seen.__setitem__(i, x))
+    for i, c in zips.items():  # the prompt's forward hands each layer's input to its step: record it there
+        c.method.on_rows = (lambda view, step, i=i, rows=c.method.on_rows:
+                            (seen.__setitem__(i, step.hidden), rows(view, step))[1])
     x = mx.array(ids)[None]
     try:
         model(x[:, :-1], cache=caches)  # as mlx_lm.generate feeds a prompt: all but the last token,
     finally:
         for c in zips.values():
-            del c.observe_attention_input
+            del c.method.on_rows
     model(x[:, -1:], cache=caches)  # then the last alone (the prompt's end: the pass runs)
     out = {}
     for i, c in zips.items():
@@ -135,11 +136,10 @@ def hidden_states(model, ids: list, layers: list) -> dict:
     from ..tap import install_hidden_tap
 
     class Capture:  # a layer's own cache that also records the input the tap hands it
-        def __init__(self, inner):
-            self.inner, self.x = inner, None
+        attention_input = None
 
-        def observe_attention_input(self, x, module=None):
-            self.x = x
+        def __init__(self, inner):
+            self.inner = inner
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -148,7 +148,7 @@ def hidden_states(model, ids: list, layers: list) -> dict:
     caches = make_prompt_cache(model)
     caps = {i: Capture(caches[i]) for i in layers}
     model(mx.array(ids)[None], cache=[caps.get(i, c) for i, c in enumerate(caches)])
-    return {i: np.array(c.x[0].astype(mx.float32)) for i, c in caps.items()}
+    return {i: np.array(c.attention_input[0].astype(mx.float32)) for i, c in caps.items()}
 
 
 COLLECT_VERSION = 1  # bump when kvzip_plus_rows changes what it returns: cached windows are then stale

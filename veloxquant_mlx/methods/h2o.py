@@ -57,8 +57,8 @@ class H2O(Method):
         q = step.queries
         if q is None:
             return {}
-        keys, score = view.keys, view.field("score")
-        values = view.values if step.attend and self.fused else None
+        keys, score = step.keys, view.field("score")
+        values = step.values if step.attend and self.fused else None
         B, Hq, S, D = q.shape
         scale = mx.array(step.scale, mx.float32)
         if step.all_visible:  # one query over storage without padding: every row is in its past

@@ -13,7 +13,7 @@ import mlx.core as mx
 from .attention import group_queries
 from .select import gather_rows_of
 
-PAD = 2**31 - 1  # position of padding rows (same sentinel as caches.storage.PAD_POSITION)
+PAD = 2**31 - 1  # position of padding rows (same sentinel as ops.select.PAD_POSITION)
 _KEPT_LAST = 2**30  # sorts kept rows after evicted ones (one constant for every row count: compiled once)
 
 

@@ -136,20 +136,22 @@ class KVzip(Method):
             self.plus = (inv, o_weight)
 
     def _score_chunk(self, view, step):
-        (lo, hi, lead), q = self.chunk, step.queries
-        plus = self._plus_weights(view, lo, hi, lead, q.shape[1])
-        if (step.attend and one_pass(self.options.pass_attention) and lead == 0 and lo == 0 and hi == view.rows
-                and not view.ragged):  # the chunk's rows are all the rows attention reads: one softmax
-            out, s = reconstruction_attend(q, view.keys[:, :, lo:hi], step.keys, view.values[:, :, lo:hi],
-                                           step.values, step.scale, self.options.q_block, plus)
+        # the step attends to the stored rows, then its own (the last S, never stored)
+        (lo, hi, lead), q, S = self.chunk, step.queries, step.queries.shape[2]
+        keys, values = step.keys, step.values
+        own_k, own_v = keys[:, :, -S:], values[:, :, -S:]
+        plus = self._plus_weights(values, lo, hi, lead, q.shape[1])
+        if (step.attend and one_pass(self.options.pass_attention) and lead == 0 and lo == 0
+                and hi == keys.shape[2] - S and not view.ragged):  # the chunk's rows are every stored row: one softmax
+            out, s = reconstruction_attend(q, keys[:, :, lo:hi], own_k, values[:, :, lo:hi], own_v, step.scale,
+                                           self.options.q_block, plus)
             self.parts.append(s)
             return {"zip_score": s}, out
-        keys = view.keys
         ctx = keys[:, :, lo:hi] if not lead else mx.concatenate([keys[:, :, :lead], keys[:, :, lo:hi]], axis=2)
-        self.parts.append(reconstruction_scores(q, ctx, step.keys, step.scale, lead, self.options.q_block, plus))
+        self.parts.append(reconstruction_scores(q, ctx, own_k, step.scale, lead, self.options.q_block, plus))
         return {"zip_score": self.parts[-1]}  # (not stored: evaluated with the layer's output)
 
-    def _plus_weights(self, view, lo, hi, lead, n_heads):
+    def _plus_weights(self, values, lo, hi, lead, n_heads):
         """KVzip+'s (1 / ||h||, ||W_o v|| of the sink rows then rows lo:hi), or None for plain KVzip."""
         if self.options.normalize != "plus":
             return None
@@ -157,6 +159,5 @@ class KVzip(Method):
             raise RuntimeError("kvzip normalize='plus' needs the attention inputs of the pass: build the caches "
                                "with KVCacheBuilder.for_model / install on a model whose layers have self_attn.o_proj")
         inv_h, o_weight = self.plus
-        values = view.values
         vals = values[:, :, lo:hi] if not lead else mx.concatenate([values[:, :, :lead], values[:, :, lo:hi]], axis=2)
         return inv_h, value_output_norms(vals, o_weight, n_heads)
