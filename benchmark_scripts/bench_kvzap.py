@@ -93,7 +93,7 @@ def twin_scorer(model) -> None:
     architecture and shapes), its identity rewritten to the twin's, in a folder that kvzap searches first."""
     import tempfile
 
-    from veloxquant_mlx.methods.kvzap.cache import (SCORER_PATH_ENV, SHIPPED_DIR, load_scorer, model_identity,
+    from veloxquant_mlx.methods.kvzap.scorer import (SCORER_PATH_ENV, SHIPPED_DIR, load_scorer, model_identity,
                                                     save_scorer)
 
     ident = model_identity(model)
@@ -139,7 +139,7 @@ def needle_rank(scorers: list) -> int:
     from veloxquant_mlx.evaluation.kvzap_fit import kvzip_plus_rows
     from veloxquant_mlx.evaluation.needle import key_token_spans
     from veloxquant_mlx.evaluation.retrieval import make_prompt
-    from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR, load_scorer
+    from veloxquant_mlx.methods.kvzap.scorer import SHIPPED_DIR, load_scorer
     from veloxquant_mlx.methods.kvzap.fit import log_targets, predict, spearman
     from veloxquant_mlx.models import load_model
 

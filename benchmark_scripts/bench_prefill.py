@@ -222,7 +222,7 @@ def kvzip_main(argv=None):
         """The pass's model forward with mlx-lm's own attention and no scoring: a plain prefill, then the
         reconstruction input (repeat prompt + context, one chunk) over that cache. What any pass costs
         at least with this attention (exact shapes when the context fits one chunk)."""
-        from veloxquant_mlx.methods.kvzip.cache import KVzipOptions
+        from veloxquant_mlx.methods.kvzip.method import KVzipOptions
         from veloxquant_mlx.model_pass import PassPrompt, chunk_parts
 
         caches = make_prompt_cache(model)

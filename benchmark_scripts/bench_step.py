@@ -136,8 +136,8 @@ def fill(cache, T, kv_heads, q_heads, hd, seed):
     st = {"keys": k, "values": k + 1, "positions": mx.array(pos.astype(np.int32)), "rng": mx.random.key(seed)}
     for name in cache.store.fills:
         st["row." + name] = mx.random.uniform(shape=(1, kv_heads, R), key=mx.random.key(seed + 1))
-    if cache.query_window:
-        st["window_q"] = mx.random.normal((1, q_heads, cache.query_window, hd), key=mx.random.key(seed + 2))
+    if cache.window.size:
+        st["window_q"] = mx.random.normal((1, q_heads, cache.window.size, hd), key=mx.random.key(seed + 2))
     cache.state = st
     cache.offset, cache.scale, cache.store.ragged, cache.schedule.floor = T, hd ** -0.5, ragged, R
     cache.prompt.open, cache.prompt.saw_decode, cache.queries_observed = False, True, 1
@@ -323,7 +323,7 @@ def components(model, T, budget, methods, repeats=25):
                 put(c)
             mx.eval(c.state)
             c0 = time.process_time()
-            c.evict(c.keep_rows())
+            c.evict(c.schedule.keep())
             mx.eval(c.state)
             return time.process_time() - c0
 
@@ -592,7 +592,7 @@ def bench(tokens: int, per_head: bool, repeats: int) -> dict:
     mx.eval(cache.state)
 
     def select():
-        return cache.method.select(cache.view, cache.keep_rows(), cache.allocation())
+        return cache.method.select(cache.view, cache.schedule.keep(), cache.allocation())
 
     t_select = median_time(select, repeats)
 

@@ -84,14 +84,10 @@ def _make_factory(pkg: str, method: str):
     if method == "kvcache":
         return KVCache
     if pkg == "ours":
-        from veloxquant_mlx import KVCacheConfig
-        from veloxquant_mlx.methods.h2o.cache import H2OKVCache
-        from veloxquant_mlx.methods.nestedkv.cache import NestedKVKVCache
-
-        cls = {"h2o": H2OKVCache, "nestedkv": NestedKVKVCache}[method]
+        from veloxquant_mlx import EvictionCache, KVCacheConfig
 
         def make():
-            c = cls(KVCacheConfig(method=method, budget=BUDGET, n_sink=N_SINK))
+            c = EvictionCache(KVCacheConfig(method=method, budget=BUDGET, n_sink=N_SINK))
             c.tap_active = True  # what KVCacheBuilder sets for a model whose attention is tapped
             return c
         return make

@@ -1,4 +1,4 @@
-"""Ragged per-head budgets keep storage near the kept rows (issue 22): a cap per head that the
+"""Ragged per-head budgets keep storage near the kept rows: a cap per head that the
 selection respects (KVCacheConfig.max_head_factor, default 1.1), the layer total unchanged.
 
 Storage is as wide as the widest head; without the cap NestedKV's cross-head pool let one head keep
@@ -92,35 +92,35 @@ def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, bu
     (``caches.masks.Fetched``): at every step, decode evictions included, it equals the mask built
     from the step's fetched positions (``ragged_mask``), so the tokens are those of the fresh mask."""
     from conftest import greedy, make_tiny_model, random_prompt
-    from veloxquant_mlx import KVCacheBuilder
+    from veloxquant_mlx import EvictionCache, KVCacheBuilder
     from veloxquant_mlx.caches.masks import Fetched
 
     model = make_tiny_model(hidden_size=128)  # head_dim 32: whole groups of 32 for the 8-bit rows
     config = KVCacheConfig.parse(spec, budget=budget)
     checked = {"ragged": 0, "builds": 0}
-    reused = Fetched.mask
+    step = EvictionCache.tap_step
     build = Fetched._decode_mask
 
-    def fresh(self, queries, q_start, per_kv_head):  # the mask built from the step's fetched positions
-        visible = mx.expand_dims(self.positions, 2) <= mx.arange(q_start, q_start + 1)[:, None]
+    def fresh(cache, queries):  # the mask built from the step's fetched positions
+        visible = mx.expand_dims(cache.fetched.positions, 2) <= mx.arange(cache.offset - 1, cache.offset)[:, None]
         group = queries.shape[1] // visible.shape[1]
-        return visible if group == 1 or per_kv_head else mx.repeat(visible, group, axis=1)
+        return visible if group == 1 or cache.kv_bits is not None else mx.repeat(visible, group, axis=1)
 
     def counted_build(self, group, per_kv_head):
         if self.decode is None or self.decode[0] is not self.store:
             checked["builds"] += 1
         return build(self, group, per_kv_head)
 
-    def both(self, mask, queries, q_start, per_kv_head):
-        out = reused(self, mask, queries, q_start, per_kv_head)
-        if queries.shape[2] == 1 and self.ragged:
-            expected = fresh(self, queries, q_start, per_kv_head)
-            assert out.shape == expected.shape and bool(mx.array_equal(out, expected)), q_start
+    def both(self, queries, scale, mask, kwargs, keys=None):  # every step, the cheap branch's included
+        out, got, deps = step(self, queries, scale, mask, kwargs, keys)
+        if queries.shape[2] == 1 and self.fetched.ragged and out is None:
+            expected = fresh(self, queries)
+            assert got.shape == expected.shape and bool(mx.array_equal(got, expected)), (self.layer_idx, self.offset)
             checked["ragged"] += 1
-        return out
+        return out, got, deps
 
     monkeypatch.setattr(Fetched, "_decode_mask", counted_build)
-    monkeypatch.setattr(Fetched, "mask", both)
+    monkeypatch.setattr(EvictionCache, "tap_step", both)
     prompt = random_prompt(3 * budget, seed=3)
     toks, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
     assert checked["ragged"] >= 60 * len(model.layers)  # the prompt's end makes every layer ragged
@@ -128,11 +128,12 @@ def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, bu
     if not config.method_class.prefill_only:  # decode evictions gave new buffers, and new masks
         assert checked["builds"] > len(model.layers)
 
-    def fresh_only(self, mask, queries, q_start, per_kv_head):
-        if queries.shape[2] == 1 and self.ragged:
-            return fresh(self, queries, q_start, per_kv_head)
-        return reused(self, mask, queries, q_start, per_kv_head)
+    def fresh_only(self, queries, scale, mask, kwargs, keys=None):
+        out, got, deps = step(self, queries, scale, mask, kwargs, keys)
+        if queries.shape[2] == 1 and self.fetched.ragged and out is None:
+            got = fresh(self, queries)
+        return out, got, deps
 
-    monkeypatch.setattr(Fetched, "mask", fresh_only)
+    monkeypatch.setattr(EvictionCache, "tap_step", fresh_only)
     again, _ = greedy(model, prompt, max_tokens=70, prompt_cache=KVCacheBuilder.for_model(model, config))
     assert toks == again

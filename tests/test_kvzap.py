@@ -17,7 +17,7 @@ from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, sav
 from veloxquant_mlx.caches import PAD_POSITION
 from veloxquant_mlx.evaluation.labels import method_specs
 from veloxquant_mlx.evaluation.kvzap_fit import hidden_states, split_windows, windows
-from veloxquant_mlx.methods.kvzap.cache import (KVzap, find_scorer, load_scorer, model_identity,
+from veloxquant_mlx.methods.kvzap import (KVzap, find_scorer, load_scorer, model_identity,
                                           read_scorer_metadata, save_scorer)
 from veloxquant_mlx.methods.kvzap.fit import keep_overlap, r2, ridge, spearman
 from veloxquant_mlx.tap import hidden_tap_installed, remove_query_tap
@@ -95,7 +95,7 @@ def test_prompt_end_keeps_the_top_scored_rows_and_decode_evicts(model):
             assert kept == sorted(best.tolist()), (i, h)
     caches = KVCacheBuilder.for_model(model, kvzap(budget=24))
     feed(model, caches, prompt, decode=60)
-    assert all(c.evictions >= 2 and c.size() <= c.evict_threshold() for c in caches)
+    assert all(c.evictions >= 2 and c.size() <= c.schedule.threshold() for c in caches)
 
 
 def test_scoring_forces_no_host_sync(model):
@@ -259,31 +259,31 @@ def test_global_layers_rank_every_layers_predictions_once_and_keep_the_total(mon
     flat = np.concatenate([pred[i][:, free].ravel() for i in range(L)])
     thr = np.sort(flat)[::-1][L * H * (budget - 8) - 1]
     want = [8 + int(round((pred[i][:, free] >= thr).sum() / H)) for i in range(L)]
-    shares = [c.layer_share for c in caches]
+    shares = [c.schedule.share for c in caches]
     assert shares == want and len(set(shares)) > 1 and abs(sum(shares) - L * budget) <= L // 2
     for i, c in enumerate(caches):  # each layer keeps its share: its heads' top predictions
         pos = np.array(c.stored("positions"))[0]
-        assert c.size() == shares[i] and c.keep_rows() == shares[i] and c.budget == budget
+        assert c.size() == shares[i] and c.schedule.keep() == shares[i] and c.budget == budget
         for h in range(H):
             best = free[np.argsort(-pred[i][h, free], kind="stable")[:shares[i] - 8]]
             kept = sorted(set(pos[h].tolist()) - set(range(4)) - set(range(n - 4, n)))
             assert kept == sorted(best.tolist()), (i, h)
     each = KVCacheBuilder.for_model(model, kvzap(budget=budget))
     feed(model, each, prompt)
-    assert [c.size() for c in each] == [budget] * L and all(c.layer_share is None for c in each)
+    assert [c.size() for c in each] == [budget] * L and all(c.schedule.share is None for c in each)
 
 
 def test_global_layers_hold_their_shares_through_decode_save_and_load(model, tmp_path):
     fit_tiny_scorer(model)
     caches = KVCacheBuilder.for_model(model, kvzap(budget=24, kvzap_layers="global"))
     feed(model, caches, random_prompt(80, seed=22), decode=50)
-    shares = [c.layer_share for c in caches]
+    shares = [c.schedule.share for c in caches]
     assert all(s is not None for s in shares)
     for c, s in zip(caches, shares):  # decode evicts each layer back to its own share, not the budget
-        assert c.evictions >= 2 and c.size() <= s + c.slack and c.evict_threshold() == s + c.slack
+        assert c.evictions >= 2 and c.size() <= s + c.slack and c.schedule.threshold() == s + c.slack
         assert c.positions.shape[2] == s + c.slack + 1  # and its buffers hold that share, not the budget
     save_prompt_cache(tmp_path / "g.safetensors", caches)
-    assert [c.layer_share for c in load_prompt_cache(tmp_path / "g.safetensors")] == shares
+    assert [c.schedule.share for c in load_prompt_cache(tmp_path / "g.safetensors")] == shares
 
 
 def test_default_is_one_ranking_across_layers_with_ada_heads(model):
@@ -296,7 +296,7 @@ def test_default_is_one_ranking_across_layers_with_ada_heads(model):
     L = len(model.layers)
     caches = KVCacheBuilder.for_model(model, cfg)
     feed(model, caches, random_prompt(90, seed=23), decode=40)
-    shares = [c.layer_share for c in caches]
+    shares = [c.schedule.share for c in caches]
     assert all(s is not None for s in shares) and abs(sum(shares) - L * 24) <= L // 2
     for c, s in zip(caches, shares):  # Ada heads: ragged per head, the layer's total at its share
         real = np.array(c.stored("positions"))[0] != PAD_POSITION
@@ -305,7 +305,7 @@ def test_default_is_one_ranking_across_layers_with_ada_heads(model):
         KVCacheConfig("kvzap", budget=24, recall="memory")
     stream = KVCacheBuilder.for_model(model, cfg.replace(prompt_eviction="stream"))  # auto: one ranking there too
     feed(model, stream, random_prompt(90, seed=23))
-    assert all(c.method.layer_shares and c.layer_share is not None for c in stream)
+    assert all(c.method.layer_shares and c.schedule.share is not None for c in stream)
     assert KVCacheConfig("kvzap", budget=24, recall="memory", allocation="uniform").recall == "memory"
 
 
@@ -329,7 +329,7 @@ def test_streaming_ranks_every_chunk_across_layers_and_keeps_the_whole_prompts_t
         totals.append(sum(int((np.array(c.stored("positions")) != PAD_POSITION).sum()) for c in caches))
     slack = caches[0].slack  # ranked once the prompt passes budget + slack, then after every chunk
     assert max(totals) <= L * H * (budget + slack) and all(abs(t - L * H * budget) <= L * H for t in totals[4:])
-    shares = [c.layer_share for c in caches]
+    shares = [c.schedule.share for c in caches]
     assert all(c.evictions >= 5 for c in caches) and len(set(shares)) > 1
     pred = predicted(model, path, prompt[:-1])[0]  # layer 0: the embeddings' scores, as streamed
     free = np.arange(4, n - 1 - 4)
@@ -352,13 +352,13 @@ def test_global_layers_with_a_cold_tier_lose_nothing_and_keep_their_shares(model
                         recall_dir=str(tmp_path), recall_page=8)
     caches = KVCacheBuilder.for_model(model, cfg)
     feed(model, caches, random_prompt(90, seed=24))
-    shares = [c.layer_share for c in caches]
+    shares = [c.schedule.share for c in caches]
     assert all(s is not None for s in shares) and len(set(shares)) > 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the follow-up on a used cache is meant)
         feed(model, caches, random_prompt(20, seed=25), decode=10)  # it recalls, then ranks the layers again
     for c in caches:
-        assert c.cold.recalls >= 1 and c.layer_share is not None and c.size() <= c.layer_share + c.slack
+        assert c.cold.recalls >= 1 and c.schedule.share is not None and c.size() <= c.schedule.share + c.slack
         assert_nothing_lost(c)
 
 
@@ -377,11 +377,11 @@ def test_default_batch_generate_equals_each_prompt_alone(model):
                              return_prompt_caches=True, return_token_ids=True)
     finally:
         KVCacheBuilder.uninstall(model)
-    assert any(c.layer_share not in (None, 24) for _, caches in alone for c in caches)
+    assert any(c.schedule.share not in (None, 24) for _, caches in alone for c in caches)
     for (tokens, caches), got, got_caches in zip(alone, out.token_ids, out.caches):
         assert list(got) == tokens
         for a, b in zip(caches, got_caches):
-            assert a.layer_share == b.layer_share and a.offset == b.offset
+            assert a.schedule.share == b.schedule.share and a.offset == b.offset
             assert np.array_equal(np.array(a.kept_positions()), np.array(b.kept_positions()))
 
 

@@ -394,7 +394,7 @@ def test_global_layer_budget_moves_rows_between_layers_and_keeps_the_total(monke
     assert [b for _, _, b in seen] == want == sizes
     # the shares are compression targets: every layer's budget stays the configured one, and the
     # compression state is closed again
-    assert all(c.budget == 32 and c.keep_rows() == 32 and not c.compressing_prompt for c in glob)
+    assert all(c.budget == 32 and c.schedule.keep() == 32 and not c.schedule.compressing for c in glob)
 
 
 def test_default_head_budget_follows_the_total():
@@ -527,7 +527,7 @@ def test_kvzip_plus_reads_each_global_layers_attention_input_on_a_hybrid_model(m
     from mlx_lm.models import gemma3_text
     from mlx_lm.models.cache import RotatingKVCache
 
-    from veloxquant_mlx.methods.kvzip import cache as kz
+    from veloxquant_mlx.methods.kvzip import method as kz
 
     model = make_tiny_model("gemma3", layers=6, heads=2, kv_heads=1, sliding_window=16, sliding_window_pattern=3,
                             query_pre_attn_scalar=50)

@@ -1,4 +1,4 @@
-"""What a user's process really holds: allocated bytes follow the budget (issue: memory = budget).
+"""What a user's process really holds: allocated bytes follow the budget.
 
 Measured the way a user meets it: mlx-lm's own generation loop (``generate_step``, what
 ``mlx_lm.generate`` runs) with its default arguments, memory as allocated bytes (``nbytes``) and MLX's
@@ -69,7 +69,7 @@ def test_decode_soak_memory_stops_growing(name):
             alloc.append(sum(c.nbytes for c in caches))
             active.append(mx.get_active_memory() - base)
             # ragged heads (Ada-KV): as wide as the widest head kept, which its cap bounds, plus headroom
-            widths += [(c.positions.shape[2], max(c.budget, cfg.head_cap_rows(c.keep_rows())) + c.slack + 1)
+            widths += [(c.positions.shape[2], max(c.budget, cfg.head_cap_rows(c.schedule.keep())) + c.slack + 1)
                        for c in caches]
     assert caches[0].offset > 1500 and caches[0].evictions > 10
     if cfg.allocation == "uniform":
@@ -164,7 +164,7 @@ def test_saved_query_window_does_not_pin_the_chunk():
 def test_make_cache_swap_builds_fresh_caches(call):
     model = make_tiny_model("llama")
     cfg = KVCacheConfig(method="h2o", budget=48)
-    if call == "lambda":  # the design card's swap: it used to recurse forever
+    if call == "lambda":  # for_model inside a make_cache swap asks the model's class (no recursion)
         model.make_cache = lambda *a, **k: KVCacheBuilder.for_model(model, cfg)
     else:
         KVCacheBuilder.install(model, cfg)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx import EvictionCache
 from veloxquant_mlx.methods.nexus import Nexus
-from veloxquant_mlx.methods.nexus.cache import min_budget
+from veloxquant_mlx.methods.nexus.method import min_budget
 from veloxquant_mlx.methods.nexus.ops import (block_distribution, log_reservoir_priority, nexus_weights,
                                       reservoir_uniforms, select_blocks, walk)
 
@@ -513,7 +513,7 @@ def test_ada_nexus_ragged_attention_equals_per_head_hand_computed():
         keys, values = cache.update_and_fetch(mx.array(k), mx.array(v))
         mask = cache.attention_mask(None, mx.array(q))
         out = _np(mx.fast.scaled_dot_product_attention(mx.array(q), keys, values, scale=D ** -0.5, mask=mask))
-        pos = _np(cache.fetched_positions)[0]
+        pos = _np(cache.fetched.positions)[0]
         cache.observe_queries(mx.array(q))
         if not ragged_before:
             continue
@@ -538,7 +538,7 @@ def test_ada_nexus_ragged_attention_equals_per_head_hand_computed():
 
 
 def test_neighbour_smoothing_option():
-    from veloxquant_mlx.methods.nexus.cache import neighbour_max
+    from veloxquant_mlx.methods.nexus.method import neighbour_max
 
     w = mx.array([[[0.5, 0.1, 0.3, 0.02, 0.08]]])
     forced = mx.array([True, False, False, False, True])  # sink and recent blocks lend nothing
@@ -616,7 +616,7 @@ def test_prompt_top_k_selects_by_w_once_then_samples_in_decode():
         c.update_and_fetch(prompt[:, :, 399:], prompt[:, :, 399:])  # the prompt's last token alone
         rng_before = np.array(c._rng)
         c.observe_queries(q[:, :, 399:])  # the one-shot compression runs here
-        assert c.evictions == 1 and not c.compressing_prompt
+        assert c.evictions == 1 and not c.schedule.compressing
         caches[name] = (c, rng_before)
     one_shot = _np(caches["prompt_top_k"][0].kept_positions())
     np.testing.assert_array_equal(one_shot, _np(caches["topk"][0].kept_positions()))

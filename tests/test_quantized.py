@@ -1,5 +1,5 @@
 """Quantized kept rows (config.kv_bits): mlx-lm's QuantizedKVCache layout, read by mlx-lm's own
-quantized attention, with eviction gathering packed rows (issue 22).
+quantized attention, with eviction gathering packed rows.
 
 Tiny random models with head_dim 64 so 64-element groups fit.
 """

@@ -48,7 +48,7 @@ def test_kv_report_splits_hot_cold_disk_and_summary_bytes(tier, model, tmp_path)
         assert kv["cold_disk_bytes"] == 0 and kv["cold_resident_bytes"] > 0
     plain = KVCacheBuilder.for_model(model, small_config("snapkv"))
     _turns(model, plain)
-    assert not set(COLD_KEYS) & set(kv_report(plain))  # without recall the report is as before
+    assert not set(COLD_KEYS) & set(kv_report(plain))  # without recall the report has no cold keys
 
 
 def test_serve_request_log_names_the_cold_tier(model, tmp_path):

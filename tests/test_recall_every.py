@@ -95,7 +95,7 @@ def test_every_method_recalls_during_decode_without_sync_and_loses_nothing(metho
             at += s
     # decode steps 3, 6, 9, 12, the follow-up's recall, steps 15, 18 (an input's last token is no step)
     assert cache.cold.recalls == 7, cache.cold.recalls
-    assert cache.size() <= cache.evict_threshold()
+    assert cache.size() <= cache.schedule.threshold()
     assert_nothing_lost(cache)
     mx.eval(cache.state)
 

@@ -238,7 +238,7 @@ def test_attach_refuses_tapped_caches_on_a_model_without_the_tap_call(tmp_path, 
         KVCacheBuilder.attach(model, a)
 
 
-# Files saved by the package before issue 49's light step (main at c5c66a7), with the tokens the saved caches
+# Files saved by the package at c5c66a7 (a cache of one class per method), with the tokens the saved caches
 # went on to decode there: today's code loads them and decodes the same tokens. Written by
 #   PYTHONPATH=<that package>:tests python -c "from test_save_load import write_saved_before as w; w()"
 SAVED_BEFORE = Path(__file__).resolve().parent / "data" / "saved_c5c66a7"
@@ -276,7 +276,7 @@ def test_files_saved_before_the_light_step_load_and_continue_alike(method):
     KVCacheBuilder.uninstall(model)
 
 
-# Files saved by every method before the cache became a composition (main at 9cc861f), with the tokens they
+# Files saved by every method at 9cc861f (methods as subclasses of the cache), with the tokens they
 # decoded there: today's code loads them and decodes the same tokens. kvzap's scorer lies beside them (the
 # saved path is relative: the test runs in that folder). Written by
 #   cd tests && PYTHONPATH=<that package>:. python -c "from test_save_load import write_saved_9cc861f as w; w()"

@@ -53,9 +53,9 @@ def test_sharers_attend_to_the_rows_their_source_returned(name, how, monkeypatch
         out = original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         if isinstance(cache, tap.SharedRows):
             src = cache.source
-            calls.append((out, _reference(queries, keys, values, scale, src.fetched_positions, src.offset,
+            calls.append((out, _reference(queries, keys, values, scale, src.fetched.positions, src.offset,
                                           getattr(cache, "bits", None), getattr(cache, "group_size", None)),
-                          src.fetched_positions.shape[-1] < src.offset, src.fetched_ragged))
+                          src.fetched.positions.shape[-1] < src.offset, src.fetched.ragged))
         return out
 
     caches = KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET, **how))

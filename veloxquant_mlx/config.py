@@ -268,7 +268,7 @@ class KVCacheConfig:
                                                    for k, v in dataclasses.asdict(self.options).items()}}
 
     def _recall_dict(self) -> dict:
-        # Only when recall is on: a config without it serializes exactly as before recall existed.
+        # Only when recall is on: a config without it carries no recall fields.
         if self.recall is None:
             return {}
         return {"recall": self.recall, "recall_page": self.recall_page, "recall_bits": self.recall_bits,

@@ -155,8 +155,9 @@ class SharedRows:
         pages = getattr(src, "pages", None)
         if pages is not None and pages.step_rows is not None:  # the source read this step from its page file
             return pages.attend_shared(queries, scale, kwargs, src.kv_bits, src.kv_group_size), mask, None
-        # uniform rows under mlx-lm's string mask: that mask is right as it is (as for the source)
-        if isinstance(mask, mx.array) or getattr(src, "fetched_ragged", True):
+        # one cache's uniform rows under mlx-lm's string mask: that mask is right as it is (as for the source)
+        fetched = getattr(src, "fetched", None)  # (a batch's rows always take the batch's mask)
+        if isinstance(mask, mx.array) or fetched is None or fetched.ragged:
             mask = src.attention_mask(mask, queries)
         return None, mask, None
 

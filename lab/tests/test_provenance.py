@@ -199,7 +199,7 @@ def test_a_label_naming_a_real_models_scorer_fingerprints_its_file(tmp_path):
     # a kvzap label with scorer=FILE (fitted for another model than the tiny fingerprint model) hashes
     # the method's code on the tiny model plus the file's bytes: no error, and a changed file shows
     from lab.provenance import key_of, method_fingerprint
-    from veloxquant_mlx.methods.kvzap.cache import SHIPPED_DIR
+    from veloxquant_mlx.methods.kvzap.scorer import SHIPPED_DIR
 
     f = tmp_path / "s.safetensors"
     f.write_bytes((SHIPPED_DIR / "smollm2-135m.safetensors").read_bytes())

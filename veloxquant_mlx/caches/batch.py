@@ -250,7 +250,7 @@ class BatchEvictionCache(_BaseCache):
         for row in self.rows:
             if row.positions is not None:
                 row.note_fetched()
-                ragged = ragged or row.fetched_ragged
+                ragged = ragged or row.fetched.ragged
         self._step = (spans, list(self._kv.n), ragged)
         return self._kv.fetch()
 
@@ -317,10 +317,10 @@ class BatchEvictionCache(_BaseCache):
     def _positions_mask(self, spans, counts, queries):
         """Per-head mask from absolute positions (ragged rows: per-head budgets, padding inside)."""
         S, R = queries.shape[2], max(counts)
-        H = next(r.fetched_positions.shape[1] for r, c in zip(self.rows, counts) if c)
+        H = next(r.fetched.positions.shape[1] for r, c in zip(self.rows, counts) if c)
         pos = []
         for row, c in zip(self.rows, counts):
-            p = row.fetched_positions if c else mx.zeros((1, H, 0), mx.int32)
+            p = row.fetched.positions if c else mx.zeros((1, H, 0), mx.int32)
             if c < R:
                 p = mx.concatenate([mx.full((1, H, R - c), PAD_POSITION, mx.int32), p], axis=2)
             pos.append(p)

@@ -190,9 +190,11 @@ class EvictionCache(_BaseCache):
             self._light_now = False
             plain = (mask is None or isinstance(mask, str)) and not (kwargs and any(v is not None for v in
                                                                                     kwargs.values()))
-            out = self._observe(queries, scale, plain, True)
-            if out is None and (self.fetched.ragged or isinstance(mask, mx.array)):
-                mask = self.fetched.mask(mask, queries, self.offset - 1, False)  # (fp rows: never per KV head)
+            out, f = self._observe(queries, scale, plain, True), self.fetched
+            if out is None and (f.ragged or isinstance(mask, mx.array)):
+                d = f.decode  # ragged rows: the decode mask of this positions buffer, once built, sliced
+                mask = d[3][..., :f.rows] if d is not None and d[0] is f.store and not isinstance(mask, mx.array) \
+                    else f.mask(mask, queries, self.offset - 1, False)  # (fp rows: never per KV head)
             return out, mask, self._light_deps or None
         self._light_now = False
         if self.pages is not None and self.pages.reading:  # an input read against the page file
@@ -550,52 +552,13 @@ class EvictionCache(_BaseCache):
     def trim(self, n):
         raise NotImplementedError("eviction caches cannot be trimmed: evicted rows are gone")
 
-    @property
-    def keys(self):
-        return self.store.keys
-
-    @keys.setter
-    def keys(self, keys):  # mlx-lm's pipeline ties the last layer's keys to the step (mx.depends)
-        self.store.keys = keys
-
-    @property
-    def values(self):
-        return self.store.values
-
-    @property
-    def positions(self):
-        return self.store.positions
-
-    @property
-    def is_ragged(self) -> bool:
-        return self.store.ragged
-
-    @property
-    def prefill_only(self) -> bool:
-        return self.method.prefill_only
-
-    @property
-    def query_window(self) -> int:
-        return self.window.size
-
-    @property
-    def prompt(self) -> Schedule:
-        """Where the cache stands between prompt and decode (``open``, ``ending``, ``saw_decode``)."""
-        return self.schedule
-
-    @property
-    def compressing_prompt(self) -> bool:
-        return self.schedule.compressing
-
-    @property
-    def layer_share(self):
-        return self.schedule.share
-
-    def keep_rows(self) -> int:
-        return self.schedule.keep()
-
-    def evict_threshold(self) -> int:
-        return self.schedule.threshold()
+    # the parts as mlx-lm's caches and earlier callers read them (mlx-lm's pipeline sets the last layer's keys)
+    keys = property(lambda self: self.store.keys, lambda self, keys: setattr(self.store, "keys", keys))
+    values = property(lambda self: self.store.values)
+    positions = property(lambda self: self.store.positions)
+    is_ragged = property(lambda self: self.store.ragged, doc="heads keep different numbers of rows")
+    prefill_only = property(lambda self: self.method.prefill_only)
+    prompt = property(lambda self: self.schedule, doc="where the cache stands between prompt and decode")
 
     def continue_on_purpose(self) -> None:
         """The next input continues this cache deliberately (multi-turn reuse, a loaded file): no reuse warning."""
@@ -636,21 +599,9 @@ class EvictionCache(_BaseCache):
             return 0
         return self.kept_per_head().astype(mx.float32).mean().item() if self.store.ragged else self.store.rows
 
-    @property
-    def kept_bytes(self) -> int:
-        st = self.store
-        if st.keys is None:
-            return 0
-        B, H = st.positions.shape[:2]
-        return (int(self.kept_per_head().sum().item()) if st.ragged else B * H * st.rows) * st.row_bytes()
-
-    @property
-    def full_seq_bytes(self) -> int:
-        st = self.store
-        if st.keys is None:
-            return 0
-        B, H = st.positions.shape[:2]
-        return B * H * self.offset * st.full_row_bytes()
+    kept_bytes = property(lambda self: self.store.kept_bytes(), doc="bytes of the kept rows' keys and values")
+    full_seq_bytes = property(lambda self: self.store.full_bytes(self.offset),
+                              doc="bytes mlx-lm's KVCache would hold for every token seen")
 
     @property
     def compression_ratio(self) -> float:
@@ -761,15 +712,6 @@ class EvictionCache(_BaseCache):
         obj.state = state
         obj.meta_state = meta_state
         return obj
-
-    @property
-    def fetched_positions(self):
-        """(B, H, rows) positions of the rows the last ``update_and_fetch`` returned (PAD_POSITION padding)."""
-        return self.fetched.positions
-
-    @property
-    def fetched_ragged(self) -> bool:
-        return self.fetched.ragged
 
     def note_fetched(self) -> None:
         """The stored rows are what the next mask describes (a batch row that got no tokens this step)."""

@@ -98,14 +98,6 @@ def rows_zip(fn, *bufs):
     return fn(*bufs)
 
 
-def empty_rows(B: int, H: int, n: int, D: int, dtype, bits: int | None, group_size: int):
-    """``n`` zero rows as stored (zero words, scales and biases dequantize to 0.0)."""
-    if bits is None:
-        return mx.zeros((B, H, n, D), dtype)
-    return (mx.zeros((B, H, n, D * bits // 32), mx.uint32), mx.zeros((B, H, n, D // group_size), dtype),
-            mx.zeros((B, H, n, D // group_size), dtype))
-
-
 def model_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
     """The model's own caches (no eviction); with ``kv_bits``, mlx-lm's ``QuantizedKVCache`` on the
     layers that would hold a plain ``KVCache`` (sliding-window layers keep theirs)."""

@@ -34,6 +34,11 @@ def with_headroom(rows, extra: int, fill=0) -> mx.array:
     return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.contiguous(parts[0])
 
 
+def _joined(old, prev: int, new, extra: int, fill=0) -> mx.array:
+    """A NEW buffer: the first ``prev`` rows of ``old``, then ``new``, then ``extra`` rows of ``fill``."""
+    return with_headroom([old[:, :, :prev], new], extra, fill)
+
+
 class RowStore:
     """The kept rows of one layer (module docstring). ``fields``: per-row field -> the value of a new row;
     ``written``: the fields the method writes for every new row itself (no fill write in place)."""
@@ -138,20 +143,17 @@ class RowStore:
     def _grow(self, keys, values, offset: int, shape: tuple, extra: int, kv: bool) -> None:
         """New buffers of the stored rows, the new ones and ``extra`` rows of headroom (one copy each)."""
         (B, H, S), prev = shape, self.rows
-
-        def grown(old, new, fill):
-            return with_headroom(new if old is None or not prev else [old[:, :, :prev], new], extra, fill)
-
         if kv:
-            for name, new in (("keys", keys), ("values", values)):
-                old = getattr(self, name)
-                setattr(self, name, rows_map(lambda n: with_headroom(n, extra), new) if old is None or not prev
-                        else rows_zip(lambda o, n: grown(o, n, 0), old, new))
+            self.keys = rows_zip(lambda o, n: _joined(o, prev, n, extra), self.keys, keys) if prev else \
+                rows_map(lambda n: with_headroom(n, extra), keys)
+            self.values = rows_zip(lambda o, n: _joined(o, prev, n, extra), self.values, values) if prev else \
+                rows_map(lambda n: with_headroom(n, extra), values)
         pos = mx.broadcast_to(mx.arange(offset, offset + S + extra, dtype=mx.int32), (B, H, S + extra))
-        self.positions = self.prefilled = mx.contiguous(pos) if self.positions is None or not prev else \
-            mx.concatenate([self.positions[:, :, :prev], pos], axis=2)
+        self.positions = self.prefilled = _joined(self.positions, prev, pos, 0) if prev else mx.contiguous(pos)
         for name, fill in self.fills.items():
-            self.fields[name] = grown(self.fields.get(name), mx.full((B, H, S), fill, mx.float32), fill)
+            new = mx.full((B, H, S), fill, mx.float32)
+            self.fields[name] = _joined(self.fields[name], prev, new, extra, fill) if prev else \
+                with_headroom(new, extra, fill)
 
     def compact(self, idx: mx.array, real: mx.array | None, extra: int, offset: int, prefill: bool = True) -> int:
         """Keep the stored rows ``idx`` (B, H, K) (``real`` False: padding) in NEW buffers with ``extra`` rows
@@ -211,6 +213,18 @@ class RowStore:
             return 0
         return (buf_nbytes(self.keys) + buf_nbytes(self.values) + self.positions.nbytes
                 + sum(a.nbytes for a in self.fields.values()))
+
+    def kept_bytes(self) -> int:
+        """Bytes of the kept rows' keys and values (ragged heads: their real rows, counted by a host read)."""
+        if self.keys is None:
+            return 0
+        B, H = self.positions.shape[:2]
+        return (int(self.kept_per_head().sum().item()) if self.ragged else B * H * self.rows) * self.row_bytes()
+
+    def full_bytes(self, tokens: int) -> int:
+        """Bytes mlx-lm's uncompressed KVCache would hold for ``tokens`` tokens of these heads."""
+        return 0 if self.keys is None else self.positions.shape[0] * self.positions.shape[1] * tokens * \
+            self.full_row_bytes()
 
     def row_bytes(self) -> int:
         """Stored bytes of one kept row (K and V of one head)."""

@@ -162,14 +162,6 @@ class HeadShard:
         return self.local(mx.random.uniform(shape=tuple(full), key=key), n_local, axis)
 
 
-def head_means(d: HeadShard, k_sum: mx.array, q: mx.array, n_kv_local: int):
-    """(k_mean (B, 1, N, D), q_mean (B, 1, W, D)) over every rank's heads, in one all_sum; ``k_sum``
-    is this rank's keys summed over its KV heads, ``q`` its window queries (B, Hq_l, W, D)."""
-    N = k_sum.shape[2]
-    both = d.all_sum(mx.concatenate([k_sum, q.astype(k_sum.dtype).sum(axis=1, keepdims=True)], axis=2))
-    return both[:, :, :N] / float(n_kv_local * d.size), both[:, :, N:] / float(q.shape[1] * d.size)
-
-
 def shard_of(cache) -> HeadShard | None:
     """The cache's :class:`HeadShard`, or None for a single process (or a group of one)."""
     return getattr(cache, "dist", None)

@@ -7,7 +7,6 @@ object (writing into it never reaches the cache). Setting an attribute raises.
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import mlx.core as mx
@@ -16,20 +15,29 @@ import mlx.core as mx
 class View:
     """A read-only view of one cache for its method (module docstring)."""
 
-    __slots__ = ("_cache", "_of")
+    __slots__ = ("_cache", "_of", "n_sink", "recent", "budget")
 
     def __init__(self, cache):
         # a proxy: the cache holds its view, and a cycle would keep a freed cache (and its files) alive
         object.__setattr__(self, "_cache", weakref.proxy(cache))
         object.__setattr__(self, "_of", id(cache))
+        # the sinks and the recent window every eviction keeps, and the rows per KV head this layer keeps
+        # (Method.layer_budget): fixed for the cache's life
+        for name in ("n_sink", "recent", "budget"):
+            object.__setattr__(self, name, getattr(cache, name))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a View is read-only (set {name!r})")
 
-    __delattr__ = __setattr__
+    def __delattr__(self, name):
+        raise AttributeError(f"a View is read-only (delete {name!r})")
 
     def __deepcopy__(self, memo):  # a copied cache (batching, prompt-cache reuse) gets a view of the copy
-        return View(memo[self._of])
+        new, cache = View.__new__(View), memo[self._of]  # (the copy's attributes are not all set yet)
+        for name, value in (("_cache", weakref.proxy(cache)), ("_of", id(cache)), ("n_sink", self.n_sink),
+                            ("recent", self.recent), ("budget", self.budget)):
+            object.__setattr__(new, name, value)
+        return new
 
     @property
     def keys(self) -> mx.array:
@@ -65,48 +73,13 @@ class View:
         """A fresh PRNG key (the cache's key for ``config.seed`` and the layer, split at every call)."""
         return self._cache.next_key()
 
-    @property
-    def rows(self) -> int:
-        """Stored rows per head (padding included)."""
-        return self._cache.size()
-
-    @property
-    def offset(self) -> int:
-        """Tokens seen (the position the next row gets)."""
-        return self._cache.offset
-
-    @property
-    def n_sink(self) -> int:
-        return self._cache.n_sink
-
-    @property
-    def recent(self) -> int:
-        return self._cache.recent
-
-    @property
-    def budget(self) -> int:
-        """Rows per KV head this layer keeps (``Method.layer_budget``)."""
-        return self._cache.budget
-
-    @property
-    def scale(self) -> float | None:
-        """The attention's softmax scale of the last queries (None before any)."""
-        return self._cache.scale
-
-    @property
-    def shard(self):
-        """This rank's ``caches.shard.HeadShard`` under tensor parallelism, else None."""
-        return self._cache.dist
-
-    @property
-    def ragged(self) -> bool:
-        """Heads keep different numbers of rows (padding rows present)."""
-        return self._cache.store.ragged
-
-    @property
-    def compressing(self) -> bool:
-        """Inside the one-shot compression when a prompt ends (not a decode-time eviction)."""
-        return self._cache.schedule.compressing
+    rows = property(lambda self: self._cache.store.rows, doc="stored rows per head (padding included)")
+    offset = property(lambda self: self._cache.offset, doc="tokens seen (the position the next row gets)")
+    scale = property(lambda self: self._cache.scale, doc="the softmax scale of the last queries (None before any)")
+    shard = property(lambda self: self._cache.dist, doc="this rank's caches.shard.HeadShard (tensor parallel), or None")
+    ragged = property(lambda self: self._cache.store.ragged, doc="heads keep different numbers of rows (padding)")
+    compressing = property(lambda self: self._cache.schedule.compressing,
+                           doc="inside the one-shot compression when a prompt ends (not a decode-time eviction)")
 
 
 class Step:

@@ -36,10 +36,5 @@ class QueryWindow:
             return q
         return mx.concatenate([q[:, :, at:], q[:, :, :at]], axis=2)
 
-    @property
-    def full(self) -> bool:
-        """A decode step's query is one in-place ring write (or there is no window)."""
-        return not self.size or (self.q is not None and self.q.shape[2] == self.size)
-
     def load(self, q) -> None:
         self.q, self.at = q, 0

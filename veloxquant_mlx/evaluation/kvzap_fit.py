@@ -184,7 +184,7 @@ def _rows_file(model, ids: list, data_dir):
     import json
     from pathlib import Path
 
-    from ..methods.kvzap.cache import model_identity
+    from ..methods.kvzap.scorer import model_identity
 
     if data_dir is None:
         return None
@@ -219,7 +219,7 @@ def fit_scorer(model, tokenizer, wins: list, out, source: str, density: float = 
     """Fit and write a scorer for ``model`` on token windows ``wins``; returns the file's metadata.
     ``command``: what the provenance records as the command (default: this process's argv). ``kind``:
     "linear" (ridge) or "mlp" (``mlp``: hidden, epochs, lr, batch; default ``MLP_DEFAULTS``)."""
-    from ..methods.kvzap.cache import model_identity, read_scorer_metadata, save_scorer
+    from ..methods.kvzap.scorer import model_identity, read_scorer_metadata, save_scorer
     from ..methods.kvzap.fit import MLP_DEFAULTS, fit_layers, fit_mlp_layers, summarize
 
     if kind not in ("linear", "mlp"):
@@ -288,7 +288,7 @@ def tiny_scorer(model, folder, tokenizer=None, seed: int = 1000):
 
     import numpy as np
 
-    from ..methods.kvzap.cache import model_identity
+    from ..methods.kvzap.scorer import model_identity
     from ..model_dims import config_field
 
     ident = model_identity(model)

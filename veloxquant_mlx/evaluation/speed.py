@@ -23,9 +23,6 @@ from .results import (FULL, ResultStore, cell_id, machine_info, make_caches, met
 from .task_eval import needs_own_prefill
 
 
-greedy_continue = greedy  # the name the benchmark scripts import
-
-
 def greedy_generate(model, tokens, caches, max_new_tokens: int, prefill_step: int, eos_ids=()) -> dict:
     """Feed ``tokens`` as mlx_lm.generate does (all but the last in chunks of ``prefill_step``, then the
     last one alone), then decode greedily: the same tokens as ``mlx_lm.generate`` with these caches. Prefill time ends when the first new token is computed; decode time covers the

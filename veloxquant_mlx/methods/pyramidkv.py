@@ -48,9 +48,16 @@ class PyramidKV(Method):
     needs = Needs(window="window")
     prefill_only = True
 
-    @classmethod
-    def default_recent(cls, budget, options):
-        return options.window  # the observation window itself is kept
+    def layer_budget(self):
+        c, o = self.config, self.options
+        b = pyramid_budgets(c.budget, o.window, self.n_layers, o.beta)[self.layer]
+        if b <= c.n_sink + c.recent:
+            raise ValueError(f"pyramidkv layer {self.layer} budget {b} <= n_sink + recent "
+                             f"({c.n_sink} + {c.recent}); raise budget or lower beta")
+        return b
+
+    def scores(self, view):  # SnapKV's score (the pyramid is in the budgets)
+        return pooled_window_scores(*view.window(), view.keys, view.positions, self.options.kernel)
 
     @classmethod
     def check_config(cls, config):
@@ -64,14 +71,6 @@ class PyramidKV(Method):
                 f"pyramidkv's deepest layers would keep ~{lowest} tokens, not more than n_sink + recent "
                 f"({config.n_sink} + {config.recent}); raise budget, lower beta ({o.beta}) or n_sink")
 
-    def layer_budget(self):
-        c, o = self.config, self.options
-        b = pyramid_budgets(c.budget, o.window, self.n_layers, o.beta)[self.layer]
-        if b <= c.n_sink + c.recent:
-            raise ValueError(f"pyramidkv layer {self.layer} budget {b} <= n_sink + recent "
-                             f"({c.n_sink} + {c.recent}); raise budget or lower beta")
-        return b
-
-    def scores(self, view):  # SnapKV's score
-        q, q_pos, scale = view.window()
-        return pooled_window_scores(q, view.keys, q_pos, view.positions, scale, self.options.kernel)
+    @classmethod
+    def default_recent(cls, budget, options):
+        return options.window  # the observation window itself is kept

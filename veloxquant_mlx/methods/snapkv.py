@@ -38,5 +38,4 @@ class SnapKV(Method):
         return options.window  # the observation window itself is kept
 
     def scores(self, view):
-        q, q_pos, scale = view.window()
-        return pooled_window_scores(q, view.keys, q_pos, view.positions, scale, self.options.kernel)
+        return pooled_window_scores(*view.window(), view.keys, view.positions, self.options.kernel)

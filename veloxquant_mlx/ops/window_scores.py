@@ -43,11 +43,11 @@ def max_pool_1d(x: mx.array, kernel: int) -> mx.array:
     return out
 
 
-def pooled_window_scores(queries: mx.array, keys: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
-                  kernel: int) -> mx.array:
-    """The pooled window score (SnapKV's and PyramidKV's): window attention summed over window and group, max-pooled over the keys
-    before the window; keys inside the observation window get +inf (SnapKV always keeps them);
-    padding rows get -inf."""
+def pooled_window_scores(queries: mx.array, q_pos: mx.array, scale: float, keys: mx.array, k_pos: mx.array,
+                         kernel: int) -> mx.array:
+    """The pooled window score (SnapKV's and PyramidKV's; ``queries, q_pos, scale``: the observation window):
+    window attention summed over window and group, max-pooled over the keys before the window; keys inside the
+    observation window get +inf (SnapKV always keeps them); padding rows get -inf."""
     s = window_scores(queries, keys, q_pos, k_pos, scale, "sum")
     in_window = k_pos >= q_pos[0]  # window rows (and padding, which carries a huge position)
     s = max_pool_1d(mx.where(in_window, -mx.inf, s), kernel)

@@ -1,5 +1,5 @@
 """KVzip: query-agnostic compression by context reconstruction (its method, its pass and its scoring ops)."""
 
-from .cache import KVzip, KVzipOptions
+from .method import KVzip, KVzipOptions
 
 __all__ = ["KVzip", "KVzipOptions"]

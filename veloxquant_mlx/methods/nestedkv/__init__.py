@@ -1,5 +1,5 @@
 """NestedKV adapted to a KV cache (its score is the shared key-anomaly score, ops.anomaly)."""
 
-from .cache import NestedKV, NestedKVOptions
+from .method import NestedKV, NestedKVOptions
 
 __all__ = ["NestedKV", "NestedKVOptions"]

@@ -1,5 +1,5 @@
 """Nexus Sampling (its method and its scoring ops)."""
 
-from .cache import Nexus, NexusOptions
+from .method import Nexus, NexusOptions
 
 __all__ = ["Nexus", "NexusOptions"]

@@ -228,3 +228,11 @@ def shared_block_weights(d, s_sum: mx.array, n_local: int, walk_depth: int, lam:
     tot = d.all_sum(part) / float(n_local * d.size)  # (B, 1 + h, N_k): sums over every head -> means
     a = tot[:, None, 0] / float(W)
     return nexus_weights_from_parts(a, tot[:, None, 1:] if h else a, lam, eps_tie)
+
+
+def head_means(d, k_sum: mx.array, q: mx.array, n_kv_local: int):
+    """(k_mean (B, 1, N, D), q_mean (B, 1, W, D)) over every rank's heads, in one all_sum; ``k_sum``
+    is this rank's keys summed over its KV heads, ``q`` its window queries (B, Hq_l, W, D)."""
+    N = k_sum.shape[2]
+    both = d.all_sum(mx.concatenate([k_sum, q.astype(k_sum.dtype).sum(axis=1, keepdims=True)], axis=2))
+    return both[:, :, :N] / float(n_kv_local * d.size), both[:, :, N:] / float(q.shape[1] * d.size)

@@ -31,13 +31,12 @@ import mlx.core as mx
 
 from ...caches.allocation import AdaBlocks, Uniform
 from ...caches.method import Method, Needs
-from ...caches.shard import head_means
 from ...ops.anomaly import ANOMALY_DEFAULTS, anomaly_scores, episodic_block_size
 from ...ops.select import PAD_POSITION
 from ...options import option
 from ...registry import register
-from .ops import (block_distribution, block_max, block_priority, block_rows, forced_blocks, log_reservoir_priority,
-                  n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
+from .ops import (block_distribution, block_max, block_priority, block_rows, forced_blocks, head_means,
+                  log_reservoir_priority, n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
 
 @dataclasses.dataclass
 class NexusOptions:
