@@ -39,6 +39,7 @@ class Needs:
 class Method:
     """Base of every eviction method: the protocol's defaults (module docstring)."""
 
+    # -- what a method declares ---------------------------------------------------------------------
     Options = NoOptions
     name: str = ""  # set by ``registry.register``
     needs = Needs()
@@ -49,12 +50,6 @@ class Method:
     state_fields: tuple = ()  # attributes of the method saved with the cache (small JSON values)
     config_defaults: dict = {}  # KVCacheConfig head-budget fields this method defaults differently
     supports_kv_bits = True  # can the kept rows be stored quantized (config.kv_bits)?
-    # The per-row field on_rows adds each query's attention mass to (H2O): the paged prompt computes it
-    # over the rows in its file too, instead of on_rows.
-    attention_mass_field: str | None = None
-    compresses_in_model_pass = False  # the prompt-end compression runs in the model pass (recall_hold refuses it)
-    model_pass_note = ""  # what runs in the model pass, for a progress bar
-    layer_shares: str | None = None  # the per-row field one ranking across layers reads after the model pass
 
     def __init__(self, config, layer: int = 0, n_layers: int = 1):
         self.config, self.options, self.layer, self.n_layers = config, config.options, layer, n_layers
@@ -71,6 +66,9 @@ class Method:
     # on_rows(view, step) -> {field: values of the last n stored rows} (or (fields, output) when
     # step.attend and the method computed the layer's attention output): defined by methods with per-row state
     on_rows = None
+    # The per-row field on_rows adds each query's attention mass to (H2O): the paged prompt sums it over the
+    # rows in its file (caches.pages), in place of on_rows.
+    attention_mass_field: str | None = None
 
     # -- configuration (read by KVCacheConfig before any cache exists) ------------------------------
     @classmethod
@@ -94,7 +92,11 @@ class Method:
         """Rows allowed above the budget before an eviction runs: the ``evict_every`` option, else 32."""
         return getattr(self.options, "evict_every", None) or 32
 
-    # -- the model (declared needs) ------------------------------------------------------------------
+    # -- the model (Needs.hidden_states, Needs.model_pass) --------------------------------------------
+    compresses_in_model_pass = False  # the prompt-end compression runs in the model pass (recall_hold refuses it)
+    model_pass_note = ""  # what runs in the model pass, for a progress bar
+    layer_shares: str | None = None  # the per-row field one ranking across layers reads after the model pass
+
     @classmethod
     def attach(cls, model, methods: list) -> None:
         """The model, once the builder made this method's caches (``methods``: their Method instances)."""

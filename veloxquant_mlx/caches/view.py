@@ -75,7 +75,6 @@ class View:
 
     rows = property(lambda self: self._cache.store.rows, doc="stored rows per head (padding included)")
     offset = property(lambda self: self._cache.offset, doc="tokens seen (the position the next row gets)")
-    scale = property(lambda self: self._cache.scale, doc="the softmax scale of the last queries (None before any)")
     shard = property(lambda self: self._cache.dist, doc="this rank's caches.shard.HeadShard (tensor parallel), or None")
     ragged = property(lambda self: self._cache.store.ragged, doc="heads keep different numbers of rows (padding)")
     compressing = property(lambda self: self._cache.schedule.compressing,
