@@ -478,6 +478,36 @@ def test_prompt_file_and_its_errors_name_the_file(capsys, tmp_path, tiny_cli):
     _one_error_line(err, "--prompt or --prompt-file, not both")
 
 
+def test_non_utf8_text_gets_the_files_message_from_every_source(capsys, tmp_path, tiny_cli, monkeypatch):
+    """Bytes that are not UTF-8 are refused before the model loads with the message a file gets (the flag,
+    the byte and its offset), whether they come from a file, standard input or an argument (which
+    Python decodes with surrogateescape: b"caf\\xe9" arrives as "caf\\udce9")."""
+    import io
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9")
+    cases = [(["--prompt-file", str(bad)], None, rf"--prompt-file {bad}: "),
+             (["--prompt", "-"], b"caf\xe9", "--prompt -: "),
+             (["--prompt-file", "-"], b"caf\xe9", "--prompt-file -: "),
+             (["--prompt", "caf\udce9"], None, "--prompt: "),
+             (["--prompt", "t1", "--system-prompt", "caf\udce9"], None, "--system-prompt: "),
+             (["--prompt", "t1", "--prefill-response", "caf\udce9"], None, "--prefill-response: "),
+             (["--prompt", "t1", "--extra-eos-token", "t2", "caf\udce9"], None, "--extra-eos-token: ")]
+    for argv, stdin, source in cases:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin or b""), encoding="utf-8"))
+        rc, _, err = _main(capsys, "generate", *argv, "--method", "full")
+        assert rc == 2 and tiny_cli["loads"] == 0, (argv, err)
+        _one_error_line(err, "^error: " + source + r"not UTF-8 text \(byte 0xe9 at offset 3\)$")
+    doc = tmp_path / "doc.txt"  # the same for compress's standard input
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"t1 \xff t2"), encoding="utf-8"))
+    rc, _, err = _main(capsys, "compress", "--prompt-file", "-", "--out", str(doc) + ".safetensors")
+    assert rc == 2 and tiny_cli["loads"] == 0
+    _one_error_line(err, r"^error: --prompt-file -: not UTF-8 text \(byte 0xff at offset 3\)$")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("t1 café t2".encode()), encoding="utf-8"))
+    rc, out, err = _main(capsys, "generate", "--prompt", "-", "--max-tokens", "2", "--method", "full")
+    assert rc == 0 and "Prompt: " in out, err  # UTF-8 from standard input passes
+
+
 def test_sampling_flags_reach_the_sampler(capsys, tiny_cli):
     """top-k 1 keeps only the most likely token: at temperature 1 it must equal the greedy answer (and
     min-p / top-p / XTC flags parse and run)."""

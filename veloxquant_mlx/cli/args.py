@@ -271,15 +271,56 @@ def note_budget_past_context(model, config) -> None:
               f"nothing will be evicted, the cache holds every token as the full cache would", file=sys.stderr)
 
 
+def _not_utf8(source: str, e: UnicodeDecodeError) -> CLIError:
+    return CLIError(f"{source}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})")
+
+
+def utf8_text(text, source: str):
+    """``text`` unchanged when it is UTF-8, else the one-line error a file gets, naming ``source``.
+
+    Python decodes command-line arguments (and a non-UTF-8 locale's standard input) with
+    ``surrogateescape``: each byte that is not UTF-8 becomes a lone surrogate, which the tokenizer
+    would refuse with a type error far from the flag. Encoding back gives the original bytes, so the
+    byte and its offset are the argument's own."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:  # a surrogate no byte stands for (typed as an escape, not decoded)
+        raise CLIError(f"{source}: not UTF-8 text (a lone surrogate at character {e.start})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(source, e) from None
+
+
+def read_stdin(source: str) -> str:
+    """Standard input as UTF-8 text, read as bytes where the stream has them (the locale's decoding
+    would otherwise turn a bad byte into a surrogate or an error without the source)."""
+    stream = sys.stdin
+    raw = getattr(stream, "buffer", None)
+    if raw is None:  # a text-only stream (an embedding program's, a test's)
+        return utf8_text(stream.read(), source)
+    try:
+        return raw.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(source, e) from None
+
+
 def read_text(path: str, flag: str = "--prompt-file") -> str:
-    """The UTF-8 text of ``path`` ('-': standard input); a one-line error naming the file otherwise."""
+    """The UTF-8 text of ``path`` ('-': standard input); a one-line error naming the flag and file otherwise."""
     if path == "-":
-        return sys.stdin.read()
+        return read_stdin(f"{flag} -")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise CLIError(f"{flag} {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        raise _not_utf8(f"{flag} {path}", e) from None
     except OSError as e:
         raise CLIError(f"{flag} {path}: {e.strerror}") from None
 

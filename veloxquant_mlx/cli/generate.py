@@ -15,7 +15,7 @@ from ..caches.quant import model_caches
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, add_sampling_args, cache_spec, check_context, config_from_args,
                    fit_kv_group, fmt_bytes, full_quant, kv_summary, load_model_for_cli, note_budget_past_context,
-                   prompt_bar, ranged, read_text)
+                   prompt_bar, ranged, read_text, utf8_text)
 from .document import check_flags_against_file, describe_file_config, load_compressed_document, question_tokens
 
 
@@ -111,8 +111,18 @@ def _prompt_text(args) -> str:
         if args.prompt is not None:
             raise CLIError("give --prompt or --prompt-file, not both")
         return read_text(args.prompt_file)
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    return sys.stdin.read() if prompt == "-" else prompt
+    if args.prompt == "-":
+        return read_text("-", "--prompt")
+    prompt = DEFAULT_PROMPT if args.prompt is None else utf8_text(args.prompt, "--prompt")
+    return prompt.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def _check_text_flags(args) -> None:
+    """The other text flags, UTF-8 or one line naming the flag (as a prompt's bytes are)."""
+    for dest in ("system_prompt", "prefill_response", "chat_template_config"):
+        utf8_text(getattr(args, dest), "--" + dest.replace("_", "-"))
+    for token in args.extra_eos_token:
+        utf8_text(token, "--extra-eos-token")
 
 
 def _check_mlx_lm_flags(args) -> None:
@@ -141,6 +151,7 @@ def _template_kwargs(args) -> dict:
 
 def cmd_generate(args):
     _check_mlx_lm_flags(args)
+    _check_text_flags(args)
     template_kwargs = _template_kwargs(args)
     if args.passkey and (args.prompt is not None or args.prompt_file is not None):
         raise CLIError("--passkey builds its own prompt: leave --prompt / --prompt-file out")
