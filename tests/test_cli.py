@@ -571,6 +571,45 @@ def test_mlx_lm_generate_flags_run_or_say_why_not(capsys, tiny_cli):
         _one_error_line(err, pattern)
 
 
+def test_ctrl_c_ends_the_partial_answers_line_before_interrupted(capsys, tiny_cli, monkeypatch):
+    import importlib
+    from types import SimpleNamespace
+
+    def interrupted(*a, **k):
+        yield SimpleNamespace(text="Zorath was")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "stream_generate", interrupted)
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(5), "--method", "full")
+    assert rc == 130 and out == "Zorath was\n" and err == "interrupted\n"
+
+
+@pytest.mark.integration
+def test_ctrl_c_while_importing_is_one_line(tmp_path):
+    """A Ctrl-C during the package's slow imports (here raised when mlx_lm is imported) ends
+    `python -m veloxquant_mlx` with "interrupted" and status 130, no traceback; a library import still raises."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mlx_lm':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    r = subprocess.run([sys.executable, "-m", "veloxquant_mlx", "methods"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (130, "", "interrupted\n")
+    r = subprocess.run([sys.executable, "-c", "import veloxquant_mlx"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and r.stderr.rstrip().endswith("KeyboardInterrupt"), r.stderr
+
+
 def test_fast_blas_is_accepted_after_the_subcommand():
     from veloxquant_mlx.cli import build_parser
 

@@ -198,9 +198,15 @@ def cmd_generate(args):
     bits, group = (config.kv_bits, config.kv_group_size) if config is not None else \
         (None, 64) if args.prompt_cache else full_quant(args)
     progress, close = _prefill_progress(len(tokens))
+    shown = []
+
+    def show(text):
+        print(text, end="", flush=True)
+        shown.append(text)
+
     try:
         out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
-                             args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
+                             args.prefill_step_size, on_text=show,
                              caches=loaded if args.prompt_cache else None,
                              kv_bits=bits, kv_group_size=group, progress=progress,
                              sampling=dict(top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
@@ -208,6 +214,11 @@ def cmd_generate(args):
                                            xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                                            xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids)),
                              max_kv_size=args.max_kv_size)
+    except KeyboardInterrupt:
+        answer = "".join(shown)
+        if answer and not answer.endswith("\n"):
+            print(flush=True)  # the partial answer's line ends before the "interrupted" line
+        raise
     finally:
         close()
     print()
