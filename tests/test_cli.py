@@ -97,7 +97,14 @@ def test_demo_passkey_at_20_percent(capsys):
 
 @pytest.mark.parametrize("argv,msg", [
     (["generate", "--method", "bogus"], "unknown method 'bogus'"),
-    (["generate", "--method", "nexus", "--budget", "3"], "must exceed"),
+    (["generate", "--method", "nexus", "--budget", "3"], r"nexus budget \(3\) too small.*need budget >= 111$"),
+    (["generate", "--method", "nexus", "--budget", "20"], r"nexus budget \(20\) too small.*need budget >= 111$"),
+    (["generate", "--method", "streaming", "--budget", "8", "--recent", "4"],
+     r"must exceed n_sink \+ recent \(4 \+ 4 = 8\).*need budget >= 9$"),
+    (["generate", "--prefill-step-size", "0"], r"--prefill-step-size: must be >= 1, got 0"),
+    (["demo", "--prefill-step-size", "0"], r"--prefill-step-size: must be >= 1, got 0"),
+    (["compress", "--prompt-file", "x", "--out", "y", "--prefill-step-size", "0"], r"--prefill-step-size: must be >= 1"),
+    (["demo", "--context", "-5"], r"--context: must be >= 64, got -5"),
     (["generate", "--method", "streaming", "--nexus-window", "4"], "does not apply|do\\(es\\) not apply"),
     (["generate", "--method", "nexus", "--budget", "64", "--density", "0.2"], "not both"),
     (["demo", "--density", "1.5"], "density"),
@@ -316,6 +323,32 @@ def test_prompt_past_the_models_context_is_refused_up_front(capsys, tmp_path, ti
                        "--method", "streaming", "--budget", "24")
     assert rc == 2
     _one_error_line(err, r"70 tokens.*context is 64")
+
+
+def test_demo_refuses_a_prompt_past_the_models_context_as_generate_does(capsys, tiny_cli, monkeypatch):
+    from conftest import make_tiny_model, tiny_tokenizer
+
+    from veloxquant_mlx.cli import demo
+
+    monkeypatch.setattr(demo, "load_model_for_cli", lambda spec: (make_tiny_model("llama"), tiny_tokenizer()))
+    rc, out, err = _main(capsys, "demo", "--context", "5000")  # the tiny model's context is 4,096 tokens
+    assert rc == 2 and "Passkey demo" not in out
+    _one_error_line(err, r"the prompt is [\d,]+ tokens but the model's context is 4,096 tokens.*--allow-past-context")
+    rc, out, err = _main(capsys, "generate", "--prompt", _words(5000), "--method", "full")
+    assert rc == 2  # the same refusal as generate's
+    _one_error_line(err, r"the prompt is [\d,]+ tokens but the model's context is 4,096 tokens.*--allow-past-context")
+
+
+def test_a_budget_past_the_context_is_noted_in_generate_as_in_compress(capsys, tmp_path, tiny_cli):
+    note = "--budget 1,000,000,000,000 is at least the model's context (4,096 tokens): nothing will be evicted"
+    for spec in (["--budget", "1000000000000"], ["--method", "streaming:budget=1000000000000"]):
+        rc, _, err = _main(capsys, "generate", "--prompt", _words(10), "--max-tokens", "2", *spec)
+        assert rc == 0 and note in err, err
+    doc = tmp_path / "doc.txt"
+    doc.write_text(_words(40))
+    rc, _, err = _main(capsys, "compress", "--prompt-file", str(doc), "--out", str(tmp_path / "b.safetensors"),
+                       "--method", "streaming", "--budget", "1000000000000")
+    assert rc == 0 and note in err, err
 
 
 def test_progress_bars_on_long_prompts(capsys, tmp_path, tiny_cli):

@@ -204,10 +204,6 @@ class KVCacheConfig:
         if not cls.supports_allocation(self.allocation):
             raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r}: "
                              f"{cls.allocation_unsupported_reason(self.allocation)}")
-        if self.budget <= self.n_sink + self.recent:
-            raise ValueError(
-                f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
-                f"{self.n_sink + self.recent}): nothing would be left for {method!r} to select")
         self.recall, self.recall_page, self.recall_bits, self.recall_dir, self.recall_pages, self.recall_window = (
             check_recall(recall, recall_page, recall_bits, recall_dir, recall_pages, recall_window))
         self.recall_every = check_recall_every(recall, recall_every)
@@ -219,7 +215,14 @@ class KVCacheConfig:
         if recall is not None and getattr(self.options, "cross_head", False):
             raise ValueError(f"recall={recall!r} needs uniform per-head storage: {method}'s cross-head "
                              f"competition keeps ragged heads (use {method}_cross_head=False)")
+        # The method's own check first: where it needs more than the generic minimum (Nexus's whole blocks),
+        # the first error already names the budget that passes.
         cls.check_config(self)
+        if self.budget <= self.n_sink + self.recent:
+            raise ValueError(
+                f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
+                f"{self.n_sink + self.recent}): nothing would be left for {method!r} to select; need budget >= "
+                f"{self.n_sink + self.recent + 1}")
 
     # ``config.nexus.window`` reads the chosen method's options under the method's name.
     def __getattr__(self, name):

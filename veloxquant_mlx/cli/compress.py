@@ -20,7 +20,7 @@ from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
-                   load_model_for_cli, note_budget_past_context, prompt_bar, read_text)
+                   load_model_for_cli, note_budget_past_context, prompt_bar, ranged, read_text)
 from .document import DOCUMENT_FORMAT
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
@@ -126,7 +126,7 @@ def add_parser(sub):
     c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text; '-': standard input) (required)")
     c.add_argument("--out", required=True, help="the .safetensors file to write; its directory must exist "
                    "(written to a temporary file beside it, then renamed) (required)")
-    c.add_argument("--prefill-step-size", type=int, default=2048, help="document tokens per prefill chunk")
+    c.add_argument("--prefill-step-size", type=ranged(int, 1), default=2048, help="document tokens per prefill chunk")
     c.add_argument("--ignore-chat-template", action="store_true", help="feed the document as raw text")
     c.add_argument("--allow-past-context", action="store_true",
                    help="compress a document longer than the model's context (refused otherwise)")

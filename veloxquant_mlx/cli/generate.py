@@ -293,7 +293,7 @@ def add_parser(sub):
     g.add_argument("--xtc-threshold", type=ranged(float, 0.0, 0.5), default=0.1,
                    help="probability threshold of XTC's candidates")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler")
-    g.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    g.add_argument("--prefill-step-size", type=ranged(int, 1), default=2048, help="prompt tokens per prefill chunk")
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--use-default-chat-template", action="store_true",
                    help="use the tokenizer's default chat template when it has none")
