@@ -140,6 +140,50 @@ def test_missing_model_package_is_one_clear_line(capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv", [["generate"], ["demo"], ["compress", "--prompt-file", __file__, "--out", "x.st"],
+                                  ["fit-kvzap", "--out", "x.st"], ["eval", "passkey", "--max-cells", "0"]])
+def test_a_model_path_that_does_not_exist_is_named(capsys, argv):
+    rc, _, err = _main(capsys, *argv, "--model", "/nonexistent/model")
+    assert rc == 2
+    _one_error_line(err, r"^error: --model /nonexistent/model: no such file or folder \(a model is 'bundled'")
+
+
+def test_a_hub_failure_for_a_repo_id_is_one_line(capsys, monkeypatch):
+    import veloxquant_mlx.models as models
+
+    def offline(spec, **kw):
+        raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while trying "
+                      "to locate the files on the Hub")
+
+    monkeypatch.setattr(models, "load_model", offline)
+    rc, _, err = _main(capsys, "generate", "--model", "someone/some-model", "--method", "full")
+    assert rc == 2
+    _one_error_line(err, r"^error: --model someone/some-model: no such local folder, and the Hugging Face Hub "
+                         r"could not provide it as a repo id \(Got: ConnectError: .*known\)$")
+
+
+def test_file_flags_name_themselves(capsys, tmp_path):
+    """fit-kvzap --text and kvzap's scorer (flag or spec key) say which flag names a missing or wrong file,
+    before the model loads."""
+    rc, _, err = _main(capsys, "fit-kvzap", "--text", str(tmp_path / "none.txt"), "--out", str(tmp_path / "s.st"))
+    assert rc == 2
+    _one_error_line(err, rf"^error: --text {tmp_path / 'none.txt'}: No such file or directory$")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(b"caf\xe9")
+    rc, _, err = _main(capsys, "fit-kvzap", "--text", str(latin), "--out", str(tmp_path / "s.st"))
+    assert rc == 2
+    _one_error_line(err, r"--text .*latin1.txt: not UTF-8 text \(byte 0xe9 at offset 3\)$")
+    text = tmp_path / "q.txt"
+    text.write_text("not a scorer")
+    for argv, source, why in (
+            (["--method", "kvzap", "--kvzap-scorer", str(text)], "--kvzap-scorer", r"not a kvzap scorer \(a "
+             r"\.safetensors file written by fit-kvzap; reading it said: .*Unknown file format txt\)$"),
+            (["--method", f"kvzap:scorer={tmp_path / 'none.safetensors'}"], "scorer= in --method", "no such file$")):
+        rc, _, err = _main(capsys, "generate", *argv)
+        assert rc == 2
+        _one_error_line(err, rf"^error: {source} .*: {why}")
+
+
 def test_methods_lists_registry(capsys):
     rc, out, _ = _run(capsys, "methods")
     assert rc == 0 and "nexus" in out and "streaming" in out

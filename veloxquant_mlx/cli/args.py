@@ -223,7 +223,26 @@ def cache_spec(args, prompt_len: int | None = None) -> tuple:
             core["budget"] = budget_for(density, prompt_len)
     if core.get("recall") is None and any(k in core for k in _RECALL_FLAGS[1:]):
         raise CLIError(f"{_flags({'opt__' + k: 0 for k in _RECALL_FLAGS[1:] if k in core})} only apply with --recall")
+    if name == "kvzap" and options.get("scorer"):
+        _check_scorer_file(options["scorer"], "--kvzap-scorer" if "opt__kvzap__scorer" in extra else
+                           "scorer= in --method")
     return name, core, options
+
+
+def _check_scorer_file(path: str, source: str) -> None:
+    """kvzap's scorer option names a file: refuse one that is missing or not a scorer before the model
+    loads, naming the flag (mx.load's own message names only the file's extension)."""
+    from ..methods.kvzap import read_scorer_metadata
+
+    try:
+        read_scorer_metadata(path)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        import os
+
+        why = "no such file" if not os.path.exists(path) else \
+            str(e) if "is not a kvzap scorer" in str(e) else f"not a kvzap scorer (a .safetensors file written " \
+                                                           f"by fit-kvzap; reading it said: {e})"
+        raise CLIError(f"{source} {path}: {why}") from None
 
 
 def full_quant(args) -> tuple:
@@ -365,15 +384,48 @@ def prompt_bar(n_tokens: int, desc: str = "prefill"):
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} prompt tokens [{elapsed}<{remaining}]")
 
 
+_MODEL_KINDS = ("'bundled', 'gemma3-270m', 'qwen2.5-coder-1.5b', a .gguf file, an mlx-lm model folder or a "
+                "Hugging Face repo id")
+
+
+def _could_be_repo_id(spec: str) -> bool:
+    """Whether ``spec`` has the form of a Hugging Face repo id ('name' or 'owner/name'); a model name such
+    as 'bundled' has it too."""
+    import re
+
+    return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec) is not None and not spec.startswith((".", "-"))
+            and ".." not in spec and not spec.lower().endswith(".gguf"))
+
+
+def check_model_spec(spec, flag: str = "--model") -> None:
+    """Refuse, before any loading, a --model that names a path that does not exist (mlx-lm would take it
+    for a malformed Hugging Face repo id and say so instead)."""
+    import os
+
+    if spec is None or os.path.exists(os.path.expanduser(str(spec))) or _could_be_repo_id(str(spec)):
+        return
+    raise CLIError(f"{flag} {spec}: no such file or folder (a model is {_MODEL_KINDS})")
+
+
 def load_model_for_cli(spec):
     """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path."""
     import logging
+    import os
 
     from ..models import load_model  # deferred: loading mlx-lm models is slow to import
 
+    check_model_spec(spec)
     # check_context refuses a prompt past the context in one line; transformers' own notice would be a second
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
-    return load_model(None if spec in (None, "bundled") else spec)
+    try:
+        return load_model(None if spec in (None, "bundled") else spec)
+    except (OSError, ValueError) as e:
+        if spec is None or os.path.exists(os.path.expanduser(str(spec))) or "/" not in str(spec):
+            raise
+        # Not a local folder, so mlx-lm asked the Hugging Face Hub; its message runs over several lines.
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CLIError(f"--model {spec}: no such local folder, and the Hugging Face Hub could not provide "
+                       f"it as a repo id ({first})") from None
 
 
 def kv_summary(kv: dict) -> str:

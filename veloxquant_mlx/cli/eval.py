@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 
 from ..evaluation.results import DEFAULT_OUT_DIR, USER_OUT_DIR
+from .args import check_model_spec
 
 
 def _shard(text):
@@ -90,6 +91,8 @@ def run_harness(name: str, args) -> int:
     run, cls, renamed = _harness(name)
     control = _control(args)
     check_out_dir(control)
+    if not args.quick and not str(args.model).startswith("twin:"):  # twin:FOLDER names its folder after a prefix
+        check_model_spec(args.model)
     model, tokenizer, desc = load_eval_model(args.model, args.quick)
     return run(model, tokenizer, _settings(cls, args, **renamed), control, desc=desc)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .args import CLIError, load_model_for_cli
+from .args import CLIError, load_model_for_cli, read_text
 
 
 def _command_line() -> str:
@@ -37,8 +37,7 @@ def cmd_fit_kvzap(args):
                                          stdlib_text, windows)
 
     if args.text:
-        with open(args.text, encoding="utf-8") as f:
-            texts, source = [f.read()], f"file {os.path.basename(args.text)}"
+        texts, source = [read_text(args.text, "--text")], f"file {os.path.basename(args.text)}"
     elif args.corpus == "mixed":
         named = stdlib_sources()
         texts = [t for _, t in named]
