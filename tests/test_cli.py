@@ -474,6 +474,36 @@ def test_every_option_says_what_it_does_and_its_default():
     assert "default: 100)" in " ".join(subs["generate"].format_help().split())  # --max-tokens
 
 
+def test_head_budget_help_states_each_methods_defaults():
+    """--allocation's and --floor-alpha's help (and max_head_factor in it) give every registered method's
+    own default, as KVCacheConfig takes it (kvzap and kvzip: ada, floor 0.0, head factor 2.0)."""
+    import re
+
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.registry import methods
+
+    gen = next(a for a in build_parser()._actions if a.dest == "command").choices["generate"]
+    helps = {a.dest: " ".join(a.help.split()) for a in gen._actions if a.dest in ("allocation", "floor_alpha")}
+
+    def stated(text):  # "X; Y for a, b; Z for c" -> {method: value}, "*" for the rest
+        parts = text.split("; ")
+        out = {"*": parts[0]}
+        for part in parts[1:]:
+            value, _, names = part.partition(" for ")
+            out.update({n: value for n in names.split(", ")})
+        return out
+
+    said = {"allocation": stated(re.search(r"\(default: the method's: (.*)\)$", helps["allocation"])[1]),
+            "floor_alpha": stated(re.search(r"\(default: the method's: (.*)\)$", helps["floor_alpha"])[1]),
+            "max_head_factor": stated(re.search(r"\(a --method key: (.*?)\)", helps["allocation"])[1])}
+    for name in methods():
+        cfg = KVCacheConfig(method=name, budget=4096)
+        for field, values in said.items():
+            assert values.get(name, values["*"]) == str(getattr(cfg, field)), (name, field, values)
+    assert said["allocation"]["kvzap"] == "ada" and said["floor_alpha"]["kvzap"] == "0.0"
+
+
 def test_methods_describes_nexus_default(capsys):
     rc, out, _ = _run(capsys, "methods")
     nexus = next(line for line in out.splitlines() if line.startswith("nexus"))

@@ -8,7 +8,8 @@ import argparse
 import dataclasses
 import sys
 
-from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant, default_kv_group_size
+from ..config import (HEAD_BUDGET_DEFAULTS, KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant,
+                      default_kv_group_size)
 from ..config_spec import option_key, parse_spec
 from ..model_dims import config_field, model_dims
 from ..options import parse_value as _parse_text
@@ -121,6 +122,21 @@ def _cli_value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
 
 
+def method_defaults(field: str) -> str:
+    """A head-budget field's default as every registered method sets it (``HEAD_BUDGET_DEFAULTS``, then each
+    method's ``config_defaults``): ``uniform; ada for kvzap, kvzip``."""
+    base = HEAD_BUDGET_DEFAULTS[field]
+    others = {}
+    for name in methods():
+        value = {**HEAD_BUDGET_DEFAULTS, **get_method(name).config_defaults}[field]
+        if value != base:
+            others.setdefault(value, []).append(name)
+    def text(v):
+        return v if isinstance(v, str) else _cli_value(v)
+
+    return "; ".join([text(base)] + [f"{text(v)} for {', '.join(names)}" for v, names in others.items()])
+
+
 def add_cache_args(parser, default_method="nexus"):
     """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
     policy, method options); :func:`config_from_args` turns them into a config."""
@@ -142,9 +158,12 @@ def add_cache_args(parser, default_method="nexus"):
                         help="seed of the eviction randomness (default: 0)")
     parser.add_argument("--allocation", choices=("uniform", "ada"), default=None, **given,
                         help="budget across KV heads: uniform, or Ada-KV head-adaptive, for methods with a "
-                             "per-head score (default: the method's; uniform except kvzip's ada)")
+                             "per-head score; under ada no head keeps more than max_head_factor x the budget "
+                             f"(a --method key: {method_defaults('max_head_factor')}) "
+                             f"(default: the method's: {method_defaults('allocation')})")
     parser.add_argument("--floor-alpha", type=float, default=None, **given,
-                        help="Ada-KV guaranteed floor fraction (default: 0.2; kvzip 0.0)")
+                        help="Ada-KV guaranteed floor fraction "
+                             f"(default: the method's: {method_defaults('floor_alpha')})")
     parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None, **given,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
                              "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
