@@ -41,23 +41,23 @@ def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
 @needs_model
 def test_generate_with_4_bit_rows_equals_mlx_lm_quantized_cache(capsys):
     """--kv-bits 4 at a budget above the prompt gives mlx-lm's own QuantizedKVCache text (--method full
-    --kv-bits 4, both in the default groups of 32), and the KV line counts the packed bytes: the kept rows
-    are ~0.19x of the fp32 rows (both caches preallocate 256-row steps for a short prompt, so the
-    allocated fraction is higher)."""
+    --kv-bits 4 --quantized-kv-start 0, both in mlx-lm's default groups of 64), and the KV line counts the
+    packed bytes: the kept rows are ~0.16x of the fp32 rows (both caches preallocate 256-row steps for a
+    short prompt, so the allocated fraction is higher)."""
     import re
 
     args = ["generate", "--prompt", "List three colours of the rainbow.", "--max-tokens", "16",
             "--prefill-step-size", "8", "--kv-bits", "4"]
-    rc_full, out_full, _ = _run(capsys, *args, "--method", "full")
+    rc_full, out_full, _ = _run(capsys, *args, "--method", "full", "--quantized-kv-start", "0")
     rc_nexus, out_nexus, _ = _run(capsys, *args, "--method", "nexus", "--budget", "4096")
     assert rc_full == rc_nexus == 0
     assert _generated_text(out_nexus) == _generated_text(out_full)
-    assert "4-bit rows (groups of 32)" in out_nexus and "4-bit rows (groups of 32)" in out_full
+    assert "4-bit rows (groups of 64)" in out_nexus and "Cache: full, 4-bit rows (groups of 64)\n" in out_full
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     for out in (out_full, out_nexus):
         kv = re.search(r"of the full cache's ([\d.]+) (\S+) \(kept rows ([\d.]+) (\S+)\)", out)
         full, kept = float(kv[1]) * units[kv[2]], float(kv[3]) * units[kv[4]]
-        assert 0.18 < kept / full < 0.20, out  # (32 B words + 2 groups x 2 x 4 B scale/bias) / 256 B per row
+        assert 0.15 < kept / full < 0.16, out  # (32 B words + 1 group x 2 x 4 B scale/bias) / 256 B per row
 
 
 def _demo_table(out: str) -> dict:
@@ -200,7 +200,7 @@ def tiny_cli(monkeypatch):
 
     state = {"loads": 0, "args": {}}
 
-    def load(spec):
+    def load(spec, **kw):
         state["loads"] += 1
         return make_tiny_model("llama", **state["args"]), tiny_tokenizer()
 
@@ -284,21 +284,23 @@ def test_compress_checks_the_output_path_before_any_work(capsys, tmp_path, tiny_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.safetensors", "doc.txt"]  # no temporary left
 
 
-def test_kv_bits_4_defaults_to_groups_of_32(capsys):
+def test_kv_group_size_defaults_to_mlx_lms_64_at_every_bit_width(capsys):
     from veloxquant_mlx.cli import build_parser
     from veloxquant_mlx.cli.args import config_from_args, full_quant
+    from veloxquant_mlx.config import KVCacheConfig
 
-    for bits, group in (("4", 32), ("8", 64)):
+    for bits in ("4", "8"):
         args = build_parser().parse_args(["generate", "--method", "nexus", "--budget", "128", "--kv-bits", bits])
-        assert config_from_args(args, 100).kv_group_size == group
+        assert config_from_args(args, 100).kv_group_size == 64
         spec = build_parser().parse_args(["generate", "--method", f"nexus:budget=128,kv_bits={bits}"])
-        assert config_from_args(spec, 100).kv_group_size == group  # the group follows bits given in the spec too
-    args = build_parser().parse_args(["generate", "--kv-bits", "4", "--kv-group-size", "64"])
-    assert config_from_args(args, 100).kv_group_size == 64
-    args = build_parser().parse_args(["generate", "--method", "full", "--kv-bits", "4"])
-    assert full_quant(args) == (4, 32)  # mlx-lm's QuantizedKVCache takes the same default here
+        assert config_from_args(spec, 100).kv_group_size == 64  # bits given in the spec too
+        args = build_parser().parse_args(["generate", "--method", "full", "--kv-bits", bits])
+        assert full_quant(args) == (int(bits), 64)  # mlx-lm's QuantizedKVCache, as mlx_lm.generate makes it
+    args = build_parser().parse_args(["generate", "--kv-bits", "4", "--kv-group-size", "32"])
+    assert config_from_args(args, 100).kv_group_size == 32  # what docs/quality.md recommends for Nexus
     args = build_parser().parse_args(["generate", "--method", "full:kv_bits=8,kv_group_size=128"])
     assert full_quant(args) == (8, 128)
+    assert KVCacheConfig(kv_bits=4).kv_group_size == 32  # the library's own default is unchanged
 
 
 def test_method_spec_and_flags_are_one_setting(capsys):
@@ -310,7 +312,8 @@ def test_method_spec_and_flags_are_one_setting(capsys):
     def cfg(*argv):
         return config_from_args(build_parser().parse_args(["generate", *argv]), 1000)
 
-    want = KVCacheConfig(method="nexus", budget=256, kv_bits=4, allocation="ada", options={"window": 8})
+    want = KVCacheConfig(method="nexus", budget=256, kv_bits=4, kv_group_size=64,  # the CLI's groups: mlx-lm's
+                         allocation="ada", options={"window": 8})
     assert cfg("--method", "nexus:window=8,kv_bits=4,allocation=ada,budget=256") == want
     assert cfg("--method", "nexus:window=8", "--kv-bits", "4", "--allocation", "ada", "--budget", "256") == want
     assert cfg("--method", "nexus", "--nexus-window", "8", "--kv-bits", "4", "--allocation", "ada",
@@ -664,17 +667,11 @@ def test_mlx_lm_generate_flags_run_or_say_why_not(capsys, tiny_cli):
                          "--system-prompt", "t9", "--chat-template-config", '{"x": 1}', "--verbose", "False")
     assert rc == 0, err
     assert "=" * 10 not in out and "KV cache" not in out  # --verbose False: the answer only
-    rc, out, err = _main(capsys, "generate", "--prompt", _words(600), "--max-tokens", "4", "--method", "full",
-                         "--max-kv-size", "64", "--prefill-step-size", "32")
-    assert rc == 0, err
-    fraction = float(out.split("KV cache: allocated")[1].split("= ")[1].split("x")[0])
-    assert fraction < 0.5  # mlx-lm's RotatingKVCache of 64 tokens, not a full cache of 604
-    for argv, pattern in [(["--max-kv-size", "64"], "--max-kv-size is mlx-lm's RotatingKVCache"),
-                          (["--draft-model", "x"], "--draft-model is not supported here: speculative"),
+    for argv, pattern in [(["--draft-model", "x"], "--draft-model is not supported here: speculative"),
                           (["--adapter-path", "x"], "--adapter-path is not supported"),
                           (["--chat-template-config", "{bad"], "--chat-template-config is not JSON")]:
         rc, _, err = _main(capsys, "generate", "--prompt", "t1", *argv)
-        assert rc == 2 and tiny_cli["loads"] == 2
+        assert rc == 2 and tiny_cli["loads"] == 1
         _one_error_line(err, pattern)
 
 
@@ -717,6 +714,160 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path):
     assert r.returncode != 0 and r.stderr.rstrip().endswith("KeyboardInterrupt"), r.stderr
 
 
+def test_generate_takes_every_mlx_lm_generate_flag_with_its_default_or_refuses_it(capsys):
+    """Each option of the installed mlx_lm.generate parses here with mlx-lm's default, or is refused in one
+    line naming it; --help lists the refused ones."""
+    import importlib
+
+    from veloxquant_mlx.cli import build_parser
+    from veloxquant_mlx.cli.generate import _UNSUPPORTED, MLX_LM_QUANTIZED_KV_START
+
+    theirs = importlib.import_module("mlx_lm.generate").setup_arg_parser()
+    gen = next(a for a in build_parser()._actions if a.dest == "command").choices["generate"]
+    ours = {o: a for a in gen._actions for o in a.option_strings}
+    refused = {o for flag, (aliases, _) in _UNSUPPORTED.items() for o in (flag, *aliases)}
+    # its own model and prompt; None where a typed flag must be told from the default, which is still mlx-lm's
+    # (5000, and groups of 64: test_quantized_kv_start_is_mlx_lms, test_kv_group_size_defaults_to_mlx_lms_64...)
+    own = {"model": "bundled", "prompt": None, "quantized_kv_start": None, "kv_group_size": None}
+    for action in theirs._actions:
+        for option in action.option_strings:
+            if option in ("-h", "--help"):
+                continue
+            assert option in ours, option
+            if option in refused:
+                value = [] if action.nargs == 0 else ["1"]
+                rc, _, err = _main(capsys, "generate", option, *value)
+                assert rc == 2, option
+                _one_error_line(err, rf"^error: {action.option_strings[0]} is not supported here: ")
+            else:
+                want = own.get(action.dest, action.default)
+                got = ours[option].default
+                same = list(got) == list(want) if isinstance(got, (list, tuple)) else got == want
+                assert same, (option, got, want)
+    assert MLX_LM_QUANTIZED_KV_START == importlib.import_module("mlx_lm.generate").DEFAULT_QUANTIZED_KV_START
+    text = " ".join(gen.format_help().split())
+    assert "refused here, each with its reason: --adapter-path, --draft-model, --num-draft-tokens" in text
+    assert "--quantize-activations/-qa" in text and "--prompt-cache-file" in text
+
+
+def test_seed_is_unset_unless_given(capsys, monkeypatch):
+    """As mlx_lm.generate: without --seed the sampler is not reseeded, so --temp 1 differs from run to run."""
+    import mlx.core as mx
+
+    from conftest import make_tiny_model, tiny_tokenizer
+    from veloxquant_mlx.cli import generate
+
+    model = make_tiny_model("llama")  # one model for every run: building one seeds MLX
+    monkeypatch.setattr(generate, "load_model_for_cli", lambda spec, **kw: (model, tiny_tokenizer()))
+    seeds = []
+    real = mx.random.seed
+    monkeypatch.setattr(mx.random, "seed", lambda s: (seeds.append(s), real(s)))
+    base = ["generate", "--prompt", _words(10, 3), "--max-tokens", "12", "--method", "full", "--temp", "1"]
+    rc, first, err = _main(capsys, *base)
+    assert rc == 0 and seeds == [], err
+    rc, second, _ = _main(capsys, *base)
+    assert _generated_text(first) != _generated_text(second)  # 12 tokens of 128 near-uniform ones
+    rc, a, _ = _main(capsys, *base, "--seed", "5")
+    rc, b, _ = _main(capsys, *base, "--seed", "5")
+    assert seeds == [5, 5] and _generated_text(a) == _generated_text(b)
+
+
+def test_quantized_kv_start_is_mlx_lms(capsys, tiny_cli):
+    """--method full --kv-bits: mlx-lm's KVCache until it holds --quantized-kv-start tokens (default 5000),
+    then mlx-lm's own conversion, token for token what mlx_lm.stream_generate gives with those arguments;
+    refused with an eviction method and without --kv-bits."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from conftest import make_tiny_model, tiny_tokenizer
+
+    tiny_cli["args"] = {"head_dim": 64}
+    prompt = _words(40, 3)
+    base = ["generate", "--prompt", prompt, "--max-tokens", "12", "--method", "full", "--ignore-chat-template",
+            "--prefill-step-size", "16"]
+
+    def theirs(**kw):
+        model = make_tiny_model("llama", head_dim=64)
+        toks = [r.token for r in stream_generate(model, tiny_tokenizer(), mx.array(tiny_tokenizer().encode(prompt)),
+                                                 max_tokens=12, prompt_cache=make_prompt_cache(model),
+                                                 prefill_step_size=16, **kw)]
+        return tiny_tokenizer().decode(toks)
+
+    rc, later, err = _main(capsys, *base, "--kv-bits", "4", "--quantized-kv-start", "20")
+    assert rc == 0, err
+    assert "Cache: full, 4-bit rows (groups of 64) once it holds 20 tokens (--quantized-kv-start)" in later
+    want = theirs(kv_bits=4, kv_group_size=64, quantized_kv_start=20)
+    assert _generated_text(later).strip() == want.strip()
+    assert want.strip() != theirs().strip()  # the quantization changed the answer: the comparison has teeth
+    rc, default, _ = _main(capsys, *base, "--kv-bits", "4")
+    rc, plain, _ = _main(capsys, *base)
+    assert "once it holds 5,000 tokens" in default and _generated_text(default) == _generated_text(plain)
+    for argv, pattern in ((["--method", "nexus", "--kv-bits", "4"], "applies to --method full"),
+                          (["--kv-bits", "4", "--budget", "64"], "applies to --method full"),
+                          (["--method", "full"], "needs --kv-bits")):
+        rc, _, err = _main(capsys, "generate", "--prompt", "t1", "--quantized-kv-start", "8", *argv)
+        assert rc == 2
+        _one_error_line(err, pattern)
+
+
+def test_max_kv_size_without_a_method_is_mlx_lms_rotating_cache(capsys, tiny_cli):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from veloxquant_mlx.cli import generate
+
+    made = []
+    real = generate.rotating_caches
+    generate.rotating_caches = lambda model, n: made.append(n) or real(model, n)
+    try:
+        base = ["generate", "--prompt", _words(100), "--max-tokens", "2", "--prefill-step-size", "32"]
+        for argv in ([], ["--method", "full"]):
+            rc, out, err = _main(capsys, *base, "--max-kv-size", "64", *argv)
+            assert rc == 0, err
+            assert "Cache: full: mlx-lm's RotatingKVCache of 64 tokens (--max-kv-size)" in out
+        assert made == [64, 64] and all(isinstance(c, RotatingKVCache) for c in real(
+            __import__("conftest").make_tiny_model("llama"), 64))
+        for argv, pattern in ((["--method", "nexus"], "applies to --method full; an eviction method bounds"),
+                              (["--budget", "64"], "--budget belong.* to an eviction --method"),
+                              (["--nexus-window", "8"], "--nexus-window belong")):
+            rc, _, err = _main(capsys, *base, "--max-kv-size", "64", *argv)
+            assert rc == 2
+            _one_error_line(err, pattern)
+    finally:
+        generate.rotating_caches = real
+
+
+def test_trust_remote_code_reaches_mlx_lm_load(capsys, tmp_path, monkeypatch):
+    import mlx_lm
+
+    from conftest import make_tiny_model, tiny_tokenizer
+
+    calls = []
+
+    def load(path, **kw):
+        calls.append(kw)
+        return make_tiny_model("llama"), tiny_tokenizer()
+
+    monkeypatch.setattr(mlx_lm, "load", load)
+    base = ["generate", "--model", str(tmp_path), "--prompt", _words(5), "--max-tokens", "2", "--method", "full"]
+    assert _main(capsys, *base)[0] == 0 and _main(capsys, *base, "--trust-remote-code")[0] == 0
+    assert calls[0] == {} and calls[1] == {"trust_remote_code": True, "tokenizer_config": {"trust_remote_code": True}}
+
+
+def test_this_packages_cache_files_and_mlx_lms_load_prompt_cache(capsys, tmp_path, tiny_cli):
+    """mlx-lm's load_prompt_cache cannot read a file of this package (it holds eviction caches, not mlx-lm
+    classes): mlx_lm.generate's --prompt-cache-file says so in one line and names what reads it."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    out = _compress(capsys, tmp_path, "--method", "streaming", "--budget", "24")
+    with pytest.raises(Exception):
+        load_prompt_cache(str(out))
+    rc, _, err = _main(capsys, "generate", "--prompt-cache-file", str(out), "--prompt", "t1")
+    assert rc == 2 and tiny_cli["loads"] == 1  # only the compress loaded a model
+    _one_error_line(err, r"--prompt-cache-file is not supported here: .*mlx-lm's load_prompt_cache cannot read; "
+                         r"continue one with --prompt-cache FILE, or load it with veloxquant_mlx.load_prompt_cache")
+
+
 def test_fast_blas_is_accepted_after_the_subcommand():
     from veloxquant_mlx.cli import build_parser
 
@@ -744,7 +895,7 @@ def test_extra_eos_token_ends_the_answer(capsys, tiny_cli, monkeypatch):
 
     # a wrapper of its own: add_eos_token must not reach the tokenizer other tests share
     monkeypatch.setattr(generate, "load_model_for_cli",
-                        lambda spec: (make_tiny_model("llama"), TokenizerWrapper(tiny_tokenizer()._tokenizer)))
+                        lambda spec, **kw: (make_tiny_model("llama"), TokenizerWrapper(tiny_tokenizer()._tokenizer)))
     shared_eos = set(tiny_tokenizer().eos_token_ids)
     base = ["generate", "--prompt", _words(10, 3), "--max-tokens", "12", "--method", "full"]
     rc, out, err = _main(capsys, *base)

@@ -485,7 +485,8 @@ def test_serve_takes_a_method_spec(monkeypatch):
     monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
     args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
-    assert seen[-1]["config"] == KVCacheConfig.parse("h2o:budget=64,kv_bits=4,allocation=ada")
+    # the command line's quantization groups are mlx-lm's 64 (KVCacheConfig's own default for 4 bits is 32)
+    assert seen[-1]["config"] == KVCacheConfig.parse("h2o:budget=64,kv_bits=4,kv_group_size=64,allocation=ada")
     assert "kv_bits" not in seen[-1]  # our caches quantize their rows: requests stay batchable
     args = build_parser().parse_args(["serve", "--method", "full:kv_bits=8", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0

@@ -112,7 +112,9 @@ def kv_report(caches) -> dict:
             kept += c.kept_bytes
             full += c.full_seq_bytes
         elif getattr(c, "keys", None) is not None:
-            k, v = c.keys, c.values  # mlx-lm's QuantizedKVCache holds (words, scales, biases) tuples
+            # mlx-lm's QuantizedKVCache holds (words, scales, biases): a tuple, or the list mx.quantize returns
+            # when KVCache.to_quantized made it (mlx_lm.generate's --quantized-kv-start)
+            k, v = (tuple(b) if isinstance(b, list) else b for b in (c.keys, c.values))
             bits = getattr(c, "bits", None)
             B, H, cap = buf_shape(k, bits)[:3]
             kept += B * H * (bytes_per_row(k) + bytes_per_row(v)) * min(c.offset, cap)

@@ -9,8 +9,7 @@ import argparse
 import dataclasses
 import sys
 
-from ..config import (HEAD_BUDGET_DEFAULTS, KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant,
-                      default_kv_group_size)
+from ..config import HEAD_BUDGET_DEFAULTS, KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant
 from ..config_spec import option_key, parse_spec
 from ..model_dims import config_field, model_dims
 from ..options import parse_value as _parse_text
@@ -136,6 +135,16 @@ def method_defaults(field: str) -> str:
     return "; ".join([text(base)] + [f"{text(v)} for {', '.join(names)}" for v, names in others.items()])
 
 
+# mlx_lm.generate's --kv-group-size default, at every bit width: the command line takes mlx-lm's flags with
+# mlx-lm's defaults. (KVCacheConfig's own default is 32 for 4-bit rows: config.default_kv_group_size.)
+MLX_LM_KV_GROUP_SIZE = 64
+
+
+def cli_kv_group(bits, group):
+    """The quantization group of the command line: the one given, else mlx-lm's (for quantized rows)."""
+    return MLX_LM_KV_GROUP_SIZE if group is None and bits is not None else group
+
+
 def add_cache_args(parser, default_method="nexus"):
     """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
     policy, method options); :func:`config_from_args` turns them into a config."""
@@ -171,8 +180,10 @@ def add_cache_args(parser, default_method="nexus"):
                              "its quantized attention); with --method full: mlx-lm's QuantizedKVCache "
                              "(default: unset, rows in the model's dtype)")
     parser.add_argument("--kv-group-size", type=int, default=None, **given,
-                        help="quantization group along head_dim: 32, 64 or 128 (default: 32 for 4-bit rows, "
-                             "where groups of 64 lost answers in paired passkey runs; 64 for 8-bit)")
+                        help=f"quantization group along head_dim: 32, 64 or 128 (default: {MLX_LM_KV_GROUP_SIZE}, "
+                             "mlx_lm.generate's, at 4 and 8 bits. With 4-bit rows Nexus kept its passkey answers "
+                             "in groups of 32 and lost them in groups of 64 (12/15 against 4/15), so docs/quality.md "
+                             "recommends --kv-group-size 32 with --kv-bits 4 and Nexus, for ~12%% more bytes)")
     parser.add_argument("--recall", choices=("memory", "disk"), default=None, **given,
                         help="keep evicted rows in a cold tier that a follow-up input recalls from "
                              "(docs/recall.md): memory (quantized at --recall-bits) or disk (a file the cache owns; "
@@ -266,16 +277,24 @@ def _check_scorer_file(path: str, source: str) -> None:
 def full_quant(args) -> tuple:
     """(kv_bits, kv_group_size) of mlx-lm's own cache for ``--method full`` (bits None: its KVCache)."""
     _, core, _ = cache_spec(args)
-    return check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
+    return check_kv_quant(core.get("kv_bits"), cli_kv_group(core.get("kv_bits"), core.get("kv_group_size")))
 
 
 def config_from_args(args, prompt_len: int):
     """KVCacheConfig from ``--method`` and the cache flags, or None for the full cache."""
     name, core, options = cache_spec(args, prompt_len)
+    core["kv_group_size"] = cli_kv_group(core.get("kv_bits"), core.get("kv_group_size"))
     if name == FULL:
         check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
         return None
     return KVCacheConfig(method=name, options=options, **core)
+
+
+def eviction_flags_given(args) -> list:
+    """The typed flags that only an eviction cache reads (method options included)."""
+    typed = ["--" + d.replace("_", "-") for d in _EVICTION_FLAGS if getattr(args, d, None) is not None]
+    options = [k for k in vars(args) if k.startswith("opt__")]
+    return typed + (_flags(dict.fromkeys(options)).split(", ") if options else [])
 
 
 def _flags(extra):
@@ -316,7 +335,7 @@ def fit_kv_group(model, args) -> None:
     bits, group = core.get("kv_bits"), core.get("kv_group_size")
     chosen = group is not None  # in --method or --kv-group-size
     if group is None:
-        group = default_kv_group_size(bits)
+        group = cli_kv_group(bits, None)
     try:
         head_dim = model_dims(model).head_dim
     except ValueError:  # dimensions the config does not say: nothing to check against

@@ -85,8 +85,9 @@ def check_model_spec(spec, flag: str = "--model") -> None:
     raise CLIError(f"{flag} {spec}: no such file or folder (a model is {_MODEL_KINDS})")
 
 
-def load_model_for_cli(spec):
-    """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path."""
+def load_model_for_cli(spec, trust_remote_code: bool = False):
+    """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path.
+    ``trust_remote_code``: mlx_lm.generate's flag, for an mlx-lm folder or repo."""
     import logging
     import os
 
@@ -96,7 +97,8 @@ def load_model_for_cli(spec):
     # check_context refuses a prompt past the context in one line; transformers' own notice would be a second
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     try:
-        return load_model(None if spec in (None, "bundled") else spec)
+        return load_model(None if spec in (None, "bundled") else spec,
+                          **({"trust_remote_code": True} if trust_remote_code else {}))
     except (OSError, ValueError) as e:
         if spec is None or os.path.exists(os.path.expanduser(str(spec))) or "/" not in str(spec):
             raise
