@@ -33,8 +33,8 @@ def test_generate_with_large_budget_prints_the_full_cache_text(capsys):
     assert "Generation: 24 tokens" in out_nexus
     import re
 
-    kv = re.search(r"KV cache: allocated (.+?) = ([\d.]+)x of the full cache's (.+?) \(kept rows (.+?)\)", out_nexus)
-    assert kv and kv.group(3) == kv.group(4)  # nothing evicted: every token's K/V is kept
+    kv = re.search(r"kept rows (.+?) = 1.00x of every token's (.+?)$", out_nexus, re.M)
+    assert kv and kv.group(1) == kv.group(2).split(";")[0]  # nothing evicted: every token's K/V is kept
 
 
 @pytest.mark.model
@@ -55,8 +55,8 @@ def test_generate_with_4_bit_rows_equals_mlx_lm_quantized_cache(capsys):
     assert "4-bit rows (groups of 64)" in out_nexus and "Cache: full, 4-bit rows (groups of 64)\n" in out_full
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
     for out in (out_full, out_nexus):
-        kv = re.search(r"of the full cache's ([\d.]+) (\S+) \(kept rows ([\d.]+) (\S+)\)", out)
-        full, kept = float(kv[1]) * units[kv[2]], float(kv[3]) * units[kv[4]]
+        kv = re.search(r"kept rows ([\d.]+) (\S+) = [\d.]+x of every token's ([\d.]+) (\S+);", out)
+        kept, full = float(kv[1]) * units[kv[2]], float(kv[3]) * units[kv[4]]
         assert 0.15 < kept / full < 0.16, out  # (32 B words + 1 group x 2 x 4 B scale/bias) / 256 B per row
 
 
@@ -876,6 +876,52 @@ def test_fast_blas_is_accepted_after_the_subcommand():
                  ["serve", "--fast-blas"], ["compress", "--prompt-file", "x", "--out", "y", "--fast-blas"]):
         assert parser.parse_args(argv).fast_blas is True, argv
     assert parser.parse_args(["generate"]).fast_blas is False
+
+
+def test_kv_line_compares_like_with_like(capsys, tiny_cli):
+    """Allocated bytes against what mlx-lm's KVCache allocates for the same tokens (its 256-row steps), kept
+    rows against every token's K/V: the full cache is 1.00x of itself on a short prompt too, an eviction
+    cache that evicts nothing is near it, and one that evicts is below it on both counts."""
+    import re
+
+    def line(*argv):
+        rc, out, err = _main(capsys, "generate", "--max-tokens", "4", *argv)
+        assert rc == 0, err
+        m = re.search(r"KV cache: allocated \S+ \S+ = ([\d.]+)x of the full cache's \S+ \S+ \(mlx-lm's KVCache, "
+                      r"rows in steps of 256\); kept rows \S+ \S+ = ([\d.]+)x of every token's", out)
+        assert m, out
+        return float(m[1]), float(m[2])
+
+    assert line("--prompt", _words(10), "--method", "full") == (1.0, 1.0)
+    assert line("--prompt", _words(600), "--method", "full", "--prefill-step-size", "256") == (1.0, 1.0)
+    alloc, kept = line("--prompt", _words(10), "--method", "streaming", "--budget", "64")
+    assert kept == 1.0 and 0.9 < alloc < 1.5  # holds every token, in its own buffer (no 6x against 14 rows)
+    alloc, kept = line("--prompt", _words(600), "--method", "streaming", "--budget", "64", "--prefill-step-size", "256")
+    assert kept < 0.2 and alloc < 0.3
+
+
+def test_kv_reports_reference_is_what_a_kvcache_allocates():
+    """kv_report's kvcache_bytes, for an eviction cache, equals the bytes mlx-lm's KVCache really holds after
+    the same tokens (prompts in chunks of 256, then decode steps, across a 256-row step)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from conftest import make_tiny_model
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+    from veloxquant_mlx.caches.accounting import kv_report
+
+    model = make_tiny_model("llama")
+    for n in (5, 300, 512):
+        ours = KVCacheBuilder.for_model(model, KVCacheConfig(method="streaming", budget=64))
+        full = make_prompt_cache(model)
+        toks = mx.array(list(range(1, n + 1)))[None] % 128
+        for caches in (ours, full):
+            for s in range(0, n, 256):
+                model(toks[:, s:s + 256], cache=caches)
+            for _ in range(3):
+                model(toks[:, :1], cache=caches)
+        assert kv_report(ours)["kvcache_bytes"] == kv_report(full)["allocated_bytes"] == \
+            kv_report(full)["kvcache_bytes"], n
 
 
 def test_budget_at_least_the_context_notes_that_nothing_is_evicted(capsys, tiny_cli):

@@ -369,9 +369,13 @@ def prompt_bar(n_tokens: int, desc: str = "prefill"):
 
 def kv_summary(kv: dict) -> str:
     """The KV line ``generate`` prints and ``serve`` logs per request, from
-    :func:`veloxquant_mlx.caches.accounting.kv_report`: allocated bytes against the full cache's."""
-    return (f"KV cache: allocated {fmt_bytes(kv['allocated_bytes'])} = {kv['fraction']:.2f}x of the full "
-            f"cache's {fmt_bytes(kv['full_bytes'])} (kept rows {fmt_bytes(kv['kept_bytes'])})")
+    :func:`veloxquant_mlx.caches.accounting.kv_report`, like against like: the allocated bytes against
+    what mlx-lm's KVCache allocates for the same tokens (rows in steps of 256, so a short prompt's full
+    cache is 1.00x, not its 256 rows against its few tokens), the kept rows against every token's K/V."""
+    a, ref, k, f = kv["allocated_bytes"], kv["kvcache_bytes"], kv["kept_bytes"], kv["full_bytes"]
+    return (f"KV cache: allocated {fmt_bytes(a)} = {a / ref if ref else 0.0:.2f}x of the full cache's "
+            f"{fmt_bytes(ref)} (mlx-lm's KVCache, rows in steps of 256); kept rows {fmt_bytes(k)} = "
+            f"{k / f if f else 0.0:.2f}x of every token's {fmt_bytes(f)}")
 
 
 def fmt_bytes(n):

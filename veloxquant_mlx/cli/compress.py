@@ -20,7 +20,7 @@ from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
-                   load_model_for_cli, note_budget_past_context, prompt_bar, ranged, read_text)
+                   kv_summary, load_model_for_cli, note_budget_past_context, prompt_bar, ranged, read_text)
 from .document import DOCUMENT_FORMAT
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
@@ -111,9 +111,8 @@ def cmd_compress(args):
     r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
                           not args.ignore_chat_template, args.model)
     print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "
-          f"{r['seconds']:.2f} s: KV allocated {fmt_bytes(r['allocated_bytes'])} "
-          f"({kv_report(r['caches'])['fraction']:.2f}x of the full cache); wrote {args.out} "
-          f"({fmt_bytes(r['file_bytes'])})")
+          f"{r['seconds']:.2f} s; wrote {args.out} ({fmt_bytes(r['file_bytes'])})")
+    print(kv_summary(kv_report(r["caches"])))
     return 0
 
 
