@@ -465,7 +465,9 @@ def test_every_option_says_what_it_does_and_its_default():
 
     parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
-    for name, p in [("", parser)] + [(n, subs[n]) for n in ("generate", "compress", "demo")]:
+    evals = next(a for a in subs["eval"]._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
+    for name, p in [("", parser)] + [(n, subs[n]) for n in ("generate", "compress", "demo", "fit-kvzap")] + \
+            [(f"eval {n}", evals[n]) for n in ("passkey", "perplexity", "speed", "tasks")]:
         formatter = p._get_formatter()
         for action in p._actions:
             if action.help == __import__("argparse").SUPPRESS or action.dest in ("help", "command"):
@@ -474,6 +476,8 @@ def test_every_option_says_what_it_does_and_its_default():
             assert len(text) > 10 and ("default" in text or action.required and "(required)" in text), \
                 (name, action.option_strings, text)
             assert "(default: None)" not in text, (name, action.option_strings, text)
+            if isinstance(action, __import__("argparse")._StoreFalseAction):  # a --no-X switch: its own default
+                assert "(default: True)" not in text, (name, action.option_strings, text)
     assert "default: 100)" in " ".join(subs["generate"].format_help().split())  # --max-tokens
 
 

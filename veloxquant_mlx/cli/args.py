@@ -68,6 +68,14 @@ def ranged(kind, low=None, high=None):
     return parse
 
 
+def density(text):
+    """An argparse ``type=``: a fraction of the prompt, in (0, 1]."""
+    value = ranged(float)(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def add_sampling_args(parser, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, when=""):
     """mlx_lm's sampling flags (its defaults), each checked for its range."""
     parser.add_argument("--temp", type=ranged(float, 0.0), default=temp,

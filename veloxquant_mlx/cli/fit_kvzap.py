@@ -79,7 +79,7 @@ def add_parser(sub):
                    "topics and standard-library source code, in turn; the shipped scorers' text, measured "
                    "better than docstrings alone in docs/methods/kvzap.md) or docstrings (default mixed)")
     p.add_argument("--data-dir", default=None, help="folder that keeps each window's collected scores and "
-                   "hidden states: a stopped fit resumes there, and a refit skips the model passes")
+                   "hidden states: a stopped fit resumes there, and a refit skips the model passes (default: none)")
     p.add_argument("--kind", choices=("linear", "mlp"), default="linear",
                    help="the surrogate: linear (ridge, closed form) or mlp (2 layers, GELU) (default linear)")
     p.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width (default 512)")
