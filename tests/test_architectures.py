@@ -22,10 +22,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from architectures_page import write as write_page
 from conftest import small_config
-from mlx_lm_archs import ARCHS, EVICTS, KEYS_AS_QUERIES, REFUSED, CannotRun, NoTinyConfig, architecture_files, build
+from mlx_lm_archs import (ARCHS, EVICTS, KEYS_AS_QUERIES, REFUSED, VARIANTS, CannotRun, NoTinyConfig,
+                          architecture_files, build)
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.base import EvictionCache
 from veloxquant_mlx.model_dims import model_dims
+from veloxquant_mlx.tap import kv_sources
 
 PROMPT, NEW, CHUNK = 40, 4, 16  # a prompt fed in chunks (mlx-lm's prefill), then greedy decode
 BUDGET = 16  # evicting runs: well below the prompt
@@ -88,15 +90,22 @@ def test_architecture(name):
         raise
 
 
-def _check(name, expected):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_architecture_variant(variant):
+    name, extra, expected = VARIANTS[variant]
+    _check(name, expected, extra, record=False)
+
+
+def _check(name, expected, extra=None, record=True):
     assert expected in (EVICTS, KEYS_AS_QUERIES, REFUSED), (name, expected)
-    model = build(name)
+    model = build(name, extra=extra)
     if expected == REFUSED:
         with pytest.raises(ValueError) as err:
             KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET))
         line = str(err.value)
         assert line and "\n" not in line, f"{name}: the refusal is not one line: {line!r}"
-        _record(name, REFUSED, line)
+        if record:
+            _record(name, REFUSED, line)
         return
 
     reference = _run(model, make_prompt_cache(model))
@@ -133,11 +142,35 @@ def _check(name, expected):
             else:
                 assert all(c.queries_from_keys for c in ours), f"{name}: expected keys as queries"
     how = [f"{len(ours)} of {len(caches)} layers evict"]
+    if expected == EVICTS:
+        how.append(_paged_prompt(name, model))
+    sharers = [j for j, i in kv_sources(model).items() if isinstance(caches[i], EvictionCache)]
+    if sharers:
+        how.append(f"{len(sharers)} KV-shared layer{'s read' if len(sharers) > 1 else ' reads'} the kept rows")
     if any(getattr(c, "latent_query", None) is not None for c in ours):
         how.append("MLA latents, scored with the absorbed query")
     if any(type(c).__name__ == "CacheList" for c in caches):
         how.append("the attention part of CacheList layers")
-    _record(name, expected, "; ".join(how))
+    if record:
+        _record(name, expected, "; ".join(how))
+
+
+def _paged_prompt(name, model) -> str:
+    """prompt_eviction="offload" gives "end"'s tokens and logits (the prompt read exactly against the page
+    file, then compressed as "end" does), or is refused in one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = _run(model, KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET)))
+        try:
+            got = _run(model, KVCacheBuilder.for_model(model, small_config("snapkv", budget=BUDGET,
+                                                                           prompt_eviction="offload")))
+        except ValueError as e:
+            line = str(e)
+            assert "offload" in line and "\n" not in line, f"{name}: the offload refusal is not one line: {line!r}"
+            return "the paged prompt refused"
+    assert got[0] == ref[0], f"{name}: offload's tokens differ from end's"
+    assert np.abs(got[1] - ref[1]).max() <= 1e-3, f"{name}: offload's logits differ from end's"
+    return "the paged prompt gives end's tokens"
 
 
 @pytest.mark.parametrize("name", [n for n in architecture_files()
@@ -160,11 +193,42 @@ def test_mla_latent_query_scores_as_the_decompressed_keys():
     attn = model.layers[0].self_attn
     q_nope = mx.random.normal((1, attn.num_heads, 5, attn.qk_nope_head_dim))
     latent = mx.random.normal((1, 1, 7, attn.kv_lora_rank))
-    absorbed = LatentQuery(attn)(q_nope)
+    to_rows = LatentQuery(attn)
+    absorbed = to_rows(q_nope)
     assert absorbed.shape == (1, attn.num_heads, 5, attn.kv_lora_rank)
-    assert LatentQuery(attn)(absorbed) is absorbed  # decode hands the absorbed query already
+    to_rows.reads_latent = True  # a decode call (the tap sets it per call): the query is absorbed already
+    assert to_rows(absorbed) is absorbed
     direct = q_nope @ attn.embed_q(latent, transpose=False).swapaxes(-1, -2)
     np.testing.assert_allclose(np.array(absorbed @ latent.swapaxes(-1, -2)), np.array(direct), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3-nope-eq-rank", "mistral4-nope-rope-eq-rank"])
+def test_mla_scores_rows_as_each_attention_call_reads_them(variant, monkeypatch):
+    """Where the prefill query is as wide as the latent, the query a method scores latent rows with still
+    gives the logits that call of attention computes (over the query's no-rope part): ``q_nope`` against
+    the decompressed keys at prefill, the absorbed query against the latent rows at decode."""
+    from veloxquant_mlx import tap
+
+    name, extra, _ = VARIANTS[variant]
+    model = build(name, extra=extra)
+    original, calls = tap._ORIGINAL_SDPA, []
+
+    def spy(queries, keys, values, cache=None, **kwargs):
+        to_rows = getattr(cache, "latent_query", None)
+        if to_rows is not None:
+            latent = cache.keys[:, :, :cache._rows]  # nothing is evicted: the rows this call reads
+            width = keys.shape[-1] if keys is values else to_rows.nope
+            calls.append((queries.shape[2], to_rows(queries) @ latent.swapaxes(-1, -2),
+                          queries[..., :width] @ keys[..., :width].swapaxes(-1, -2)))
+        return original(queries, keys, values, cache=cache, **kwargs)
+
+    monkeypatch.setattr(tap, "_ORIGINAL_SDPA", spy)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig("snapkv", budget=PROMPT + NEW + 64))
+    _run(model, caches)
+    assert {s > 1 for s, _, _ in calls} == {True, False}, "expected prefill and decode calls"
+    for s, scored, attended in calls:
+        np.testing.assert_allclose(np.array(scored), np.array(attended), rtol=1e-3, atol=1e-4,
+                                   err_msg=f"{variant}: a {'prefill' if s > 1 else 'decode'} call")
 
 
 def test_mla_refuses_quantized_rows_in_one_line():
@@ -241,6 +305,21 @@ def test_model_pass_methods_refuse_cachelist_layers_in_one_line(name):
     with pytest.raises(ValueError, match="CacheList") as err:
         KVCacheBuilder.for_model(build(name), small_config("kvzip", budget=BUDGET))
     assert "\n" not in str(err.value)
+
+
+def test_every_model_file_is_an_architecture():
+    """Every file of mlx_lm.models that names both ``Model`` and ``ModelArgs`` is tested, however it binds
+    them: a dataclass ``ModelArgs`` without a base class (phixtral), a ``Model`` imported from another
+    file (solar_open re-exports glm4_moe's)."""
+    import re
+
+    import mlx_lm.models as models
+
+    found = set(architecture_files())
+    assert {"phixtral", "solar_open"} <= found
+    named = {p.stem for p in Path(models.__path__[0]).glob("*.py")
+             if re.search(r"\bModel\b", p.read_text()) and re.search(r"\bModelArgs\b", p.read_text())}
+    assert named - found == set()
 
 
 def test_the_table_names_each_architecture_once():

@@ -2,9 +2,9 @@
 
 A tiny random llama (saved in mlx-lm format with a word-level tokenizer and a chat template) is
 served with H2O at a budget that evicts during decode. Checks: concurrent answers equal stand-alone
-generations with the same config, streaming, a malformed request gets an HTTP 400 and the server
-keeps serving, a client that drops a stream mid-way leaves the server serving, and a second turn
-continues the first turn's (evicted) cache.
+generations with the same config, streaming, malformed requests (a fuzz run of them) get an HTTP 4xx
+naming what is wrong and the server keeps serving, a client that drops a stream mid-way leaves the
+server serving, and a second turn continues the first turn's (evicted) cache.
 """
 
 import json
@@ -235,6 +235,97 @@ def cpu_seconds(pid):
     """User + system CPU seconds of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def post_raw(served, path, data, headers=None, timeout=60):
+    """(status, the "error" text or the body) of a POST of raw bytes; None for no answer."""
+    import http.client
+
+    conn = http.client.HTTPConnection(served["url"].split("//")[1], timeout=timeout)
+    try:
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        text = r.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException) as e:
+        return None, repr(e)
+    finally:
+        conn.close()
+    try:
+        return r.status, json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return r.status, text
+
+
+def assert_serving(served):
+    """The server is up, healthy, and answers a good request as a stand-alone generation does."""
+    assert served["proc"].poll() is None
+    with urllib.request.urlopen(served["url"] + "/health", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+    messages = [{"role": "user", "content": words(9, 15)}]
+    assert chat(served["client"], messages).choices[0].message.content == \
+        standalone(served, template(served, messages))[0]
+
+
+@pytest.mark.integration
+def test_issue_examples_get_400_about_the_request_and_the_server_keeps_serving(served):
+    """Each of these killed mlx-lm's generation thread (an empty prompt, stop 5: every later request got
+    404 "generation thread died", /health 503) or answered 404 / 400 with the server's own Python errors."""
+    cases = [("/v1/completions", {"prompt": ""}, "prompt is empty"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t1"}], "stop": 5},
+              "stop must be a string or an array of strings, got integer 5"),
+             ("/v1/chat/completions", {"messages": []}, "messages is empty"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]},
+              "messages[0].content must be a string or an array of text parts, got integer 123"),
+             ("/v1/completions", {"prompt": 12345}, "prompt must be a non-empty string"),
+             ("/v1/chat/completions", {"messages": "hi"}, "messages must be an array of message objects")]
+    for path, body, text in cases:
+        status, error = post_raw(served, path, json.dumps(body).encode())
+        assert (status, text in error) == (400, True), (body, status, error)
+    assert_serving(served)
+
+
+@pytest.mark.integration
+def test_edge_values_that_are_valid_are_served(served):
+    """Well-formed values at the edges are answered, not refused: top_k past the vocabulary (mlx-lm's
+    sampler raised in the generation thread; it keeps every token, as top_k 0 does), text parts,
+    stream_options without include_usage (mlx-lm read it without a default), an integer xtc_probability."""
+    base = {"model": "default_model", "messages": [{"role": "user", "content": words(5, 16)}], "max_tokens": 3}
+    for extra in ({"temperature": 1.0, "top_k": 10 * VOCAB, "seed": 3},
+                  {"temperature": 1.0, "top_k": 10 * VOCAB},
+                  {"messages": [{"role": "user", "content": [{"type": "text", "text": words(5, 17)}]}]},
+                  {"stream": True, "stream_options": {}},
+                  {"xtc_probability": 0}):
+        status, text = post_raw(served, "/v1/chat/completions", json.dumps({**base, **extra}).encode())
+        assert status == 200, (extra, text)
+        assert ("data: [DONE]" if extra.get("stream") else '"object": "chat.completion"') in text, text
+    assert_serving(served)
+
+
+@pytest.mark.integration
+def test_fuzz_malformed_requests_get_4xx_about_the_request_then_a_good_one_succeeds(served):
+    """A bounded fuzz run: every malformed body of the table (a bad value in each field mlx-lm reads, on
+    both endpoints; raw bodies its parser chokes on; bad Content-Length), then pairs of bad fields drawn
+    at random, each answered 4xx with a one-line message that names what is wrong with the request;
+    then the server still answers a good request."""
+    from test_serve_checks import BAD_FIELDS, CHAT, EMPTY_ONCE_TOKENIZED, GOOD_CHAT, INTERNAL, MALFORMED, RAW
+
+    rng = np.random.default_rng(56)
+    pairs = [(CHAT, {**GOOD_CHAT, f: v, g: w}, (f, g))
+             for (f, v), (g, w) in ((BAD_FIELDS[i], BAD_FIELDS[j]) for i, j in rng.choice(len(BAD_FIELDS), (16, 2)))
+             if f != g]
+    cases = ([(p, json.dumps(b).encode(), {}, (w,)) for p, b, w in MALFORMED + EMPTY_ONCE_TOKENIZED]
+             + [(p, data, {}, (w,)) for p, data, w in RAW]
+             + [("/v1/chat/completions", b"{}", {"Content-Length": "-5"}, ("Content-Length",)),
+                ("/v1/chat/completions", b"{}", {"Content-Length": str(10**12)}, ("Content-Length",))]
+             + [(p, json.dumps(b).encode(), {}, w) for p, b, w in pairs])
+    assert 100 <= len(cases) <= 120
+    for path, data, headers, names in cases:
+        status, error = post_raw(served, path, data, headers)
+        assert status is not None and 400 <= status < 500, (path, data[:200], status, error)
+        assert any(n in error for n in names), (data[:200], error)
+        assert len(error.splitlines()) == 1 and not any(x in error for x in INTERNAL), error
+    assert_serving(served)
+    assert "generation thread died" not in served["log"].read_text()
 
 
 @pytest.mark.integration
@@ -713,3 +804,28 @@ def test_serve_wires_the_memory_bounds(monkeypatch):
     assert seen["batch"].__name__ == "BoundedBatchGenerator" and limits == [123]
     serve(model, tiny_tokenizer(), None, prompt_cache_bytes=5000)
     assert seen["store"].max_bytes == 5000
+
+
+@pytest.mark.integration
+def test_offload_serves_one_request_at_a_time_and_its_page_files_follow_the_prompt_cache(served, tmp_path):
+    """prompt_eviction="offload": each request's caches page its prompt to files of their own; the server's
+    prompt cache keeps at most --prompt-cache-size conversations (and their files) for reuse; a stopped
+    server leaves no file behind."""
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    flags = [*FLAGS, "--prompt-eviction", "offload", "--page-dir", str(pages), "--prompt-cache-size", "1"]
+    proc, url = start_server(served["model_dir"], flags, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        n_layers = 2
+        for seed in (21, 22, 23):
+            messages = [{"role": "user", "content": words(40, seed)}]
+            got = chat(client, messages).choices[0].message.content
+            caches = KVCacheBuilder.for_model(served["model"], KVCacheConfig(**CONFIG, prompt_eviction="offload",
+                                                                             page_dir=str(tmp_path)))
+            assert got == standalone(served, template(served, messages), caches)[0]
+            assert len(list(pages.glob("veloxquant-pages-*"))) <= 2 * n_layers  # the cached one, a copy at most
+        assert "sequential requests" in (tmp_path / "server.log").read_text()
+    finally:
+        stop_server(proc)
+    assert list(pages.glob("veloxquant-pages-*")) == []

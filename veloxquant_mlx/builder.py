@@ -13,7 +13,7 @@ from .model_dims import config_field
 from .distributed import attach as attach_group, layer_span, resolve_group
 from .model_pass import install_model_pass, remove_model_pass
 from .prompt_cache import load_prompt_cache as read_prompt_cache
-from .tap import bind_latent_queries, install_hidden_tap, install_query_tap, remove_query_tap
+from .tap import bind_latent_queries, install_hidden_tap, install_query_tap, kv_sources, remove_query_tap
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
@@ -52,9 +52,13 @@ def _install_glue(model, classes, tokenizer=None) -> bool:
     return tapped
 
 
-# Config fields of models whose layers read another layer's cache (KV shared across layers): an eviction in
-# the owning layer would change what the reading layers attend to, and our caches do not serve those reads.
-_SHARED_KV_FIELDS = ("num_kv_reuse_layers", "num_kv_shared_layers", "use_cla")
+# Config fields of models whose layers read another layer's KV rows. Where those layers read the rows their
+# source's update_and_fetch returned, passed along the forward (gemma4_text), the tap hands them the source's
+# mask (tap.install_shared_rows); where they read a cache's stored rows themselves (afm7 and gemma3n call
+# ``keys_and_values``), an eviction would change them behind the attention's back, so those are refused.
+# (Hunyuan's cross-layer attention, ``use_cla``, shares the key and value projections only: every layer
+# still stores its own rows in its own cache, so it evicts as any model does.)
+_SHARED_KV_FIELDS = ("num_kv_reuse_layers", "num_kv_shared_layers")
 
 
 def _evictable(c) -> bool:
@@ -63,14 +67,14 @@ def _evictable(c) -> bool:
 
 def _refuse_layers(model, base: list) -> None:
     """One line where no layer of ``model`` (whose own caches are ``base``) can evict: layers that read
-    another layer's KV rows, several KV caches in one layer (a sparse-attention indexer over the latent's
-    rows: deepseek_v32; two attentions: longcat_flash; the layer's mask and the indexer's row numbers
-    assume the rows of one cache), or no full-attention KV cache at all (SSM, sliding windows only)."""
+    another layer's cache (afm7, gemma3n), several KV caches in one layer (a sparse-attention indexer over
+    the latent's rows: deepseek_v32; two attentions: longcat_flash; the layer's mask and the indexer's row
+    numbers assume the rows of one cache), or no full-attention KV cache at all (SSM, sliding windows only)."""
     what, fix = type(model).__module__, "run it with mlx-lm's own caches"
     shared = [(f, config_field(model, f)) for f in _SHARED_KV_FIELDS if config_field(model, f)]
-    if shared:
-        raise ValueError(f"{what} shares KV rows across layers ({shared[0][0]}={shared[0][1]!r}): eviction is "
-                         f"not supported; {fix}")
+    if shared and not kv_sources(model):
+        raise ValueError(f"{what} has layers that read another layer's cache ({shared[0][0]}={shared[0][1]!r}): "
+                         f"eviction is not supported; {fix}")
     parts = [list(c.caches) if type(c) is CacheList else [c] for c in base]
     if any(sum(map(_evictable, p)) > 1 for p in parts):
         raise ValueError(f"{what} keeps several KV caches per layer (a sparse-attention indexer, or two "
@@ -107,6 +111,15 @@ class KVCacheBuilder:
         _refuse_layers(model, base)  # before anything is installed on the model
         cls = config.cache_class
         tapped = _install_glue(model, [cls], tokenizer)
+        layers = getattr(model, "layers", None)
+        if config.prompt_eviction == "offload" and layers is not None and len(base) > len(layers):
+            raise ValueError(f"{type(model).__module__} keeps {len(base)} caches for {len(layers)} layers (a layer "
+                             "attends through more than one of them), which prompt_eviction='offload' cannot page: "
+                             "use prompt_eviction='end'")
+        if config.prompt_eviction == "offload" and not tapped:
+            raise ValueError(f"prompt_eviction='offload' computes each prompt chunk's attention over the page file "
+                             f"itself, through the query tap, and {type(model).__module__} does not call mlx-lm's "
+                             "scaled_dot_product_attention: use prompt_eviction='end'")
         if config.kv_bits is not None and not tapped:
             raise ValueError(
                 f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
@@ -140,7 +153,11 @@ class KVCacheBuilder:
             # the model pass finds the caches that deferred work among the model's top-level layer caches
             raise ValueError(f"{config.method} runs a model pass at the prompt's end, which does not reach the "
                              f"attention caches inside {type(model).__module__}'s CacheList layers: use another method")
-        if bind_latent_queries(model, caches) and len({c.budget for c in ours}) > 1:  # MLA: latent-space queries
+        mla = bind_latent_queries(model, caches)  # MLA: latent-space queries
+        if mla and config.prompt_eviction == "offload":
+            raise ValueError(f"{type(model).__module__} (MLA) reads its prompt in the latent's space, which "
+                             "prompt_eviction='offload' does not page: use prompt_eviction='end'")
+        if mla and len({c.budget for c in ours}) > 1:
             # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
             raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
                              "per-layer budgets are not supported; use a method that keeps one budget in every layer")

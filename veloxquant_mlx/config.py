@@ -14,7 +14,7 @@ from typing import Any
 
 from .config_spec import (ALLOCATIONS, CORE_FIELDS, KV_BITS, KV_GROUP_SIZES, PROMPT_EVICTIONS,  # noqa: F401
                           format_spec, parse_spec)
-from .options import check_recall, check_recall_every, check_recall_hold, check_value, validate_options
+from .options import check_pages, check_recall, check_recall_every, check_recall_hold, check_value, validate_options
 from .registry import FULL, get_method
 
 # Top-level fields that the flat ``<method>_<name>=`` style may also set.
@@ -89,9 +89,16 @@ class KVCacheConfig:
         floor_alpha: Ada-KV's floor: every head keeps at least ``floor_alpha`` of a uniform share
             (Ada-KV reference default 0.2). Ignored for ``"uniform"``.
         prompt_eviction: ``"end"`` (default: hold the prompt, compress once when it ends, then evict
-            through decode; peak = the prompt's KV) or ``"stream"`` (evict at every prompt chunk too;
-            peak = budget + one chunk). Prefill-only methods compress when the prompt ends either way;
-            under ``"stream"`` they also compress at every chunk.
+            through decode; peak = the prompt's KV), ``"stream"`` (evict at every prompt chunk too;
+            peak = budget + one chunk; later chunks read a compressed prefix) or ``"offload"`` (page the
+            prompt: every chunk attends to every earlier row, read back from a file the cache owns a
+            block at a time, and the method compresses once when the prompt ends, as under ``"end"``;
+            peak = one chunk + one block + the method's per-row state; docs/offload.md). Prefill-only
+            methods compress when the prompt ends in every mode; under ``"stream"`` also at every chunk.
+        page_dir: folder of ``"offload"``'s page files (default: the OS temporary folder); must exist and
+            be writable (checked here).
+        page_block: rows read back from the page file per block (the attention scratch of a chunk of S
+            queries over one block is S x query heads x ``page_block`` floats).
         max_head_factor: ragged per-head budgets (NestedKV's cross-head pool, Ada-KV, Ada-Nexus) keep at
             most ``max_head_factor x budget`` rows in one head, the layer's total unchanged (the other
             heads take the rest). Storage is as wide as the widest head, so this keeps the allocated
@@ -136,7 +143,8 @@ class KVCacheConfig:
                  prompt_eviction: str = "end", kv_bits: int | None = None, kv_group_size: int | None = None,
                  max_head_factor: Any = METHOD_DEFAULT, recall: str | None = None, recall_page: int = 32,
                  recall_bits: int = 4, recall_dir: str | None = None, recall_pages: int = 8,
-                 recall_window: int = 32, recall_every: int | None = None, recall_hold: bool = False, **flat):
+                 recall_window: int = 32, recall_every: int | None = None, recall_hold: bool = False,
+                 page_dir: str | None = None, page_block: int = 1024, **flat):
         cls = get_method(method)
         defaults = {**HEAD_BUDGET_DEFAULTS, **cls.config_defaults}
         allocation_by_method = allocation is METHOD_DEFAULT  # named in the recall refusal below
@@ -215,6 +223,7 @@ class KVCacheConfig:
         if recall is not None and getattr(self.options, "cross_head", False):
             raise ValueError(f"recall={recall!r} needs uniform per-head storage: {method}'s cross-head "
                              f"competition keeps ragged heads (use {method}_cross_head=False)")
+        self.page_dir, self.page_block = check_pages(self.prompt_eviction, page_dir, page_block, recall, method, cls)
         # The method's own check first: where it needs more than the generic minimum (Nexus's whole blocks),
         # the first error already names the budget that passes.
         cls.check_config(self)
@@ -257,7 +266,7 @@ class KVCacheConfig:
                 "allocation": self.allocation, "floor_alpha": self.floor_alpha,
                 "prompt_eviction": self.prompt_eviction, "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size, "max_head_factor": self.max_head_factor,
-                **self._recall_dict(), "options": {k: (list(v) if isinstance(v, tuple) else v)
+                **self._recall_dict(), **self._pages_dict(), "options": {k: (list(v) if isinstance(v, tuple) else v)
                                                    for k, v in dataclasses.asdict(self.options).items()}}
 
     def _recall_dict(self) -> dict:
@@ -269,6 +278,11 @@ class KVCacheConfig:
                 "recall_window": self.recall_window,
                 **({} if self.recall_every is None else {"recall_every": self.recall_every}),
                 **({"recall_hold": True} if self.recall_hold else {})}
+
+    def _pages_dict(self) -> dict:
+        if self.prompt_eviction != "offload":
+            return {}
+        return {"page_dir": self.page_dir, "page_block": self.page_block}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVCacheConfig":
@@ -319,5 +333,5 @@ class KVCacheConfig:
                 f"floor_alpha={self.floor_alpha}, prompt_eviction={self.prompt_eviction!r}, "
                 f"kv_bits={self.kv_bits}, kv_group_size={self.kv_group_size}, "
                 f"max_head_factor={self.max_head_factor}, "
-                + "".join(f"{k}={v!r}, " for k, v in self._recall_dict().items()) +
+                + "".join(f"{k}={v!r}, " for k, v in {**self._recall_dict(), **self._pages_dict()}.items()) +
                 f"{self.method}=({opts}))")

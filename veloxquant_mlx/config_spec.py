@@ -31,7 +31,10 @@ ALLOCATIONS = ("uniform", "ada")
 #        decode setting: the question is in the window before anything is scored. Peak = the prompt's KV.
 # "stream": also evict at every prompt chunk (mlx_lm.generate: every prefill_step_size tokens), scored
 #        before the question has arrived. Peak = budget + one chunk + headroom per layer.
-PROMPT_EVICTIONS = ("end", "stream")
+# "offload": page the prompt: every chunk attends exactly to every earlier row, read back a block at a time
+#        from a file the cache owns (caches/pages.py), and the method compresses once when the prompt ends,
+#        as under "end". Peak = one chunk + one block of rows + the method's per-row state.
+PROMPT_EVICTIONS = ("end", "stream", "offload")
 
 # Quantized kept rows (mlx-lm's QuantizedKVCache layout; see caches/quant.py). 2 bits is left out on
 # purpose: at equal memory it tends to collapse ("More Tokens, Lower Precision", arXiv 2412.12706).
@@ -57,6 +60,7 @@ CORE_FIELDS = {
     "recall_bits": _field(int, choices=RECALL_BITS), "recall_dir": _field(str, allow_none=True),
     "recall_pages": _field(int, low=1), "recall_window": _field(int, low=1),
     "recall_every": _field(int, low=1, allow_none=True), "recall_hold": _field(bool),
+    "page_dir": _field(str, allow_none=True), "page_block": _field(int, low=1),
 }
 
 # What ``full`` (mlx-lm's KVCache, or its QuantizedKVCache) takes.

@@ -161,6 +161,38 @@ def check_recall(recall, page, bits, folder, pages, window) -> tuple:
     return recall, page, bits, folder, pages, window
 
 
+def check_pages(prompt_eviction, folder, block, recall, method, cls) -> tuple:
+    """Validate the paged prompt's fields (``page_dir``, ``page_block``). The folder is tried for writing
+    here, before any cache exists, so a read-only folder fails before the prompt starts."""
+    import os
+    import tempfile
+
+    block = check_value("KVCacheConfig", "page_block", block,
+                        dict(kind=int, low=1, high=None, low_open=False, choices=None, allow_none=False))
+    if prompt_eviction != "offload":
+        if folder is not None:
+            raise ValueError(f"page_dir={os.fspath(folder)!r} is only used by prompt_eviction='offload'")
+        return folder, block
+    if recall is not None:
+        raise ValueError(f"prompt_eviction='offload' keeps every row in its page file, which a follow-up input "
+                         f"re-selects from: it does not take a recall tier (recall={recall!r})")
+    if cls.compresses_in_model_pass:
+        raise ValueError(f"prompt_eviction='offload' is not supported by {method!r}: its compression runs a model "
+                         "pass over every layer's rows at once, which the paged prompt does not hold (use 'end')")
+    if folder is not None:
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"page_dir must be a path, got {type(folder).__name__}")
+        folder = os.fspath(folder)
+        if not os.path.isdir(folder):
+            raise ValueError(f"page_dir={folder!r} is not an existing folder")
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ValueError(f"page_dir={folder!r} is not writable: {e.strerror or e}") from None
+    return folder, block
+
+
 def check_recall_hold(recall, hold, method, cls):
     """``recall_hold``: a bool, with a cold tier, for a method whose compression runs in the cache (a
     compression deferred to a model pass, KVzip's, would run over the next input's rows too)."""

@@ -22,9 +22,12 @@ _TAP_NAME = "scaled_dot_product_attention"
 
 
 def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, **kwargs):
+    to_rows = getattr(cache, "latent_query", None)
+    if to_rows is not None:  # MLA: which of the module's two attention calls this is (LatentQuery)
+        to_rows.reads_latent = keys is values
     step = getattr(cache, "tap_step", None)
     if step is not None:  # an eviction cache: one call observes, and says the output, mask and dependencies
-        out, mask, deps = step(queries, scale, mask, kwargs)
+        out, mask, deps = step(queries, scale, mask, kwargs, keys)
         if out is None:
             out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         return out if deps is None else mx.depends(out, deps)
@@ -33,7 +36,6 @@ def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
     out = None
     attend = getattr(cache, "observe_and_attend", None)
-    to_rows = getattr(cache, "latent_query", None)  # MLA: the query in the space of the cached rows
     seen = queries if to_rows is None else to_rows(queries)
     plain = all(v is None for v in kwargs.values()) and not hasattr(cache, "bits")
     if attend is not None and plain and to_rows is None and (mask is None or isinstance(mask, str)):
@@ -61,23 +63,30 @@ tapped_scaled_dot_product_attention.__veloxquant_tap__ = True
 
 # -- multi-head latent attention (MLA: deepseek_v3, kimi_linear, glm4_moe_lite, mistral4, ...) ----------
 # The cache stores one latent row per token (keys: the compressed KV, values: the rotary key part), shared
-# by every head. At decode the model hands attention the absorbed query ``embed_q(q_nope)``, in the
-# latent's space; at prefill it hands the per-head ``q_nope`` (or ``[q_nope, q_rope]``) against keys
-# decompressed from the latent. The tap maps the prefill query into the latent's space the same way
-# (``embed_q`` of its no-rope part), so a method scores rows against the latent it evicts, with the query
-# that decode attention uses. The rotary part of the logits (in the mask) is not part of the score.
+# by every head. An MLA module attends in one of two ways. Decode hands attention the absorbed query
+# ``embed_q(q_nope)`` against the latent rows themselves, passed as both keys and values; prefill hands it
+# the per-head ``q_nope`` (or ``[q_nope, q_rope]``) against keys and values decompressed from the latent
+# (two different arrays). The tap tells the two calls apart by that, per call (``reads_latent``), never by
+# the query's width, which coincides when ``kv_lora_rank`` equals ``qk_nope_head_dim`` (+ the rope part).
+# It maps the prefill query into the latent's space the same way (``embed_q`` of its no-rope part), so a
+# method scores rows against the latent it evicts, with the query that decode attention uses. The rotary
+# part of the logits (in the mask) is not part of the score.
 class LatentQuery:
-    """``queries`` (B, H, S, any width) -> the absorbed query (B, H, S, kv_lora_rank) of an MLA module."""
+    """``queries`` (B, H, S, any width) -> the absorbed query (B, H, S, kv_lora_rank) of an MLA module.
+
+    ``reads_latent``: whether the attention call being tapped reads the latent rows themselves (its query
+    is already absorbed); the tap sets it before every call."""
 
     def __init__(self, attn):
         self.attn = attn
         self.rank, self.nope = int(attn.kv_lora_rank), int(attn.qk_nope_head_dim)
+        self.reads_latent = False
 
     def __deepcopy__(self, memo):  # a scratch copy of the cache shares the model's module
         return self
 
     def __call__(self, queries):
-        if queries.shape[-1] == self.rank:  # decode: already absorbed
+        if self.reads_latent:  # decode: already absorbed
             return queries
         return self.attn.embed_q(queries[..., :self.nope])
 
@@ -88,24 +97,119 @@ def _is_mla(attn) -> bool:
 
 def bind_latent_queries(model, caches: list) -> int:
     """Give the query-observing caches of ``model``'s MLA layers their :class:`LatentQuery`. Refuses, in
-    one line, what MLA cannot take: quantized rows, and a shape whose query widths are ambiguous. Returns
-    how many caches were bound."""
+    one line, what MLA cannot take: quantized rows, and a query without a no-rope part. Returns how many
+    caches were bound."""
     n = 0
     for attn, c in zip(attention_modules(model), caches):
         inner = [x for x in getattr(c, "caches", (c,)) if hasattr(x, "observe_queries")]
         if not inner or not _is_mla(attn):
             continue
-        nope, rope, rank = (int(getattr(attn, k, 0) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim",
-                                                                     "kv_lora_rank"))
         if any(hasattr(x, "bits") for x in inner):
             raise ValueError(f"{type(model).__module__} caches MLA latents, which mlx-lm attends to unquantized: "
                              "use kv_bits=None")
-        if not nope or rank in (nope, nope + rope):
-            raise ValueError(f"{type(model).__module__}: MLA with qk_nope_head_dim={nope}, qk_rope_head_dim={rope} "
-                             f"and kv_lora_rank={rank} hands attention queries whose space cannot be told apart")
+        if not int(getattr(attn, "qk_nope_head_dim", 0) or 0):
+            raise ValueError(f"{type(model).__module__}: MLA with qk_nope_head_dim=0 has no query part in the "
+                             "latent's space to score its rows with")
         for x in inner:
             x.latent_query = LatentQuery(attn)
         n += len(inner)
+    return n
+
+
+# -- KV shared across layers (gemma4_text's small checkpoints) ----------------------------------------------
+# The last layers of such a model compute no keys or values and get no cache (None): each reads the rows an
+# earlier layer of its kind (its source) returned from update_and_fetch, which the model passes along the
+# forward (``shared_kv``). An eviction cache evicts in its source layer's step, after that layer's
+# attention: the rows it returned are what that step attends to, so the sharers of that forward read them
+# too, and need the mask that describes them (ragged per-head storage hides its padding rows there). So the
+# layers are given a subclass (per instance, as the hidden-state tap does) whose source layers name their
+# cache beside the rows they pass along (SourceRows), and whose sharer layers, given such rows, get a
+# SharedRows in place of None: its update_and_fetch returns the rows as they came, and its tap step gives
+# the source's mask (and, by its ``bits``, mlx-lm's quantized attention for quantized rows). The sharers'
+# queries are not scored: the source scores with its own (docs/architecture.md says why).
+_SHARING_SUBCLASSES: dict = {}
+
+
+class SourceRows(tuple):
+    """(keys, values) a source layer's cache returned from ``update_and_fetch``, and that cache."""
+
+    def __new__(cls, rows, cache):
+        self = super().__new__(cls, rows)
+        self.cache = cache
+        return self
+
+
+class SharedRows:
+    """The cache a KV-shared layer's attention gets: the rows its source's cache returned this step."""
+
+    def __init__(self, source):
+        self.source = source
+        if hasattr(source, "bits"):  # mlx-lm's attention takes its quantized path by this attribute
+            self.bits, self.group_size = source.bits, source.group_size
+
+    def update_and_fetch(self, keys, values):
+        return keys, values  # the source's rows, handed on by the model
+
+    def tap_step(self, queries, scale, mask, kwargs, keys=None):
+        src = self.source
+        pages = getattr(src, "pages", None)
+        if pages is not None and pages.step_rows is not None:  # the source read this step from its page file
+            return pages.attend_shared(queries, scale, kwargs, src.kv_bits, src.kv_group_size), mask, None
+        # uniform rows under mlx-lm's string mask: that mask is right as it is (as for the source)
+        if isinstance(mask, mx.array) or getattr(src, "fetched_ragged", True):
+            mask = src.attention_mask(mask, queries)
+        return None, mask, None
+
+
+def kv_sources(model) -> dict:
+    """{sharer layer: source layer} of a model whose later layers read the rows an earlier layer returned
+    (gemma4_text's ``previous_kvs``); empty for every other model."""
+    for m in model.modules():
+        prev = getattr(m, "previous_kvs", None)
+        if isinstance(prev, list) and len(prev) == len(getattr(m, "layers", ())):
+            return {j: i for j, i in enumerate(prev) if i != j}
+    return {}
+
+
+def _sharing_subclass(cls):
+    sub = _SHARING_SUBCLASSES.get(cls)
+    if sub is None:
+        def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+            rows = kwargs.get("shared_kv", args[1] if len(args) > 1 else None)
+            if cache is None and isinstance(rows, SourceRows):  # a sharer of an eviction cache's rows
+                return cls.__call__(self, x, mask, SharedRows(rows.cache), *args, **kwargs)
+            out = cls.__call__(self, x, mask, cache, *args, **kwargs)
+            if hasattr(cache, "attention_mask"):  # a source whose cache is ours: its rows name it
+                out = (out[0], SourceRows(out[1], cache), *out[2:])
+            return out
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__, "__veloxquant_sharing__": True,
+                                            "__veloxquant_base__": cls})
+        _SHARING_SUBCLASSES[cls] = sub
+    return sub
+
+
+def install_shared_rows(model) -> int:
+    """Let the KV-shared layers of ``model`` read their source's rows with its mask. Idempotent; returns
+    how many layers (sources and sharers) carry the link."""
+    links = kv_sources(model)
+    n = 0
+    for i in sorted(set(links) | set(links.values())):
+        layer = model.layers[i]
+        if not getattr(type(layer), "__veloxquant_sharing__", False):
+            layer.__class__ = _sharing_subclass(type(layer))
+        n += 1
+    return n
+
+
+def remove_shared_rows(model) -> int:
+    """Give every layer its own class back. Returns how many were restored."""
+    n = 0
+    for layer in getattr(model, "layers", None) or []:
+        if getattr(type(layer), "__veloxquant_sharing__", False):
+            layer.__class__ = type(layer).__veloxquant_base__
+            n += 1
     return n
 
 
@@ -128,13 +232,16 @@ def install_query_tap(model) -> list:
             tapped.append(name)
         elif getattr(fn, "__veloxquant_tap__", False):
             tapped.append(name)
+    if tapped:
+        install_shared_rows(model)
     return tapped
 
 
 def remove_query_tap(model) -> list:
-    """Restore the original function in the model's modules (and remove the hidden-state tap). Returns
-    the modules restored."""
+    """Restore the original function in the model's modules (and remove the hidden-state tap and the
+    shared-rows link). Returns the modules restored."""
     remove_hidden_tap(model)
+    remove_shared_rows(model)
     restored = []
     for name in _model_module_names(model):
         mod = sys.modules.get(name)

@@ -17,13 +17,15 @@ class Accounting:
         """Bytes this cache really holds: the allocated capacity (not just the kept rows) of the
         key/value buffers plus everything kept beside them (positions, per-row method state, the
         observed-query window, method state arrays). Quantized keys/values count their packed
-        words, scales and biases."""
+        words, scales and biases. A paged prompt adds what its pages hold in memory (per-row state, rows
+        held for the file); the file itself is ``page_disk_bytes`` in :meth:`byte_report`."""
+        paged = 0 if self.pages is None else self.pages.resident_bytes
         if self.keys is None:
-            return 0
+            return paged + (0 if self._window_q is None else self._window_q.nbytes)
         held = [self.positions, *self.row_extras.values(), self._window_q, *self.extra_state().values()]
         cold = 0 if self.cold is None else self.cold.resident_bytes + self.cold.summary_bytes
         return (buf_nbytes(self.keys) + buf_nbytes(self.values)
-                + sum(a.nbytes for a in held if isinstance(a, mx.array)) + cold)
+                + sum(a.nbytes for a in held if isinstance(a, mx.array)) + cold + paged)
 
     # Reporting only, never called from update_and_fetch: with ragged storage the kept counts are
     # data, so tokens_kept / kept_bytes read them back from the device (a host sync).
@@ -93,6 +95,8 @@ class Accounting:
         # hot_bytes + cold_resident_bytes + summary_bytes = allocated_bytes; cold_disk_bytes is on disk.
         cold = {} if self.cold is None else {"hot_bytes": alloc - self.cold.resident_bytes - self.cold.summary_bytes,
                                               **self.cold.report()}
+        if self.pages is not None:
+            cold.update(self.pages.report())
         return {**cold, "method": self.method, "layer": self.layer_idx, "tokens_seen": self.tokens_seen,
                 "tokens_kept": self.tokens_kept, "allocated_bytes": alloc, "kept_bytes": self.kept_bytes,
                 "full_seq_bytes": full, "allocated_fraction": alloc / full if full else 0.0,

@@ -40,6 +40,10 @@ class MlxLmAdapter:
         self._light_rows, self._light_now = 0, False
         if self._awaiting_queries:
             raise self.missing_tap_error()
+        if self.pages is not None:
+            self.pages.step_rows = None
+            if self.pages.closed:  # an input ended keeping every row: read them back
+                self.pages.unpage(self)
         self._check_kv(keys, values)
         if self.cold is not None and self.keys is None:
             self.cold.check_head_dim(keys.shape[-1])
@@ -69,7 +73,15 @@ class MlxLmAdapter:
         """Called by the query tap right after ``update_and_fetch`` with the same step's queries."""
         if self.keys is None:
             raise RuntimeError("observe_queries called before any update_and_fetch")
-        self._awaiting_queries = self._tap_unproven = False  # the tap delivers this cache's queries
+        if self.pages is not None and self.pages.reading:  # the paged step (its output is the tap's to use)
+            self.pages.tap(self, queries, scale, None, {})
+            return
+        self.check_queries(queries)
+        self._observe(queries, queries.shape[-1] ** -0.5 if scale is None else float(scale))
+
+    def check_queries(self, queries) -> None:
+        """The tap delivers this step's queries: they must fit the stored keys."""
+        self._awaiting_queries = self._tap_unproven = False
         if not isinstance(queries, mx.array) or queries.ndim != 4:
             raise ValueError(f"queries must be a 4-D mx.array (B, H_q, S, D), got "
                              f"{getattr(queries, 'shape', type(queries).__name__)}")
@@ -79,7 +91,6 @@ class MlxLmAdapter:
         if B != kB or D != kD or Hq % kH != 0 or S > self.offset:
             raise ValueError(f"queries {tuple(queries.shape)} do not fit keys (B={kB}, H_kv={kH}, D={kD}, "
                              f"offset={self.offset}): need same B and D, H_q a multiple of H_kv, S <= offset")
-        self._observe(queries, D ** -0.5 if scale is None else float(scale))
 
     def observe_and_attend(self, queries: mx.array, scale: float | None = None):
         """The tap's one-pass path: observe this step's queries, and return the layer's attention output
@@ -149,9 +160,10 @@ class MlxLmAdapter:
         self._light_q = None  # the queries' shape, set by the full observe that follows
         self._light_rows = limit
 
-    def tap_step(self, queries: mx.array, scale, mask, kwargs: dict):
-        """The query tap's one call per layer: observe this step's queries; returns (the layer's output or
-        None for the tap to compute it, the mask to use, arrays the output must depend on or None)."""
+    def tap_step(self, queries: mx.array, scale, mask, kwargs: dict, keys=None):
+        """The query tap's one call per layer: observe this step's queries (``keys``: what the model hands
+        attention, when known); returns (the layer's output or None for the tap to compute it, the mask
+        to use, arrays the output must depend on or None)."""
         if self._light_now and queries.shape == self._light_q and scale == self.scale:  # (never MLA)
             self._light_now = False
             self.queries_observed += 1
@@ -167,6 +179,8 @@ class MlxLmAdapter:
                 mask = self.attention_mask(mask, queries)
             return out, mask, self._light_deps or None
         out, self._light_now = None, False
+        if self.pages is not None and self.pages.reading:  # an input read against the page file
+            return self.pages.tap(self, queries, scale, mask, kwargs, keys)
         seen = queries if self.latent_query is None else self.latent_query(queries)
         plain = all(v is None for v in kwargs.values()) and self.kv_bits is None and seen is queries
         if plain and (mask is None or isinstance(mask, str)):

@@ -30,6 +30,7 @@ from .accounting import Accounting
 from .adapter import MlxLmAdapter
 from .masks import AttentionMasks
 from .batch import BatchMerge
+from .pages import PromptPages
 from .policy import OnePass, PromptPolicy, PromptState
 from .recall_disk import make_cold_tier
 from .state import StateRoundTrip
@@ -107,12 +108,17 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
         self._decode_mask = None
         self.attend = OnePass()  # the tap's one-pass attention: an output a scoring pass hands back
         self.cold = make_cold_tier(config)  # recallable eviction (config.recall; caches.recall), or None
+        # prompt_eviction="offload": the page file every row goes to while an input is read (caches.pages)
+        self.pages = PromptPages(config) if config.prompt_eviction == "offload" else None
 
     # What a method needs, declared (the builder and the config read these; nothing is probed) --------
     needs_queries = True  # the query tap's post-RoPE queries (False: key-only / position-only methods)
     needs_hidden_states = False  # each attention module's input: the builder installs the hidden-state tap
     needs_model_pass = False  # True: the builder wraps the model so run_model_pass can run (model_pass.py)
     compresses_in_model_pass = False  # the prompt-end compression runs in that pass (recall_hold refuses it)
+    # The per-row field this method adds every query's attention mass to (H2O): the paged prompt computes it
+    # over the rows in its file too, in a second pass over them, instead of the method's on_queries.
+    attention_mass_field: str | None = None
     model_pass_note = ""  # what runs in that pass, for a progress bar
 
     @classmethod
@@ -184,6 +190,10 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
 
     def on_queries(self, queries: mx.array) -> None:
         """Receive the post-RoPE queries (B, Hq, S, D) of the newest S positions."""
+        self.note_window(queries)
+
+    def note_window(self, queries: mx.array) -> None:
+        """Keep the newest ``query_window`` queries (the observation window)."""
         W, S, q = self.query_window, queries.shape[2], self._window_q
         if not W:
             return
@@ -258,6 +268,7 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
         return k[1]
 
     def _evict(self):
+        unpaged = self.pages is not None and self.pages.before_evict(self)  # a paged prompt's rows come back
         sel = self.select_rows()
         idx, real = (sel if isinstance(sel, tuple) else (sel, None))
         if self.cold is not None:  # the rows not kept go to the cold tier (before any buffer changes)
@@ -266,6 +277,8 @@ class EvictionCache(MlxLmAdapter, AttentionMasks, PromptPolicy, RowStorage, Acco
         self._evict_floor = idx.shape[-1]
         self.evictions += 1
         self._light_rows = 0  # a new storage: the next full step decides again
+        if unpaged:  # the kept rows now, so this layer's read-back rows are freed before the next layer reads
+            mx.eval(self.step_state() + [self.keys, self.values])
         self.on_evicted(idx)
 
     def on_evicted(self, idx: mx.array) -> None:

@@ -55,6 +55,9 @@ def unbatchable_reason(cache):
     if not getattr(cache, "tap_active", False):
         return ("the query tap is not active for this model, so per-layer masks cannot reach "
                 "attention (a batch of rows with different kept counts needs them)")
+    if getattr(cache, "pages", None) is not None:
+        return ("prompt_eviction='offload' reads each sequence's prompt against its own page file, in an "
+                "attention step of its own that a batch's shared buffers do not take")
     if getattr(cache, "cold", None) is not None:
         return (f"recall={cache.config.recall!r} keeps a cold tier per sequence, and a batch row's recall "
                 "is not wired into the batch's shared buffers")

@@ -23,7 +23,7 @@ def global_layer_shares(caches: list, field: str, method: str):
     sequences in one cache, tensor parallelism), warned once: then every layer keeps its own budget."""
     first = caches[0]
     why = None
-    if first.keys.shape[0] != 1:
+    if first.stored("positions").shape[0] != 1:
         why = "a batch of several sequences in one cache"
     elif any(c.dist is not None for c in caches):
         why = "tensor parallelism"
@@ -40,6 +40,7 @@ def global_layer_shares(caches: list, field: str, method: str):
         forced = (pos < c.n_sink) | (pos >= c.offset - c.recent)
         scores.append(c.stored(field))
         cands.append((pos != PAD_POSITION) & ~forced)
-    n_total = sum(c.keys.shape[1] for c in caches) * (first.budget - F)
+    heads = [c.shape[1] for c in cands]
+    n_total = sum(heads) * (first.budget - F)
     counts = layer_winner_counts(scores, cands, n_total).tolist()
-    return [F + int(round(n / c.keys.shape[1])) for n, c in zip(counts, caches)]
+    return [F + int(round(n / h)) for n, h in zip(counts, heads)]

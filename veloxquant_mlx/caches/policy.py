@@ -75,6 +75,8 @@ class PromptPolicy:
         """The prompt-time policy of a step of S new tokens, before they are stored (a batch calls it per
         row: caches.batch)."""
         p = self.prompt
+        if self.pages is not None and S > 1 and not p.open:
+            self.pages.begin_input(self)  # this input is read against every row so far, from the file
         if self.cold is not None and S > 1 and not p.open and self.offset > 0:
             if self.cold.held:  # recall_hold: the last turn's compression waited for this input
                 self._release_hold()
@@ -128,7 +130,7 @@ class PromptPolicy:
             self._compress_to_budget()
 
     def _compress_to_budget(self) -> None:
-        if self._rows > self.budget:
+        if self._rows > self.budget:  # (a closed paged prompt counts the rows in its file)
             with self.prompt.compressing_to():
                 self._evict()
 
@@ -147,8 +149,8 @@ class PromptPolicy:
 
     def _compresses_at_prompt_end(self) -> bool:
         """Compress once when the prompt ends? Prefill-only methods always; decode-bounded methods
-        under ``prompt_eviction="end"`` (the paper's prefill + decode setting)."""
-        return self.prefill_only or self.config.prompt_eviction == "end"
+        under ``prompt_eviction="end"`` (the paper's prefill + decode setting) and ``"offload"``."""
+        return self.prefill_only or self.config.prompt_eviction in ("end", "offload")
 
     def _streams_prompt(self) -> bool:
         """Prompt chunks evict as they stream in (``prompt_eviction="stream"``, a decode-bounded method)."""

@@ -16,14 +16,13 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import tempfile
-import weakref
 
 import mlx.core as mx
 import numpy as np
 
 from .quant import buf_nbytes
 from .recall import ColdTier, MemoryTier
+from .scratch_files import OwnedFile
 
 _RAW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
 
@@ -33,41 +32,6 @@ def make_cold_tier(config):
     if config.recall is None:
         return None
     return (MemoryTier if config.recall == "memory" else DiskTier)(config)
-
-
-PREFIX = "veloxquant-recall-"  # + the owner's pid + "-": a killed owner's files are found by it
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _sweep_dead(folder: str) -> None:
-    """Remove the files a killed process (SIGKILL, a crash) left in ``folder``: its pid no longer runs.
-    Files of live processes, and names this tier did not write, are left alone."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(PREFIX) and name.endswith(".bin")):
-            continue
-        pid = name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            _remove(os.path.join(folder, name))
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
 
 
 class DiskTier(ColdTier):
@@ -84,26 +48,20 @@ class DiskTier(ColdTier):
         self.pending = []  # (keys, values, positions) of pages not written yet, in page order
 
     def _open_file(self) -> None:
-        _sweep_dead(self.folder or tempfile.gettempdir())
-        try:
-            fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".bin", dir=self.folder)
-        except OSError as e:
-            raise ValueError(f"recall='disk' cannot create its file in "
-                             f"{self.folder or tempfile.gettempdir()!r}: {e.strerror or e}") from None
-        os.close(fd)
-        self._finalizer = weakref.finalize(self, _remove, self.path)
+        self.file = OwnedFile(self, self.folder, "recall", "recall='disk'")
+        self.path = self.file.path
 
     def free(self) -> None:
         """Remove the file now (also done when the tier is garbage-collected or at exit)."""
-        self._finalizer()
+        self.file.free()
 
     def __deepcopy__(self, memo):
         # Arrays are copied (in-place page writes must not reach the original), the file too.
         new = DiskTier.__new__(DiskTier)
-        shared = ("_finalizer", "dtype", "record")  # an mx / numpy dtype is immutable (and mx's cannot be copied)
+        shared = ("file", "dtype", "record")  # an mx / numpy dtype is immutable (and mx's cannot be copied)
         new.__dict__.update({k: (v if k in shared else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()})
-        new._open_file()
-        shutil.copyfile(self.path, new.path)
+        new.file = self.file.copy_for(new)
+        new.path = new.file.path
         return new
 
     def _layout(self, keys, values):

@@ -23,6 +23,8 @@ class StateRoundTrip:
 
     @property
     def state(self):
+        if self.pages is not None and self.pages.closed:  # an input ended keeping every row: its rows
+            self.pages.unpage(self)
         if self.keys is None:
             return {}
         st = {"positions": self.stored("positions"), "rng": self._rng}
@@ -83,6 +85,9 @@ class StateRoundTrip:
 
     @property
     def meta_state(self):
+        if self.pages is not None and self.pages.reading:
+            raise ValueError(f"{type(self).__name__} (layer {self.layer_idx}) is reading a prompt against its page "
+                             "file: save it once the prompt has ended")
         return json.dumps({
             "format": _FORMAT_VERSION, "class": type(self).__name__, "config": self.config.to_dict(),
             "layer_idx": self.layer_idx, "n_layers": self.n_layers, "offset": self.offset,

@@ -164,6 +164,8 @@ class RowStorage:
 
     def stored_raw(self, name: str = "keys"):
         """The stored rows of a buffer as held: quantized keys/values stay (words, scales, biases)."""
+        if self.keys is None and self.pages is not None and self.pages.closed:
+            return self.pages.stored(name)  # every row is in the page file (caches.pages)
         arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
         if arr is None:
             arr = self.row_extras[name]
@@ -176,6 +178,24 @@ class RowStorage:
         Quantized keys/values come back dequantized: a score that reads key values reads exactly
         the values attention reads (one dequantization of the stored rows per call)."""
         return dequantize_rows(self.stored_raw(name), self.kv_bits, self.kv_group_size)
+
+    def drop_rows(self) -> None:
+        """Forget every stored row (they are in the page file: caches.pages)."""
+        self.keys = self.values = self.positions = self.prefilled = None
+        self.row_extras = {}
+        self._rows, self._ragged, self._decode_mask = 0, False, None
+        self._fetched_store = self._fetched_given = None
+
+    def close_rows(self, n: int) -> None:
+        """An input read against the page file ended: its ``n`` rows are all there (``stored`` reads them)."""
+        self._rows = n
+
+    def restore_rows(self, keys, values, positions: mx.array, extras: dict, ragged: bool) -> None:
+        """Rows read back from the page file become the stored rows (no headroom: the next append grows)."""
+        self.keys, self.values = keys, values
+        self.positions, self.prefilled = mx.contiguous(positions), None
+        self.row_extras = extras
+        self._rows, self._ragged, self._decode_mask, self._light_rows = positions.shape[2], ragged, None, 0
 
     @property
     def kv_shape(self) -> tuple:

@@ -180,9 +180,16 @@ def add_cache_args(parser, default_method="nexus"):
     parser.add_argument("--floor-alpha", type=float, default=None, **given,
                         help="Ada-KV guaranteed floor fraction "
                              f"(default: the method's: {method_defaults('floor_alpha')})")
-    parser.add_argument("--prompt-eviction", choices=("end", "stream"), default=None, **given,
+    parser.add_argument("--prompt-eviction", choices=("end", "stream", "offload"), default=None, **given,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
-                             "through decode; stream: also evict at every prefill chunk (peak = budget + chunk)")
+                             "through decode; stream: also evict at every prefill chunk (peak = budget + chunk; "
+                             "later chunks read a compressed prefix); offload: page the prompt to a file, every chunk "
+                             "attending to every earlier row, then compress as end does (end's answers at a flat "
+                             "peak; docs/offload.md)")
+    parser.add_argument("--page-dir", default=None, **given,
+                        help="folder of --prompt-eviction offload's page files (default: the OS's temporary folder)")
+    parser.add_argument("--page-block", type=int, default=None, **given,
+                        help="rows read back from a page file per block (default: 1024)")
     parser.add_argument("--kv-bits", type=int, default=None, **given,
                         help="store the kept rows quantized, 4 or 8 bits (mlx-lm's QuantizedKVCache layout, read by "
                              "its quantized attention); with --method full: mlx-lm's QuantizedKVCache "
@@ -215,13 +222,14 @@ def add_cache_args(parser, default_method="nexus"):
 
 
 _RECALL_FLAGS = ("recall", "recall_bits", "recall_dir", "recall_page", "recall_pages", "recall_every", "recall_hold")
+_PAGE_FLAGS = ("page_dir", "page_block")
 # (flag dest, its key in a method spec) of the cache flags: the same name but for --cache-seed
 _FLAG_KEYS = tuple((dest, "seed" if dest == "cache_seed" else dest) for dest in (
     "budget", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha", "prompt_eviction", "kv_bits",
-    "kv_group_size", *_RECALL_FLAGS))
+    "kv_group_size", *_RECALL_FLAGS, *_PAGE_FLAGS))
 # Flags that only an eviction cache reads.
 _EVICTION_FLAGS = ("budget", "density", "n_sink", "recent", "cache_seed", "allocation", "floor_alpha",
-                   "prompt_eviction", *_RECALL_FLAGS)
+                   "prompt_eviction", *_RECALL_FLAGS, *_PAGE_FLAGS)
 
 
 def cache_spec(args, prompt_len: int | None = None) -> tuple:
@@ -325,6 +333,35 @@ def check_context(model, prompt_tokens: int, new_tokens: int = 0, allow: bool = 
         f"{prompt_tokens:,} + {new_tokens:,} new tokens"
     raise CLIError(f"the prompt is {what} but the model's context is {ctx:,} tokens (max_position_embeddings): "
                    "shorten it, or pass --allow-past-context to run past it anyway")
+
+
+def row_bytes(model) -> int:
+    """Bytes one token's keys and values take over every layer in mlx-lm's KVCache (the model's dtype)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    return sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
+               for c in caches if getattr(c, "keys", None) is not None)
+
+
+def note_pages(model, config, prompt_tokens: int) -> None:
+    """``prompt_eviction="offload"``: say once where the page files go and how big this prompt makes them,
+    and refuse (one line) before any work when that folder has less room."""
+    if config is None or config.prompt_eviction != "offload":
+        return
+    import shutil
+    import tempfile
+
+    folder = config.page_dir or tempfile.gettempdir()
+    need = prompt_tokens * row_bytes(model)
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise CLIError(f"--prompt-eviction offload pages this prompt's {prompt_tokens:,} tokens to {folder} "
+                       f"(~{need / 2**20:,.0f} MiB), which has {free / 2**20:,.0f} MiB free: pass --page-dir")
+    print(f"pages: ~{need / 2**20:,.1f} MiB for the prompt's {prompt_tokens:,} tokens in {folder} "
+          "(removed when the caches are freed or the process exits)", file=sys.stderr)
 
 
 def note_budget_past_context(model, config) -> None:

@@ -20,7 +20,8 @@ from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
-                   kv_summary, load_model_for_cli, note_budget_past_context, prompt_bar, ranged, read_text)
+                   kv_summary, load_model_for_cli, note_budget_past_context, note_pages, prompt_bar, ranged,
+                   read_text)
 from .document import DOCUMENT_FORMAT
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
@@ -108,6 +109,7 @@ def cmd_compress(args):
     check_context(model, n, allow=args.allow_past_context)
     config = config_from_args(args, n)
     note_budget_past_context(model, config)
+    note_pages(model, config, n)
     r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
                           not args.ignore_chat_template, args.model)
     print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "

@@ -159,8 +159,9 @@ def _tasks_args(p):
     p.add_argument("--start", type=ranged(int, 0), default=0, help="first prompt index")
     p.add_argument("--n-facts", type=ranged(int, 2, 4), default=3, help="facts (= turns) of the follow-up task, 2-4")
     p.add_argument("--seed", type=int, default=0, help="task generator seed")
-    p.add_argument("--prompt-eviction", choices=["end", "stream"], default="end",
-                   help="end: compress once when the prompt ends; stream: also evict at every prefill chunk")
+    p.add_argument("--prompt-eviction", choices=["end", "stream", "offload"], default="end",
+                   help="end: compress once when the prompt ends; stream: also evict at every prefill chunk; "
+                        "offload: page the prompt to a file, then compress as end does (docs/offload.md)")
     p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
                    help="one prefill per method instead of one shared prefill per prompt (same result) "
                         "(default: off, one shared prefill)")

@@ -1,8 +1,9 @@
 """``python -m veloxquant_mlx serve``: mlx-lm's OpenAI-compatible server with eviction caches.
 
 This is ``mlx_lm.server`` itself (its HTTP handler, request queue, continuous batching and
-prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``), and requests
-checked against the model's context and their client (``serve_requests.py``):
+prompt-cache reuse) with three pieces swapped in (the last two in ``serve_memory.py``), requests
+checked field by field, against the model's context and against their client (``serve_requests.py``,
+``serve_checks.py``), and every flag checked before the model loads:
 
 * :class:`EvictionModelProvider` serves one model we loaded ourselves (the bundled SmolLM2, a GGUF
   or any mlx-lm model) with ``KVCacheBuilder.install(model, config)``, so every prompt cache the
@@ -27,15 +28,18 @@ import argparse
 import errno
 import json
 import logging
+import signal
 import socket
+import threading
 from decimal import Decimal, InvalidOperation
 
 from .. import distributed
 from ..builder import KVCacheBuilder
 from ..registry import FULL
-from .args import CLIError, add_cache_args, add_sampling_args, config_from_args, full_quant, load_model_for_cli
+from .args import (CLIError, add_cache_args, add_sampling_args, config_from_args, full_quant, load_model_for_cli,
+                   ranged)
 from .serve_memory import batch_generator_class, mib, prompt_cache_class, peak_bytes, row_bytes, weight_bytes
-from .serve_requests import handler_class, response_generator_class
+from .serve_requests import handler_class, response_generator_class, vocab_size
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -47,6 +51,14 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 PROMPT_CACHE_SHARE = 0.10
 PREFILL_STEP = 256  # docs/serving.md, "Memory bounds under load": measured against mlx-lm's 2048
 MLX_CACHE_LIMIT = 512 * 2**20  # MLX's buffer cache while serving; handed back whenever the server idles
+# The least value of each integer server option. mlx-lm takes any integer and fails later: a prefill
+# step of 0 never advances (the first request loops forever), no decode or prompt slot never admits a
+# request, and a negative cache limit fails in MLX after the server has said it is serving.
+AT_LEAST = {"max_tokens": 1, "decode_concurrency": 1, "prompt_concurrency": 1, "prefill_step_size": 1,
+            "prompt_cache_size": 0, "prompt_cache_bytes": 0, "max_kv_bytes": 0, "mlx_cache_limit": 0}
+MAY_BE_NONE = ("prompt_cache_bytes", "max_kv_bytes")  # None: a share of the weights / no bound
+SAMPLING = {"temp": (float, 0.0, None), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, None),
+            "min_p": (float, 0.0, 1.0)}  # the bounds add_sampling_args' flags check
 
 
 def _size(text):
@@ -55,9 +67,12 @@ def _size(text):
     num = text.rstrip("kKmMgGbB ")
     unit = text[len(num):].strip().upper()
     try:
-        return int(Decimal(num) * units[unit])
-    except (InvalidOperation, KeyError):
-        raise argparse.ArgumentTypeError(f"expected a size like 512M or 2G, got {text!r}") from None
+        n = int(Decimal(num) * units[unit])
+    except (InvalidOperation, KeyError, ValueError, OverflowError):  # ValueError, OverflowError: nan, inf
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a size >= 0 like 512M or 2G, got {text!r}")
+    return n
 
 
 def _port(text):
@@ -69,6 +84,17 @@ def _port(text):
     if n is None or not 1 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be 1-65535, got {text!r}")
     return n
+
+
+def _json_object(text):
+    """A JSON object given on the command line (mlx-lm spreads it into ``apply_chat_template``'s keywords)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r}")
+    return value
 
 
 def add_parser(sub):
@@ -85,16 +111,19 @@ def add_parser(sub):
     g.add_argument("--port", type=_port, default=8080, help="port, 1-65535 (default 8080)")
     g.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
                    help="CORS allowed origins, comma separated (default *)")
-    g.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer when a request sets none (default 512)")
+    g.add_argument("--max-tokens", type=ranged(int, AT_LEAST["max_tokens"]), default=512,
+                   help="max tokens per answer when a request sets none (default 512)")
     add_sampling_args(g, when=" when a request sets none")
-    g.add_argument("--decode-concurrency", type=int, default=32, help="sequences decoded together (default 32)")
-    g.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled together (default 8)")
-    g.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+    g.add_argument("--decode-concurrency", type=ranged(int, AT_LEAST["decode_concurrency"]), default=32,
+                   help="sequences decoded together (default 32)")
+    g.add_argument("--prompt-concurrency", type=ranged(int, AT_LEAST["prompt_concurrency"]), default=8,
+                   help="prompts prefilled together (default 8)")
+    g.add_argument("--prefill-step-size", type=ranged(int, AT_LEAST["prefill_step_size"]), default=PREFILL_STEP,
                    help="prompt chunk length: each scheduling step prefills at most this many tokens of "
                         "every prompt in the prefill batch, then decodes one token of the running batch "
                         f"(default {PREFILL_STEP}; mlx-lm's 2048 pads a batch to its longest prompt and "
                         "stalls the decode for the whole prefill)")
-    g.add_argument("--prompt-cache-size", type=int, default=10,
+    g.add_argument("--prompt-cache-size", type=ranged(int, AT_LEAST["prompt_cache_size"]), default=10,
                    help="conversations kept for reuse across turns (default 10)")
     g.add_argument("--prompt-cache-bytes", type=_size, default=None,
                    help="byte bound of the kept conversations' caches, counted at their allocated bytes "
@@ -111,7 +140,7 @@ def add_parser(sub):
     g.add_argument("--chat-template", default="", help="a chat template for the tokenizer (default: its own)")
     g.add_argument("--use-default-chat-template", action="store_true",
                    help="use the tokenizer's default chat template when it has none (default off)")
-    g.add_argument("--chat-template-args", type=json.loads, default="{}",
+    g.add_argument("--chat-template-args", type=_json_object, default="{}",
                    help="JSON arguments for apply_chat_template, e.g. '{\"enable_thinking\": false}' (default none)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="let the tokenizer run code from its repository (default off)")
@@ -134,7 +163,25 @@ def server_args(**overrides) -> argparse.Namespace:
     if unknown:
         raise TypeError(f"unknown server options {sorted(unknown)}")
     args.update(overrides)
+    check_options(args)
     return argparse.Namespace(**args)
+
+
+def check_options(options: dict) -> None:
+    """Refuse, in one line naming the flag, a server option mlx-lm would take and then fail on (the
+    parser checks the same bounds; this covers :func:`serve` called from Python)."""
+    bounds = {name: (int, low, None) for name, low in AT_LEAST.items()} | SAMPLING
+    for name, (kind, low, high) in bounds.items():
+        value = options[name]
+        if value is None and name in MAY_BE_NONE:
+            continue
+        ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+        if not (ok and value == value and value >= low and (high is None or value <= high)):  # NaN != NaN
+            span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise ValueError(f"--{name.replace('_', '-')} must be {'an integer' if kind is int else 'a number'} "
+                             f"{span}, got {value!r}")
+    if not isinstance(options["chat_template_args"], dict):
+        raise ValueError(f"--chat-template-args must be a JSON object, got {options['chat_template_args']!r}")
 
 
 def _model_provider_class():
@@ -238,26 +285,36 @@ def serve(model, tokenizer, config=None, model_name="bundled", **options):
     if distributed.world()[1] > 0:  # mlx.launch: rank 0 answers HTTP, the others follow its requests
         generator.join()
         return
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM stops the server as Ctrl-C does, so the process exits normally and what its caches own
+        # on disk (page files, the disk recall tier) is removed
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server._run_http_server(args.host, args.port, generator, handler_class=handler_class(str(model_name)))
+        server._run_http_server(args.host, args.port, generator,
+                                handler_class=handler_class(str(model_name), vocab_size(model)))
     except OSError as e:  # the port was taken after check_port: stop the generation thread too
         generator.stop_and_join()
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def cmd_serve(args):
     if args.density is not None:
         raise CLIError("serve takes --budget (tokens per KV head): --density depends on each prompt's length")
     config = config_from_args(args, 0)
-    if distributed.world()[1] == 0:  # only rank 0 listens
-        check_port(args.host, args.port)
-
     # mlx-lm's server takes kv_bits only for its own QuantizedKVCache (--method full; sequential requests):
     # our caches quantize their rows themselves (config.kv_bits) and keep batching.
     options = {k: getattr(args, k) for k in vars(server_args())
                if hasattr(args, k) and k not in ("model", "kv_bits", "kv_group_size")}
     if config is None:
         options["kv_bits"], options["kv_group_size"] = full_quant(args)
+    server_args(**options)  # every flag checked before the model loads
+    if distributed.world()[1] == 0:  # only rank 0 listens
+        check_port(args.host, args.port)
+
     bits = options.get("kv_bits") if config is None else config.kv_bits
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     model, tokenizer = load_model_for_cli(args.model)

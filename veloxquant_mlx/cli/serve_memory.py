@@ -11,7 +11,7 @@ import logging
 import sys
 
 from ..caches.accounting import kv_report
-from .args import kv_summary
+from .args import kv_summary, row_bytes  # noqa: F401 (row_bytes: serve's admission estimate)
 
 log = logging.getLogger("veloxquant_mlx.serve")
 
@@ -129,23 +129,13 @@ def prompt_cache_class():
     return LoggingPromptCache
 
 
-def row_bytes(model) -> int:
-    """Bytes one token's keys and values take over every layer in mlx-lm's KVCache (the model's dtype)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    return sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
-               for c in caches if getattr(c, "keys", None) is not None)
-
-
 def peak_bytes(config, token_bytes, cached_bytes, new_tokens) -> int:
     """An upper estimate of what a waiting request's caches will hold: what it continues plus its new
-    tokens (prompt and answer) at ``token_bytes``; under ``prompt_eviction="stream"`` an eviction cache
-    never holds more than its budget, under ``"end"`` it holds the whole prompt until it ends."""
+    tokens (prompt and answer) at ``token_bytes``; under ``prompt_eviction="stream"`` or ``"offload"`` an
+    eviction cache never holds more than its budget (and a chunk), under ``"end"`` it holds the whole prompt
+    until it ends."""
     rows = new_tokens
-    if config is not None and config.prompt_eviction == "stream":
+    if config is not None and config.prompt_eviction in ("stream", "offload"):
         rows = min(rows, config.budget)
     return cached_bytes + rows * token_bytes
 

@@ -65,3 +65,105 @@ def fused_scoring_default() -> bool:
     so the second pass is pure repetition (measured: docs/performance.md). Elsewhere (Metal, CUDA)
     the fused kernel is unmeasured here, so the two-pass path stays."""
     return mx.default_device().type == mx.DeviceType.cpu
+
+
+# -- attention in blocks of keys (the paged prompt: rows read back from a file a block at a time) ---------
+# MLX's fused attention does not return the softmax's log-sum-exp, so attention over keys that are never
+# all in memory at once runs block by block with the running (max, sum, output) of an online softmax.
+def _block_logits(q, k, scale):
+    # q (B, Hkv, G, S, D) float32; k (B, Hkv, n, D) -> (B, Hkv, G, S, n) float32
+    return (q * scale) @ mx.expand_dims(k.astype(mx.float32), 2).swapaxes(-1, -2)
+
+
+def _merge(m, l, acc, logits, v):
+    m_new = mx.maximum(m, logits.max(axis=-1, keepdims=True))
+    p = mx.exp(logits - m_new)
+    corr = mx.exp(m - m_new)
+    acc = acc * corr + p @ mx.expand_dims(v.astype(mx.float32), 2)
+    return m_new, l * corr + p.sum(axis=-1, keepdims=True), acc
+
+
+@mx.compile
+def _online_visible(q, k, v, m, l, acc, scale):
+    """One block of keys every query sees (rows older than the queries)."""
+    return _merge(m, l, acc, _block_logits(q, k, scale), v)
+
+
+@mx.compile
+def _online_masked(q, k, v, m, l, acc, scale, visible):
+    """One block of keys with a (.., S, n) visibility mask (the chunk's own rows: causal; padding)."""
+    return _merge(m, l, acc, mx.where(visible, _block_logits(q, k, scale), -mx.inf), v)
+
+
+@mx.compile
+def _mass_visible(q, k, lse, scale):
+    return mx.exp(_block_logits(q, k, scale) - lse).sum(axis=(2, 3))
+
+
+@mx.compile
+def _mass_masked(q, k, lse, scale, visible):
+    p = mx.exp(mx.where(visible, _block_logits(q, k, scale), -mx.inf) - lse)
+    return p.sum(axis=(2, 3))
+
+
+class BlockAttention:
+    """Causal attention of a chunk of queries over keys fed in blocks, exact to the softmax's rounding.
+
+    ``queries`` (B, Hq, S, D), with mlx-lm's optional attention ``sinks`` (Hq,); every block fed with :meth:`add` is (B, Hkv, n, D) keys and (B, Hkv, n, Dv)
+    values with an optional (B, Hkv, S, n) or broadcastable visibility mask (None: every query sees every
+    row). :meth:`output` gives (B, Hq, S, Dv) in the queries' dtype; :attr:`lse` the per-query log-sum-exp
+    (B, Hkv, G, S, 1), with which :meth:`mass` gives a block's attention mass per row (summed over the
+    queries and the GQA group): H2O's accumulated attention, computed in a second pass over the blocks."""
+
+    def __init__(self, queries: mx.array, n_kv_heads: int, scale: float, sinks: mx.array | None = None):
+        self.dtype = queries.dtype
+        self.q = group_queries(queries, n_kv_heads).astype(mx.float32)
+        self.scale = mx.array(scale, mx.float32)
+        B, H, G, S, _ = self.q.shape
+        if sinks is None:
+            # a finite floor: a query none of whose rows were visible yet adds exp(-inf) = 0, never NaN
+            self.m = mx.full((B, H, G, S, 1), -1e30, mx.float32)
+            self.l = mx.zeros((B, H, G, S, 1), mx.float32)
+        else:  # attention sinks (one logit per query head, value 0): a row every query sees, first
+            self.m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, G, 1, 1), (B, H, G, S, 1))
+            self.l = mx.ones((B, H, G, S, 1), mx.float32)
+        self.acc = None
+
+    def add(self, keys: mx.array, values: mx.array, visible: mx.array | None = None) -> None:
+        if self.acc is None:
+            B, H, G, S, _ = self.q.shape
+            self.acc = mx.zeros((B, H, G, S, values.shape[-1]), mx.float32)
+        if visible is None:
+            self.m, self.l, self.acc = _online_visible(self.q, keys, values, self.m, self.l, self.acc, self.scale)
+        else:
+            self.m, self.l, self.acc = _online_masked(self.q, keys, values, self.m, self.l, self.acc,
+                                                      self.scale, _per_group(visible))
+
+    def state(self) -> list:
+        """The running arrays (what to evaluate after each block, so its rows can be freed)."""
+        return [self.m, self.l, self.acc]
+
+    @property
+    def lse(self) -> mx.array:
+        return self.m + mx.log(self.l)
+
+    def output(self) -> mx.array:
+        B, H, G, S, Dv = self.acc.shape
+        return (self.acc / self.l).astype(self.dtype).reshape(B, H * G, S, Dv)
+
+    def mass(self, keys: mx.array, visible: mx.array | None = None) -> mx.array:
+        """(B, Hkv, n) attention mass the block's rows receive from every query (after all blocks)."""
+        if visible is None:
+            return _mass_visible(self.q, keys, self.lse, self.scale)
+        return _mass_masked(self.q, keys, self.lse, self.scale, _per_group(visible))
+
+
+def _per_group(visible: mx.array) -> mx.array:
+    # (B, Hkv, S, n) -> (B, Hkv, 1, S, n) over the GQA group; an (S, n) mask broadcasts as it is
+    return mx.expand_dims(visible, 2) if visible.ndim == 4 else visible
+
+
+def chunk_visibility(n_rows: int, n_queries: int) -> mx.array:
+    """(S, n) bool: the last ``n_queries`` of ``n_rows`` rows are the queries' own positions, causal
+    (bottom-right aligned: query i sees rows ``<= n_rows - n_queries + i``)."""
+    return mx.arange(n_rows)[None, :] <= (n_rows - n_queries + mx.arange(n_queries))[:, None]

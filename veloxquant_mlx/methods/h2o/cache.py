@@ -40,6 +40,7 @@ class H2OKVCache(EvictionCache):
 
     Options = H2OOptions
     needs_queries = True
+    attention_mass_field = "score"  # what on_queries accumulates (the paged prompt computes it over its file too)
 
     @classmethod
     def default_recent(cls, budget, options):

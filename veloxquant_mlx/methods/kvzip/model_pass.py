@@ -143,7 +143,9 @@ def _hidden_hooks(model, seq, zip_ids):
     """KVzip+ reads each KVzip layer's attention input and output projection: for the pass, every such
     attention module gets a subclass whose ``__call__`` hands them to its layer's cache first."""
     layers = getattr(model, "layers", None)
-    if layers is None or len(layers) != len(seq):
+    # The cache list may be shorter than the layers: mlx-lm gives the last layers of a KV-shared model (gemma4)
+    # no cache of their own; the caches are those of the first layers.
+    if layers is None or len(layers) < len(seq):
         raise ValueError("kvzip normalize='plus' needs model.layers aligned with the cache list")
     hooked = []
     try:

@@ -1,0 +1,317 @@
+"""The paged prompt (``prompt_eviction="offload"``) against ``"end"``, through mlx-lm's own loop.
+
+* ``identity``: per needle prompt and method, the first greedy tokens and the prompt's last log-probabilities
+  under ``"end"`` and ``"offload"`` (fresh caches each, ``mlx_lm.generate.generate_step``), and whether
+  each answered the pass key. Same answers by construction: this counts how often the tokens agree.
+* ``peak``: ``mx.get_peak_memory()`` minus the weights while a prompt of each length runs at a fixed
+  budget and prefill step, for offload caches, ``"end"`` and mlx-lm's ``KVCache`` (up to ``--full-max``).
+* ``cost``: the prefill's process time of ``"offload"`` over ``"end"``, paired per round, orders
+  alternated, and the bytes read back from the page files.
+* ``followup``: the follow-up task (2 facts, 2 turns on the same caches): ``"offload"``, ``"end"`` and the
+  full cache; a later turn re-selects from every row under ``"offload"``.
+
+Results go to ``--out`` (default: a scratch file under ~/.cache/veloxquant-bench/offload/; ``--publish``:
+figures/offload/), resumed cell by cell.
+
+    python benchmark_scripts/bench_offload.py identity --contexts 2048 4096 --prompts 12
+    python benchmark_scripts/bench_offload.py peak --lengths 4096 8192 16384 32768 --budget 1024 --step 512
+    python benchmark_scripts/bench_offload.py peak --model tiny --lengths 8192 32768 131072
+    python benchmark_scripts/bench_offload.py cost --length 8192 --rounds 3
+    python benchmark_scripts/bench_offload.py followup --model bundled --prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+
+import _common
+from _common import BENCH_CACHE, FIGURES, MIB, preload_blas, run_subcommands, weights_bytes, write_json
+
+DEFAULT_METHODS = ["snapkv", "pyramidkv", "h2o", "nexus", "nestedkv", "morphkv", "streaming", "random", "kvzap"]
+
+
+def _out(args, name: str):
+    if args.out:
+        return args.out
+    return (FIGURES / "offload" if args.publish else BENCH_CACHE / "offload") / f"{name}_{args.model}.json"
+
+
+def _common_args(p, name):
+    p.add_argument("--model", default="bundled", help="bundled | gemma3-270m | qwen2.5-coder-1.5b | tiny (peak only)")
+    p.add_argument("--out", default=None, help=f"results file (default: scratch {name}_<model>.json)")
+    p.add_argument("--publish", action="store_true", help="write to figures/offload/ (the published figures)")
+    p.add_argument("--step", type=int, default=512, help="prefill_step_size")
+
+
+def _load(path) -> dict:
+    from pathlib import Path
+
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _caches(model, spec: str, budget: int, policy: str, **kw):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
+
+    if spec == "kvcache":
+        return make_prompt_cache(model)
+    return KVCacheBuilder.for_model(model, KVCacheConfig.parse(spec, budget=budget, prompt_eviction=policy, **kw))
+
+
+def _generate(model, tokens, caches, step: int, new_tokens: int):
+    """(greedy tokens, the first step's log-probabilities) through mlx_lm's generate_step."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    toks, first = [], None
+    for tok, lp in generate_step(mx.array(tokens), model, max_tokens=new_tokens, prompt_cache=caches,
+                                 prefill_step_size=step):
+        toks.append(int(tok))
+        if first is None:
+            first = lp
+    return toks, first
+
+
+_STAMPED: set = set()
+
+
+def _stamp_and_write(path, res, labels, regime):
+    """Write ``res``, its provenance stamped once per run (fingerprints take seconds)."""
+    if str(path) not in _STAMPED:
+        _common.stamp(res, labels, regime=regime)
+        _STAMPED.add(str(path))
+    write_json(path, res)
+
+
+# -- identity -------------------------------------------------------------------------------------------
+def identity(argv) -> int:
+    p = argparse.ArgumentParser(description="offload vs end: tokens, log-probabilities, answers")
+    _common_args(p, "identity")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--prompts", type=int, default=12, help="needle prompts per context")
+    p.add_argument("--density", type=float, default=0.2)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    args = p.parse_args(argv)
+    preload_blas()
+    import mlx.core as mx
+
+    from veloxquant_mlx.config import budget_for
+    from veloxquant_mlx.evaluation.retrieval import make_prompt
+    from veloxquant_mlx.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    path = _out(args, "identity")
+    setting = {"model": args.model, "density": args.density, "prefill_step_size": args.step,
+               "new_tokens": args.new_tokens}
+    res = _load(path)
+    if res.get("setting") != setting:
+        res = {"setting": setting, "cells": []}
+    done = {(c["context"], c["prompt"], c["method"]) for c in res["cells"]}
+    rng = random.Random(0)
+    prompts = [(ctx, i, ("grass", "text")[i % 2], (i + 0.5) / args.prompts, str(rng.randrange(10000, 99999)))
+               for ctx in args.contexts for i in range(args.prompts)]
+    for ctx, i, hay, depth, key in prompts:
+        tokens, _ = make_prompt(tokenizer, hay, ctx, depth, key)
+        budget = budget_for(args.density, len(tokens))
+        for method in args.methods:
+            if (ctx, i, method) in done:
+                continue
+            out = {}
+            for policy in (("end", "offload") if i % 2 == 0 else ("offload", "end")):
+                gc.collect()
+                toks, lp = _generate(model, tokens, _caches(model, method, budget, policy), args.step, args.new_tokens)
+                out[policy] = (toks, lp)
+            (te, le), (to, lo) = out["end"], out["offload"]
+            cell = {"context": ctx, "prompt": i, "haystack": hay, "depth": round(depth, 3), "key": key,
+                    "method": method, "budget": budget, "end_tokens": te, "offload_tokens": to,
+                    "same_tokens": te == to, "max_abs_logprob_diff": float(mx.abs(le - lo).max()),
+                    "end_answered": key in tokenizer.decode(te), "offload_answered": key in tokenizer.decode(to)}
+            res["cells"].append(cell)
+            print(f"{ctx} #{i:2d} {method:>10}: same {cell['same_tokens']}  |dlogp| {cell['max_abs_logprob_diff']:.2e}"
+                  f"  answered end {cell['end_answered']} offload {cell['offload_answered']}", flush=True)
+            _stamp_and_write(path, res, sorted(set(args.methods)), "offload")
+    return 0
+
+
+# -- peak -------------------------------------------------------------------------------------------------
+def _tiny(args):
+    """A random llama of real width (64-dim heads, 8 query / 2 KV heads, 4 layers): shapes, not quality."""
+    return _common.tiny_llama(layers=4, heads=8, kv_heads=2, head_dim=64, vocab=1024, seed=0), None
+
+
+def peak(argv) -> int:
+    p = argparse.ArgumentParser(description="peak memory during a growing prompt")
+    _common_args(p, "peak")
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--block", type=int, default=1024, help="page_block")
+    p.add_argument("--caches", nargs="+", default=["snapkv:offload", "h2o:offload", "kvzap:offload",
+                                                   "snapkv:end", "kvcache"],
+                   help="METHOD:POLICY or kvcache")
+    p.add_argument("--full-max", type=int, default=16384, help="longest prompt for caches that hold it whole")
+    p.add_argument("--new-tokens", type=int, default=4)
+    args = p.parse_args(argv)
+    preload_blas()
+    import mlx.core as mx
+
+    if args.model == "tiny":
+        model, tokenizer = _tiny(args)
+    else:
+        from veloxquant_mlx.models import load_model
+
+        model, tokenizer = load_model(args.model)
+    path = _out(args, "peak")
+    setting = {"model": args.model, "budget": args.budget, "prefill_step_size": args.step, "page_block": args.block,
+               "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model)}
+    res = _load(path)
+    if res.get("setting") != setting:
+        res = {"setting": setting, "rows": []}
+    done = {(r["cache"], r["prompt_tokens"]) for r in res["rows"]}
+    for n in args.lengths:
+        if tokenizer is None:
+            tokens = mx.random.randint(0, 1024, (n,), key=mx.random.key(n)).tolist()
+        else:
+            from veloxquant_mlx.evaluation.tasks.filler import long_filler
+
+            ids = tokenizer.encode(" ".join(long_filler(seed=0)))
+            while len(ids) < n:
+                ids = ids + ids
+            tokens = ids[:n]
+        for label in args.caches:
+            method, _, policy = label.partition(":")
+            if (label, n) in done or ((policy == "end" or method == "kvcache") and n > args.full_max):
+                continue
+            gc.collect()
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            kw = {"page_block": args.block} if policy == "offload" else {}
+            caches = _caches(model, method, args.budget, policy or "end", **kw)
+            t0 = time.perf_counter()
+            _generate(model, tokens, caches, args.step, args.new_tokens)
+            row = {"cache": label, "prompt_tokens": n, "peak_over_weights_bytes": mx.get_peak_memory() - weights_bytes(model),
+                   "wall_s": round(time.perf_counter() - t0, 1)}
+            reports = [c.byte_report() for c in caches if hasattr(c, "byte_report")]
+            if reports and "page_disk_bytes" in reports[0]:
+                row.update({k: sum(r[k] for r in reports) for k in ("page_disk_bytes", "page_resident_bytes",
+                                                                    "page_bytes_read")})
+            row["kv_allocated_after_bytes"] = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
+            del caches
+            res["rows"].append(row)
+            print(f"{label:>16} {n:>7}: peak - weights {row['peak_over_weights_bytes'] / MIB:8.1f} MiB"
+                  + (f", pages {row['page_disk_bytes'] / MIB:.0f} MiB on disk, "
+                     f"{row['page_resident_bytes'] / MIB:.2f} MiB per-row state" if "page_disk_bytes" in row else "")
+                  + f" ({row['wall_s']:.0f} s)", flush=True)
+            _stamp_and_write(path, res, sorted({lb.partition(":")[0] for lb in args.caches} - {"kvcache"}), "offload")
+    return 0
+
+
+# -- cost -------------------------------------------------------------------------------------------------
+def cost(argv) -> int:
+    p = argparse.ArgumentParser(description="prefill time, offload over end, paired per round")
+    _common_args(p, "cost")
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--budget", type=int, default=None, help="default: 20 %% of the prompt")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--methods", nargs="+", default=["snapkv", "h2o", "kvzap"])
+    args = p.parse_args(argv)
+    preload_blas()
+    from veloxquant_mlx.config import budget_for
+    from veloxquant_mlx.evaluation.tasks.filler import long_filler
+    from veloxquant_mlx.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    ids = tokenizer.encode(" ".join(long_filler(seed=0)))
+    while len(ids) < args.length:
+        ids = ids + ids
+    tokens = ids[:args.length]
+    budget = args.budget or budget_for(0.2, len(tokens))
+    path = _out(args, "cost")
+    setting = {"model": args.model, "length": args.length, "budget": budget, "prefill_step_size": args.step}
+    res = _load(path)
+    if res.get("setting") != setting:
+        res = {"setting": setting, "machine": _common.machine(), "rows": []}
+    done = {(r["method"], r["round"]) for r in res["rows"]}
+    _generate(model, tokens[:1024], _caches(model, args.methods[0], budget, "offload"), args.step, 1)  # warm-up
+    for rnd in range(args.rounds):
+        for method in args.methods:
+            if (method, rnd) in done:
+                continue
+            t = {}
+            for policy in (("end", "offload") if rnd % 2 == 0 else ("offload", "end")):
+                gc.collect()
+                caches = _caches(model, method, budget, policy)
+                (_, _), cpu, wall = _common.cpu_timed(lambda: _generate(model, tokens, caches, args.step, 1))
+                t[policy] = (cpu, wall, sum(c.byte_report().get("page_bytes_read", 0) for c in caches))
+                del caches
+            row = {"method": method, "round": rnd, "end_cpu_s": round(t["end"][0], 2),
+                   "offload_cpu_s": round(t["offload"][0], 2), "cpu_ratio": round(t["offload"][0] / t["end"][0], 3),
+                   "wall_ratio": round(t["offload"][1] / t["end"][1], 3), "page_bytes_read": t["offload"][2]}
+            res["rows"].append(row)
+            print(f"round {rnd} {method:>8}: offload / end process time {row['cpu_ratio']:.3f} (wall "
+                  f"{row['wall_ratio']:.3f}), {row['page_bytes_read'] / MIB:.0f} MiB read back", flush=True)
+            _stamp_and_write(path, res, sorted(args.methods), "offload")
+    return 0
+
+
+# -- followup ---------------------------------------------------------------------------------------------
+def followup(argv) -> int:
+    p = argparse.ArgumentParser(description="the follow-up task under offload, end and the full cache")
+    _common_args(p, "followup")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--density", type=float, default=0.2)
+    p.add_argument("--methods", nargs="+", default=["snapkv", "kvzap", "h2o"])
+    args = p.parse_args(argv)
+    preload_blas()
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx.config import budget_for
+    from veloxquant_mlx.evaluation.task_run import run_prompt
+    from veloxquant_mlx.evaluation.tasks import build
+    from veloxquant_mlx.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
+    path = _out(args, "followup")
+    setting = {"model": args.model, "length": args.length, "density": args.density, "facts": 2}
+    res = _load(path)
+    if res.get("setting") != setting:
+        res = {"setting": setting, "prompts": []}
+    done = {r["index"] for r in res["prompts"]}
+    for index in range(args.prompts):
+        if index in done:
+            continue
+        inst, tokens = build(tokenizer, "followup", args.length, index, 0, 2)
+        budget = budget_for(args.density, len(tokens))
+        named = {"full": (make_prompt_cache(model), True)}
+        for m in args.methods:
+            for policy in ("end", "offload"):
+                named[f"{m}:{policy}"] = (_caches(model, m, budget, policy), True)
+        cells = run_prompt(model, tokenizer, inst, tokens, named, shared=False, eos_ids=eos)
+        rec = {"index": index, "prompt_tokens": len(tokens), "budget": budget,
+               "correct": {n: [bool(t.get("correct")) for t in c.get("turns", [])] for n, c in cells.items()},
+               "errors": {n: c["error"] for n, c in cells.items() if "error" in c}}
+        res["prompts"].append(rec)
+        print(f"#{index:2d}: " + "  ".join(f"{n} {''.join('x' if ok else '.' for ok in v)}"
+                                           for n, v in rec["correct"].items()), flush=True)
+        _stamp_and_write(path, res, sorted(args.methods), "offload")
+    return 0
+
+
+SUBCOMMANDS = {"identity": identity, "peak": peak, "cost": cost, "followup": followup}
+
+
+def main(argv=None) -> int:
+    return run_subcommands(__doc__, SUBCOMMANDS, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

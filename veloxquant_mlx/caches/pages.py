@@ -1,0 +1,342 @@
+"""The paged prompt (``prompt_eviction="offload"``): every row a cache has seen, in a file it owns.
+
+Eviction during the prompt makes later chunks read a compressed prefix and loses answers; holding the
+whole prompt makes the peak the prompt's KV. The paged prompt does neither. While an input is read, each
+chunk's rows are attended to and then written to the page file, so memory holds only the chunk, a block
+of rows read back, and what the method keeps per row (H2O's accumulated attention, kvzap's predicted
+score: ``extras``). Every chunk attends to every earlier row, exactly: the rows come back from the file a
+block at a time and are merged by an online softmax (``ops.attention.BlockAttention``), each block
+evaluated before the next is read, so no layer ever holds its whole prefix. When the input ends, the
+method picks its budget from all rows exactly as under ``"end"``: one layer at a time, the rows are read
+back (``unpage``), the method's own eviction runs, and the kept rows are evaluated before the next layer
+reads its file.
+
+The file keeps every row, so it is also the cold tier of a conversation: a later input is read against
+the whole history again, and its end re-selects from all rows with the new queries. Decode rows join the
+file when the next input starts (or, for methods that evict while decoding, at each decode eviction,
+held in memory until then).
+
+States of a cache with pages (``reading`` / ``closed``):
+
+* neither: the hot rows are the cache (decode, and before the first input); rows at positions
+  ``>= next_pos`` are not in the file yet, and they are the newest hot rows.
+* ``reading``: an input is being read; the hot rows are that input's rows not yet paged, at positions
+  ``next_pos .. offset - 1``; the query tap's step goes through :meth:`PromptPages.tap`.
+* ``closed``: the input ended and every row is in the file; the hot storage is empty and the cache's
+  ``_rows`` counts the paged rows, which ``stored()`` reads from here. Its eviction (or, when it keeps
+  everything, its next step) reads them back.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+
+from ..ops.attention import BlockAttention, chunk_visibility
+from .quant import buf_parts, dequantize_rows, rows_map
+from .scratch_files import OwnedFile
+from .storage import PAD_POSITION
+
+# numpy has no bfloat16: rows are written as their raw bits, viewed back on reading
+_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_MX_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+FLUSH_ROWS = 4096  # decode rows held for the file beyond this many are written at the next eviction
+
+
+def _host(a: mx.array) -> np.ndarray:
+    """The array's raw bits on the host (materialized)."""
+    return np.array(a.view(_MX_RAW[a.dtype.size]) if a.dtype.size in _MX_RAW else a)
+
+
+class PromptPages:
+    """One cache's page file and the per-row state of the rows in it (module docstring)."""
+
+    def __init__(self, config):
+        self.block = config.page_block
+        self.file = OwnedFile(self, config.page_dir, "pages", "prompt_eviction='offload'")
+        self.rows = 0  # rows in the file and pending
+        self.written = 0  # rows in the file
+        self.next_pos = 0  # hot rows at positions >= next_pos are not paged yet
+        self.record = None  # numpy dtype of one row: every part of its keys and values, all (B, H)
+        self.parts = None  # (number of key parts, mx dtype of each part): plain rows 1 part, quantized 3
+        self.shape = None  # (B, H)
+        self.positions = None  # (B, H, rows) int32 once the rows are not 0 .. rows - 1 (a loaded cache)
+        self.padded = False  # a paged row is padding (ragged heads): reads hide it
+        self.extras: dict = {}  # name -> (B, H, rows) float32: the method's per-row state
+        self.pending: list = []  # (parts, rows) held for the file (decode rows, written lazily)
+        self.reading = self.closed = False
+        self.step_rows = None  # rows in the file after the last paged step (None: the last step was not one)
+        self.bytes_read = 0
+
+    def __deepcopy__(self, memo):
+        # mlx-lm's prompt-cache reuse copies caches: the copy gets a file of its own with the same rows
+        new = PromptPages.__new__(PromptPages)
+        shared = ("file", "record", "parts")  # immutable, or replaced right below
+        new.__dict__.update({k: (v if k in shared else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()})
+        new.file = self.file.copy_for(new)
+        return new
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def _layout(self, parts: list, n_key_parts: int) -> None:
+        B, H = parts[0].shape[:2]
+        self.shape = (B, H)
+        self.parts = (n_key_parts, [p.dtype for p in parts])
+        self.record = np.dtype([(f"p{i}", _RAW[p.dtype.size], (B, H, p.shape[-1])) for i, p in enumerate(parts)])
+
+    def add(self, keys, values, positions: mx.array, extras: dict, in_order: bool, flush: bool = True) -> None:
+        """Rows (B, H, n, ...) as the hot storage holds them (quantized rows as their parts), with their
+        positions and per-row fields; written now (``flush``) or held until :meth:`flush`. ``in_order``:
+        the rows are the positions ``rows .. rows + n - 1`` in every head (the positions stay implicit)."""
+        n = positions.shape[2]
+        if n == 0:
+            return
+        parts = buf_parts(keys) + buf_parts(values)
+        if self.record is None:
+            self._layout(parts, len(buf_parts(keys)))
+        if not (in_order and self.positions is None):
+            known = self.all_positions()
+            self.positions = positions.astype(mx.int32) if known is None else mx.concatenate([known, positions], 2)
+            # one host read when rows arrive out of order (a loaded cache's first input), never while decoding
+            self.padded = self.padded or (not in_order and bool((positions == PAD_POSITION).any().item()))
+        for name, rows in extras.items():
+            old = self.extras.get(name)
+            self.extras[name] = rows if old is None else mx.concatenate([old, rows], axis=2)
+        self.pending.append(parts)
+        self.rows += n
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the held rows to the file (a host read of them: off the decode path)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        cols = [mx.concatenate(c, axis=2) if len(c) > 1 else c[0] for c in zip(*pending)]
+        n = cols[0].shape[2]
+        rec = np.empty((n,), self.record)
+        for i, a in enumerate(cols):
+            rec[f"p{i}"] = np.moveaxis(_host(a), 2, 0)
+        try:
+            with open(self.path, "ab") as f:
+                f.write(rec.tobytes())
+        except OSError as e:
+            self.pending = pending
+            raise RuntimeError(f"prompt_eviction='offload' cannot write {rec.nbytes} bytes of rows to {self.path!r}: "
+                               f"{e.strerror or e} (free space in {self.file.folder!r}: "
+                               f"{self.file.free_bytes() // 2**20} MiB)") from None
+        self.written += n
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def _read(self, lo: int, hi: int) -> list:
+        """Parts of the written rows lo:hi, each (B, H, n, width) as stored."""
+        rec = np.fromfile(self.path, dtype=self.record, count=hi - lo, offset=lo * self.record.itemsize)
+        if rec.shape[0] != hi - lo:
+            raise RuntimeError(f"prompt_eviction='offload' file {self.path!r} holds fewer rows than written "
+                               f"({self.written}): was it removed or truncated?")
+        self.bytes_read += rec.nbytes
+        out = []
+        for i, dtype in enumerate(self.parts[1]):
+            a = mx.array(np.ascontiguousarray(np.moveaxis(rec[f"p{i}"], 0, 2)))
+            out.append(a.view(dtype) if a.dtype != dtype else a)
+        return out
+
+    def _kv(self, parts: list):
+        """(keys, values) buffers from the parts of a read: quantized rows as their (words, scales, biases)."""
+        n = self.parts[0]
+        as_buf = lambda ps: tuple(ps) if len(ps) > 1 else ps[0]
+        return as_buf(parts[:n]), as_buf(parts[n:])
+
+    def all_positions(self):
+        """(B, H, rows) int32 positions of the paged rows (None before any row)."""
+        if self.positions is not None:
+            return self.positions
+        if self.shape is None:
+            return None
+        return mx.broadcast_to(mx.arange(self.rows, dtype=mx.int32), (*self.shape, self.rows))
+
+    def read_all(self):
+        """Every paged row's (keys, values) as the hot storage holds them."""
+        self.flush()
+        return self._kv(self._read(0, self.written))
+
+    def stored(self, name: str):
+        """``EvictionCache.stored_raw`` of a closed cache: every paged row's ``name``."""
+        if name == "positions":
+            return self.all_positions()
+        if name in ("keys", "values"):
+            return self.read_all()[0 if name == "keys" else 1]
+        return self.extras[name]
+
+    # -- the cache's steps --------------------------------------------------------------------------------
+    def begin_input(self, cache) -> None:
+        """A new input starts (its first chunk, before it is stored): the history not in the file yet joins
+        it, and the hot rows (all of them in the file now) are dropped: this input attends to the file."""
+        if self.closed:
+            self.closed = False
+        elif cache.keys is not None and self.rows == 0 and cache.offset > cache.size():
+            self._add_tail(cache, cache.size(), flush=True, in_order=False)  # a loaded cache: its kept rows
+        elif cache.keys is not None:
+            self._add_tail(cache, cache.offset - self.next_pos, flush=True)
+        self.flush()
+        self.next_pos = cache.offset
+        cache.drop_rows()
+        self.reading = True
+
+    def _add_tail(self, cache, n: int, flush: bool, in_order: bool = True) -> None:
+        """The newest ``n`` hot rows into the file (or held for it): the positions ``next_pos ..
+        offset - 1``, in order in every head (``in_order`` False: any rows, a loaded cache's)."""
+        if n <= 0:
+            return
+        r = cache.size()
+        take = lambda a: mx.contiguous(a[:, :, r - n:r])  # a copy: a slice would pin the hot buffer
+        in_order = in_order and self.next_pos == self.rows
+        self.add(rows_map(take, cache.stored_raw("keys")), rows_map(take, cache.stored_raw("values")),
+                 take(cache.stored("positions")), {name: take(cache.stored(name)) for name in cache.row_extras},
+                 in_order=in_order, flush=flush)
+
+    def before_evict(self, cache) -> bool:
+        """Called by the cache's eviction before it selects. A closed cache reads every row back (True:
+        the caller evaluates the kept rows before the next layer reads); a decoding one hands its rows
+        newer than the file to it first, since the eviction may drop them."""
+        if self.closed:
+            self.unpage(cache)
+            return True
+        n = cache.offset - self.next_pos
+        if n > 0 and not self.reading:
+            self._add_tail(cache, n, flush=False)
+            self.next_pos = cache.offset
+            if sum(p[0].shape[2] for p in self.pending) >= FLUSH_ROWS:
+                self.flush()
+        return False
+
+    def unpage(self, cache) -> None:
+        """The closed cache's rows back into its hot storage (one layer's rows: memory of one layer)."""
+        keys, values = self.read_all()
+        # fresh arrays: the hot storage writes into its per-row fields in place
+        cache.restore_rows(keys, values, self.all_positions(), {k: mx.array(v) for k, v in self.extras.items()},
+                           ragged=self.padded)
+        self.closed = False
+
+    def tap(self, cache, queries: mx.array, scale, mask, kwargs: dict, keys=None):
+        """The query tap's step while an input is read: this chunk's attention over every paged row and
+        its own (returned as the layer's output), the method's per-query work, then the chunk's rows go
+        to the file. ``keys``: what the model hands attention (None: not known). Returns the tap's
+        (output, mask, dependencies)."""
+        why = self._unsupported(cache, mask, kwargs, keys)
+        if why:
+            raise ValueError(f"prompt_eviction='offload' cannot read this model's attention: {why}; "
+                             "use prompt_eviction='end'")
+        B, Hq, S, D = queries.shape
+        scale = D ** -0.5 if scale is None else float(scale)
+        cache.check_queries(queries)
+        cache.scale = scale
+        cache.queries_observed += 1
+        bits, gs = cache.kv_bits, cache.kv_group_size
+        tail_k = dequantize_rows(cache.stored_raw("keys"), bits, gs)
+        tail_v = dequantize_rows(cache.stored_raw("values"), bits, gs)
+        field = cache.attention_mass_field
+        att = BlockAttention(queries, tail_k.shape[1], scale, kwargs.get("sinks"))
+        for lo, hi, k, v, vis in self._blocks(bits, gs):
+            att.add(k, v, vis)
+            mx.eval(att.state())  # this block's rows can go before the next one is read
+        tail_vis = chunk_visibility(tail_k.shape[2], S)
+        att.add(tail_k, tail_v, tail_vis)
+        out = att.output()
+        mx.eval(out)
+        if field is not None:  # the attention mass every row receives from this chunk (a second pass)
+            parts = []
+            for lo, hi, k, _, vis in self._blocks(bits, gs, values=False):
+                parts.append(att.mass(k, vis))
+                mx.eval(parts[-1])
+            if parts:
+                self.extras[field] = self.extras[field] + mx.concatenate(parts, axis=2)
+            r = cache.size()
+            cache.row_extras[field][:, :, :r] = cache.stored(field) + att.mass(tail_k, tail_vis)
+            cache.note_window(queries)
+        else:
+            cache.on_queries(queries)
+        self._add_tail(cache, cache.offset - self.next_pos, flush=True)
+        self.step_rows = self.written
+        # the per-row state and the query window now: left lazy, they would pin this chunk's queries and
+        # hidden states (kvzap's scores are computed from them) in every layer until the prompt ends
+        mx.eval([*self.extras.values(), *cache.step_state()])
+        self.next_pos = cache.offset
+        cache.drop_rows()
+        if cache.prompt.ending:  # the input's last token: every row is in the file; the method picks
+            self.reading, self.closed = False, True
+            cache.close_rows(self.rows)
+            cache._end_prompt()
+            cache.refresh_light()
+        return out, mask, None
+
+    def _blocks(self, bits, gs, values: bool = True, stop: int | None = None):
+        """(lo, hi, keys, values, visibility) of the written rows (up to ``stop``), a block at a time,
+        dequantized."""
+        self.flush()
+        stop = self.written if stop is None else stop
+        for lo in range(0, stop, self.block):
+            hi = min(lo + self.block, stop)
+            k, v = self._kv(self._read(lo, hi))
+            k = dequantize_rows(k, bits, gs)
+            v = dequantize_rows(v, bits, gs) if values else None
+            vis = None
+            if self.padded:
+                vis = mx.expand_dims(self.positions[:, :, lo:hi] != PAD_POSITION, 2)  # (B, H, 1, n)
+            yield lo, hi, k, v, vis
+
+    def attend_shared(self, queries: mx.array, scale, kwargs: dict, bits, gs) -> mx.array:
+        """A KV-shared layer's attention in the step its source just paged: the same rows the source
+        attended to, all in the file now, the last ``S`` of them the step's own (causal)."""
+        S = queries.shape[2]
+        end = self.step_rows
+        att = None
+        for lo, hi, k, v, vis in self._blocks(bits, gs, stop=end - S):
+            att = att or BlockAttention(queries, k.shape[1], scale if scale is not None else queries.shape[-1] ** -0.5,
+                                        kwargs.get("sinks"))
+            att.add(k, v, vis)
+            mx.eval(att.state())
+        k, v = self._kv(self._read(end - S, end))
+        k, v = dequantize_rows(k, bits, gs), dequantize_rows(v, bits, gs)
+        att = att or BlockAttention(queries, k.shape[1], scale if scale is not None else queries.shape[-1] ** -0.5,
+                                    kwargs.get("sinks"))
+        att.add(k, v, chunk_visibility(S, S))
+        out = att.output()
+        mx.eval(out)
+        return out
+
+    @staticmethod
+    def _unsupported(cache, mask, kwargs, keys) -> str:
+        if cache.latent_query is not None:
+            return "multi-head latent attention (its queries are read in the latent's space)"
+        extra = sorted(k for k, v in kwargs.items() if v is not None and k != "sinks")
+        if extra:
+            return f"its attention takes {', '.join(extra)}"
+        if mask is not None and not isinstance(mask, str):
+            return "it passes an array mask"
+        first = keys[0] if isinstance(keys, tuple) else keys  # quantized rows: their packed words
+        if first is not None and tuple(first.shape[1:3]) != (cache.stored("positions").shape[1], cache.size()):
+            return "it attends to other keys than the rows its cache returned (repeated or transformed heads)"
+        return ""
+
+    # -- accounting and state -----------------------------------------------------------------------------
+    @property
+    def resident_bytes(self) -> int:
+        """What the pages hold in memory: the per-row fields, positions that are not 0 .. rows - 1, and
+        rows held for the file."""
+        held = [*self.extras.values(), self.positions, *(p for parts in self.pending for p in parts)]
+        return sum(a.nbytes for a in held if a is not None)
+
+    @property
+    def disk_bytes(self) -> int:
+        return 0 if self.record is None else self.written * self.record.itemsize
+
+    def report(self) -> dict:
+        return {"paged_rows": self.rows, "page_disk_bytes": self.disk_bytes,
+                "page_resident_bytes": self.resident_bytes, "page_bytes_read": self.bytes_read,
+                "page_file": self.path}
