@@ -167,6 +167,10 @@ class RowStorage:
         if self.keys is None and self.pages is not None and self.pages.closed:
             return self.pages.stored(name)  # every row is in the page file (caches.pages)
         arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
+        load = getattr(arr, "load", None)
+        if load is not None:  # a paged prompt's rows, read back from its file on first use
+            arr = load()
+            setattr(self, name, arr)
         if arr is None:
             arr = self.row_extras[name]
         r = self._rows
@@ -220,10 +224,18 @@ class RowStorage:
         # and MLX's CPU concatenate cost ~3x the gather (measured at 442 x 8 x 128 fp32 rows).
         # Quantized rows: packed words, scales and biases are gathered alike (never requantized).
         k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
-        k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)  # one shared row index for all of them
-        kept = gather_rows_of(k_parts + v_parts, k_idx)
-        n = len(k_parts)
-        self.keys, self.values = from_parts(kept[:n], self.keys), from_parts(kept[n:], self.values)
+        # A paged prompt's rows not read back yet (caches.pages.PagedRows): only the kept ones are read.
+        paged = {name: getattr(buf, "gather", None) for name, buf in (("keys", self.keys), ("values", self.values))}
+        bufs = [buf for name, buf in (("keys", self.keys), ("values", self.values)) if paged[name] is None]
+        parts = [buf_parts(b) for b in bufs]
+        kept = gather_rows_of([p for ps in parts for p in ps], k_idx)  # one shared row index for all of them
+        for name in ("keys", "values"):
+            if paged[name] is not None:
+                setattr(self, name, paged[name](k_idx))
+            else:
+                ps = parts.pop(0)
+                setattr(self, name, from_parts(kept[:len(ps)], getattr(self, name)))
+                kept = kept[len(ps):]
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)
