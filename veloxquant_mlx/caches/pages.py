@@ -68,7 +68,9 @@ class PagedRows:
     def gather(self, idx: mx.array):
         return self.pages.gather_rows(idx, self.which)
 
-    def __getattr__(self, name):  # anything else is asked of the rows themselves
+    def __getattr__(self, name):  # anything else (shape, dtype, ...) is asked of the rows themselves
+        if name.startswith("_") or name in ("pages", "which"):
+            raise AttributeError(name)
         return getattr(self.load(), name)
 
 
@@ -87,7 +89,7 @@ class PromptPages:
         self.positions = None  # (B, H, rows) int32 once the rows are not 0 .. rows - 1 (a loaded cache)
         self.padded = False  # a paged row is padding (ragged heads): reads hide it
         self.extras: dict = {}  # name -> (B, H, rows) float32: the method's per-row state
-        self.pending: list = []  # (parts, rows) held for the file (decode rows, written lazily)
+        self.pending: list = []  # each: the parts (keys', then values') of rows held for the file, not written yet
         self.reading = self.closed = False
         self.step_rows = None  # rows in the file after the last paged step (None: the last step was not one)
         self.bytes_read = 0
