@@ -57,7 +57,8 @@ def test_offload_gives_the_tokens_and_logits_of_end(method, allocation, model, t
     assert np.abs(lp_off - lp_end).max() <= 1e-4
 
 
-@pytest.mark.parametrize("spec", ["snapkv:kv_bits=8,kv_group_size=32", "h2o:kv_bits=4,kv_group_size=32"])
+@pytest.mark.parametrize("spec", ["snapkv:kv_bits=8,kv_group_size=32", "h2o:kv_bits=4,kv_group_size=32",
+                                  "kvzap:kv_bits=8,kv_group_size=32,layers=global"])
 def test_offload_with_quantized_rows_gives_the_tokens_of_end(spec, model, tmp_path):
     prompt = random_prompt(150, seed=8)
     toks = {}
