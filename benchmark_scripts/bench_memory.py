@@ -960,9 +960,11 @@ For each cache and prompt length, one ``generate_step`` with mlx-lm's own loop a
 
 Caches: ``kvzap`` (and any registry method) with ``prompt_eviction="stream"``, mlx-lm's ``KVCache``,
 ``RotatingKVCache(max_size=budget)`` (``--max-kv-size``) and ``QuantizedKVCache`` (``--kv-bits 8`` / ``4``).
-The full and quantized caches grow with the prompt: they run only up to ``--full-max`` tokens.
+The full and quantized caches grow with the prompt: they run only up to ``--full-max`` tokens. Writes
+figures/memory/peak_stream.json (``--out``) with ``--publish``, else the same path under ./veloxquant_bench/.
 
     python benchmark_scripts/bench_memory.py peak --lengths 4096 8192 16384 32768 --budget 1024 --step 256
+    python benchmark_scripts/bench_memory.py peak --lengths 2048 --budget 410 --step 2048 256 --methods kvzap kvcache
 """
 
 PEAK_OUT = FIGURES / "memory" / "peak_stream.json"
@@ -973,7 +975,8 @@ def peak_parse_args(argv=None):
     p.add_argument("--model", default="bundled")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--budget", type=int, default=1024, help="rows per KV head (and RotatingKVCache's max_size)")
-    p.add_argument("--step", type=int, default=256, help="prefill_step_size")
+    p.add_argument("--step", type=int, nargs="+", default=[256],
+                   help="prefill_step_size (several: each cache at each step; mlx-lm's default is 2048)")
     p.add_argument("--methods", nargs="+",
                    default=["kvzap", "kvzap:allocation=uniform", "kvcache", "rotating", "kvcache-8bit", "kvcache-4bit"],
                    help="method specs (run with prompt_eviction=stream), kvcache[-8bit|-4bit], rotating")
@@ -1042,7 +1045,8 @@ def peak_main(argv=None) -> int:
     from veloxquant_mlx.models import load_model
 
     model, tokenizer = load_model(args.model)
-    res = {"setting": {"model": args.model, "budget": args.budget, "prefill_step_size": args.step,
+    steps = args.step[0] if len(args.step) == 1 else list(args.step)
+    res = {"setting": {"model": args.model, "budget": args.budget, "prefill_step_size": steps,
                        "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model)}, "rows": []}
     if args.out.exists():
         import json
@@ -1050,21 +1054,22 @@ def peak_main(argv=None) -> int:
         old = json.loads(args.out.read_text())
         if old.get("setting") == res["setting"]:
             res = old
-    done = {(r["label"], r["prompt_tokens"]) for r in res["rows"]}
+    done = {(r["label"], r["prompt_tokens"], r["prefill_step_size"]) for r in res["rows"]}
     for n in args.lengths:
         prompt = peak_prompt(tokenizer, n)
-        for label in args.methods:
-            grows = label.startswith("kvcache")
-            if (label, n) in done or (grows and n > args.full_max):
-                continue
-            r = peak_measure(model, prompt, label, args.budget, args.step, args.new_tokens)
-            res["rows"].append(r)
-            bound = f", bound {r['bound_bytes'] / MIB:.1f}" if "bound_bytes" in r else ""
-            print(f"{label:>14} {n:>6}: KV max {r['kv_allocated_max_bytes'] / MIB:8.1f} MiB{bound}, peak - weights "
-                  f"{r['peak_over_weights_bytes'] / MIB:8.1f} MiB ({r['wall_s']:.0f} s)", flush=True)
-            _common.stamp(res, sorted({lb.split(":")[0] for lb in args.methods if not lb.startswith("kvcache")}
-                                      - {"rotating"}), regime="stream")
-            _common.write_json(args.out, res)
+        for step in args.step:
+            for label in args.methods:
+                grows = label.startswith("kvcache")
+                if (label, n, step) in done or (grows and n > args.full_max):
+                    continue
+                r = peak_measure(model, prompt, label, args.budget, step, args.new_tokens)
+                res["rows"].append(r)
+                bound = f", bound {r['bound_bytes'] / MIB:.1f}" if "bound_bytes" in r else ""
+                print(f"{label:>14} {n:>6} step {step:>5}: KV max {r['kv_allocated_max_bytes'] / MIB:8.1f} MiB{bound}, "
+                      f"peak - weights {r['peak_over_weights_bytes'] / MIB:8.1f} MiB ({r['wall_s']:.0f} s)", flush=True)
+                _common.stamp(res, sorted({lb.split(":")[0] for lb in args.methods if not lb.startswith("kvcache")}
+                                          - {"rotating"}), regime="stream")
+                _common.write_json(args.out, res)
     return 0
 
 

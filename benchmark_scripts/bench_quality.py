@@ -36,6 +36,7 @@ from _common import (FIGURES, MIB, AllocationRecorder, add_publish, preload_blas
                      run_subcommands, total_nbytes)
 from lab import recall_cost
 from lab import recall_followup as rf
+from lab import report_choosing
 from lab import report_quant as rq
 from lab.report_paired import _paired_outcomes
 from lab.report_passkey import _passkey_index
@@ -423,9 +424,12 @@ method, plus ``:stream`` for the ``decode`` regime, i.e. ``prompt_eviction="stre
 chunk), pairs each label with the full cache on the prompts both ran, and measures each label's KV bytes once on one
 prompt of the same length: the largest ``sum(c.nbytes)`` right after any layer's update (the KV part of
 the peak) and after generation. Writes ``figures/choosing/summary_<model>.json`` and the figure
-``figures/choosing/accuracy_vs_peak_<model>.png`` (accuracy with its Wilson 95 % interval against KV peak bytes).
+``figures/choosing/accuracy_vs_peak_<model>.png`` (accuracy with its Wilson 95 % interval against KV peak bytes)
+with ``--publish``, else the same paths under ./veloxquant_bench/; prints the page's table (``lab.report_choosing``).
 
-    python benchmark_scripts/bench_quality.py choosing figures/eval/choosing/passkey_end.json figures/eval/choosing/passkey_stream.json
+    python benchmark_scripts/bench_quality.py choosing figures/eval/passkey.json figures/eval/choosing/passkey_end.json
+        figures/eval/choosing/passkey_stream.json figures/eval/quant/passkey_paired.json
+        --labels full full-8bit full-4bit rotating kvzap kvzap:stream nexus nestedkv kvzip snapkv h2o nexus:recall=disk:stream
 """
 
 CHOOSING_OUT = FIGURES / "choosing"
@@ -551,6 +555,7 @@ def choosing_main(argv=None) -> int:
     choosing_figure(rows, args.out_dir / f"accuracy_vs_peak_{args.model}.png",
                     f"{args.model}, passkey {args.context} tokens, {args.density:.0%} budget ({budget} rows); "
                     "each point: its prompts paired with the full cache's")
+    print(f"\nwrote {out}\n\n{report_choosing.table(res)}")  # docs/choosing.md's table
     return 0
 
 
