@@ -874,6 +874,14 @@ def table(args):
     print("\n".join(lines))
 
 
+def summary(args):
+    """The README's row and docs/memory.md's table (lab.report_memory) of a one-context --out-memory."""
+    from lab import report_memory
+
+    data = load(runs_file(args))
+    print(report_memory.allocated_table(data), "", report_memory.readme_row(data), sep="\n")
+
+
 def figure(args):
     """Allocated KV / KVCache per method for fp, 8-bit and 4-bit rows, one panel per context."""
     import matplotlib
@@ -915,7 +923,8 @@ def figure(args):
 def quant_main(argv=None):
     p = argparse.ArgumentParser(prog="bench_memory.py quant", description=QUANT_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table"), required=True)
+    p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table", "summary"), required=True,
+                   help="summary: print the README's row and docs/memory.md's table of --out-memory (one context)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -938,7 +947,8 @@ def quant_main(argv=None):
         route_outputs(args, "out_memory")
     elif args.part == "speed":
         route_outputs(args, "out_speed")
-    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay, "table": table}[args.part](args)
+    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay, "table": table,
+     "summary": summary}[args.part](args)
     return 0
 
 

@@ -1,0 +1,107 @@
+"""The memory numbers the README and docs/memory.md / docs/choosing.md quote, written from the figures that
+``benchmark_scripts/bench_memory.py`` measures (never typed by hand; ``tests/test_doc_numbers.py`` checks the
+pages hold these strings):
+
+* :func:`readme_row`, :func:`allocated_table`: allocated KV and the process peak of every method through plain
+  ``mlx_lm.generate`` (``bench_memory.py quant --part memory``, ``figures/memory/generate_2k.json``);
+* :func:`stream_step_sentence`: the process peak of ``prompt_eviction="stream"`` at mlx-lm's default prefill
+  step and at a small one, against ``KVCache`` (``bench_memory.py peak``, ``figures/memory/peak_2k.json``).
+"""
+
+from __future__ import annotations
+
+MIB = 1024 * 1024
+README_FIGURE = "figures/memory/generate_2k.json"
+PEAK_FIGURE = "figures/memory/peak_2k.json"
+
+
+def _ada_by_default(method: str) -> bool:
+    """Methods whose default head budgets are Ada-KV's (ragged: storage as wide as the widest head)."""
+    from veloxquant_mlx.registry import get_method
+
+    return get_method(method).config_defaults.get("allocation") == "ada"
+
+
+def _runs(data: dict) -> tuple:
+    """(context, {label: run}) of a one-context figure."""
+    contexts = sorted({r["prompt_tokens"] for r in data["runs"].values()})
+    if len(contexts) != 1:
+        raise ValueError(f"expected one context, found {contexts}")
+    n = contexts[0]
+    return n, {r["label"]: r for r in data["runs"].values() if r["prompt_tokens"] == n}
+
+
+def _split(runs: dict) -> tuple:
+    """(methods with uniform heads, methods with Ada heads by default), the fp labels measured."""
+    fp = [lb for lb in runs if lb != "kvcache" and "-" not in lb]
+    return [m for m in fp if not _ada_by_default(m)], [m for m in fp if _ada_by_default(m)]
+
+
+def _span(values, digits: int) -> str:
+    return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
+
+
+def readme_row(data: dict) -> str:
+    """The README's "allocated KV through `generate`" row."""
+    n, runs = _runs(data)
+    base = runs["kvcache"]
+    uniform, ada = _split(runs)
+
+    def vs(label):
+        return runs[label]["kv_allocated_bytes"] / base["kv_allocated_bytes"]
+
+    spans = [_span([vs(m + s) for m in uniform if m + s in runs], d) for s, d in (("", 2), ("-8bit", 3), ("-4bit", 3))]
+    ada_text = ", ".join(f"{m} {vs(m):.2f}×" for m in sorted(ada, key=vs))
+    peak = runs["kvzip"]["process_peak_bytes"] / base["process_peak_bytes"]
+    date = data["provenance"]["date"][:10]
+    return (f"| allocated KV through `generate` | {n // 1024}K prompt, {data['density']:.0%}, fp / 8-bit / 4-bit kept rows "
+            f"| {' / '.join(spans)}× of `KVCache` for {len(uniform)} methods; {ada_text} (Ada heads: storage as wide "
+            f"as the widest head); kvzip's process peak {peak:.2f}× mlx-lm's (its reconstruction pass) | {date} "
+            f"| [memory.md](docs/memory.md) |")
+
+
+def allocated_table(data: dict) -> str:
+    """docs/memory.md's table of the same figure: one row per label."""
+    n, runs = _runs(data)
+    base = runs["kvcache"]
+    lines = ["| cache | allocated MiB | ×`KVCache` | × every token's K/V (what `generate` prints) | kept MiB | "
+             "process peak MiB | ×`KVCache`'s peak |", "|---|---|---|---|---|---|---|"]
+    for label, r in runs.items():
+        lines.append(f"| {label} | {r['kv_allocated_bytes'] / MIB:.2f} | "
+                     f"{r['kv_allocated_bytes'] / base['kv_allocated_bytes']:.3f} | {r['allocated_vs_full']:.3f} | "
+                     f"{r['kv_kept_bytes'] / MIB:.2f} | {r['process_peak_bytes'] / MIB:.1f} | "
+                     f"{r['process_peak_bytes'] / base['process_peak_bytes']:.2f} |")
+    return "\n".join(lines)
+
+
+def uniform_bytes(data: dict, method: str, layers: int = 30, kv_heads: int = 3, head_dim: int = 64,
+                  dtype_bytes: int = 4) -> int:
+    """layers x heads x budget rows of K and V: what a method keeps, and what uniform heads allocate
+    before their decode headroom (the bundled SmolLM2's shapes by default)."""
+    n, runs = _runs(data)
+    return layers * kv_heads * runs[method]["budget"] * 2 * head_dim * dtype_bytes
+
+
+def stream_step_sentence(peak: dict, label: str = "kvzap") -> str:
+    """The process peak of a streaming cache at each prefill step, against KVCache at mlx-lm's default."""
+    rows = {(r["label"], r["prefill_step_size"]): r for r in peak["rows"]}
+    steps = sorted({s for (_, s) in rows}, reverse=True)
+    n = peak["rows"][0]["prompt_tokens"]
+    full = rows[("kvcache", 2048)]["process_peak_bytes"] / MIB
+    parts = [f"{rows[(label, s)]['process_peak_bytes'] / MIB:.1f} MiB at step {s:,}" for s in steps if (label, s) in rows]
+    return (f"{n // 1024}K prompt, budget {peak['setting']['budget']}: `{label}` streaming peaks at "
+            + ", ".join(parts) + f", `KVCache` at {full:.1f} MiB (mlx-lm's default step 2,048)")
+
+
+def ada_bytes(data: dict, method: str = "kvzap") -> str:
+    """What a method with Ada heads allocates beside layers x heads x budget rows."""
+    _, runs = _runs(data)
+    return (f"{runs[method]['kv_allocated_bytes'] / MIB:.2f} MiB where layers × heads × B is "
+            f"{uniform_bytes(data, method) / MIB:.1f} MiB")
+
+
+def kvzip_peak(data: dict) -> str:
+    """kvzip's process peak against KVCache's, through the same generate run."""
+    n, runs = _runs(data)
+    k, b = runs["kvzip"]["process_peak_bytes"], runs["kvcache"]["process_peak_bytes"]
+    return f"{k / b:.2f}× `KVCache`'s process peak at {n // 1024}K ({k / MIB:.1f} against {b / MIB:.1f} MiB)"
