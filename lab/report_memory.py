@@ -54,7 +54,7 @@ def readme_row(data: dict) -> str:
     ada_text = ", ".join(f"{m} {vs(m):.2f}×" for m in sorted(ada, key=vs))
     peak = runs["kvzip"]["process_peak_bytes"] / base["process_peak_bytes"]
     date = data["provenance"]["date"][:10]
-    return (f"| allocated KV through `generate` | {n // 1024}K prompt, {data['density']:.0%}, fp / 8-bit / 4-bit kept rows "
+    return (f"| allocated KV through `generate` | {n // 1024}K prompt, {100 * data['density']:.0f} %, fp / 8-bit / 4-bit kept rows "
             f"| {' / '.join(spans)}× of `KVCache` for {len(uniform)} methods; {ada_text} (Ada heads: storage as wide "
             f"as the widest head); kvzip's process peak {peak:.2f}× mlx-lm's (its reconstruction pass) | {date} "
             f"| [memory.md](docs/memory.md) |")
@@ -83,14 +83,16 @@ def uniform_bytes(data: dict, method: str, layers: int = 30, kv_heads: int = 3, 
 
 
 def stream_step_sentence(peak: dict, label: str = "kvzap") -> str:
-    """The process peak of a streaming cache at each prefill step, against KVCache at mlx-lm's default."""
+    """The process peak of a streaming cache and of KVCache at each prefill step (mlx-lm's default first)."""
     rows = {(r["label"], r["prefill_step_size"]): r for r in peak["rows"]}
     steps = sorted({s for (_, s) in rows}, reverse=True)
     n = peak["rows"][0]["prompt_tokens"]
-    full = rows[("kvcache", 2048)]["process_peak_bytes"] / MIB
-    parts = [f"{rows[(label, s)]['process_peak_bytes'] / MIB:.1f} MiB at step {s:,}" for s in steps if (label, s) in rows]
-    return (f"{n // 1024}K prompt, budget {peak['setting']['budget']}: `{label}` streaming peaks at "
-            + ", ".join(parts) + f", `KVCache` at {full:.1f} MiB (mlx-lm's default step 2,048)")
+
+    def at(name):
+        return " and ".join(f"{rows[(name, s)]['process_peak_bytes'] / MIB:.1f} MiB" for s in steps if (name, s) in rows)
+
+    return (f"At {n // 1024}K, budget {peak['setting']['budget']}, steps of " + " and ".join(f"{s:,}" for s in steps)
+            + f": `{label}` streaming peaks at {at(label)}, `KVCache` at {at('kvcache')}")
 
 
 def ada_bytes(data: dict, method: str = "kvzap") -> str:
