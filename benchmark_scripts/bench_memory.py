@@ -875,11 +875,15 @@ def table(args):
 
 
 def summary(args):
-    """The README's row and docs/memory.md's table (lab.report_memory) of a one-context --out-memory."""
+    """The README's row and docs/memory.md's table (lab.report_memory) of a one-context --out-memory, with
+    kvzip's peak at other lengths from kvzip_peak.json beside it when there is one."""
     from lab import report_memory
 
     data = load(runs_file(args))
-    print(report_memory.allocated_table(data), "", report_memory.readme_row(data), sep="\n")
+    side = runs_file(args).with_name("kvzip_peak.json")
+    more = load(side) if side.exists() else None
+    print(report_memory.allocated_table(data), "", report_memory.kvzip_peak(data, more), "",
+          report_memory.readme_row(data, more), sep="\n")
 
 
 def figure(args):
@@ -924,7 +928,8 @@ def quant_main(argv=None):
     p = argparse.ArgumentParser(prog="bench_memory.py quant", description=QUANT_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table", "summary"), required=True,
-                   help="summary: print the README's row and docs/memory.md's table of --out-memory (one context)")
+                   help="summary: print the README's row and docs/memory.md's table of --out-memory (one context; "
+                        "kvzip's peak at other lengths from kvzip_peak.json beside it)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 MIB = 1024 * 1024
 README_FIGURE = "figures/memory/generate_2k.json"
+KVZIP_FIGURE = "figures/memory/kvzip_peak.json"  # kvcache and kvzip past one reconstruction chunk (2,078, 4,096)
 PEAK_FIGURE = "figures/memory/peak_2k.json"
 
 
@@ -41,8 +42,16 @@ def _span(values, digits: int) -> str:
     return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
 
 
-def readme_row(data: dict) -> str:
-    """The README's "allocated KV through `generate`" row."""
+def kvzip_peaks(data: dict, more: dict | None = None) -> list:
+    """[(prompt tokens, kvzip's process peak / KVCache's, kvzip's, KVCache's)] over both figures."""
+    runs = list(data["runs"].values()) + (list(more["runs"].values()) if more else [])
+    at = {(r["prompt_tokens"], r["label"]): r["process_peak_bytes"] for r in runs}
+    return [(n, at[(n, "kvzip")] / at[(n, "kvcache")], at[(n, "kvzip")], at[(n, "kvcache")])
+            for n in sorted({n for n, lb in at if lb == "kvzip"}) if (n, "kvcache") in at]
+
+
+def readme_row(data: dict, more: dict | None = None) -> str:
+    """The README's "allocated KV through `generate`" row (``more``: the kvzip peak figure)."""
     n, runs = _runs(data)
     base = runs["kvcache"]
     uniform, ada = _split(runs)
@@ -52,11 +61,14 @@ def readme_row(data: dict) -> str:
 
     spans = [_span([vs(m + s) for m in uniform if m + s in runs], d) for s, d in (("", 2), ("-8bit", 3), ("-4bit", 3))]
     ada_text = ", ".join(f"{m} {vs(m):.2f}×" for m in sorted(ada, key=vs))
-    peak = runs["kvzip"]["process_peak_bytes"] / base["process_peak_bytes"]
-    date = data["provenance"]["date"][:10]
+    peaks = kvzip_peaks(data, more)
+    lo, hi = min(p[1] for p in peaks), max(p[1] for p in peaks)
+    span = (f"{lo:.2f}× mlx-lm's" if len(peaks) == 1 else
+            f"{lo:.2f}–{hi:.2f}× mlx-lm's at {peaks[0][0]:,}–{peaks[-1][0]:,} tokens")
+    date = max(d["provenance"]["date"][:10] for d in (data, more) if d)
     return (f"| allocated KV through `generate` | {n // 1024}K prompt, {100 * data['density']:.0f} %, fp / 8-bit / 4-bit kept rows "
             f"| {' / '.join(spans)}× of `KVCache` for {len(uniform)} methods; {ada_text} (Ada heads: storage as wide "
-            f"as the widest head); kvzip's process peak {peak:.2f}× mlx-lm's (its reconstruction pass) | {date} "
+            f"as the widest head); kvzip's process peak {span} (its reconstruction pass) | {date} "
             f"| [memory.md](docs/memory.md) |")
 
 
@@ -102,8 +114,8 @@ def ada_bytes(data: dict, method: str = "kvzap") -> str:
             f"{uniform_bytes(data, method) / MIB:.1f} MiB")
 
 
-def kvzip_peak(data: dict) -> str:
-    """kvzip's process peak against KVCache's, through the same generate run."""
-    n, runs = _runs(data)
-    k, b = runs["kvzip"]["process_peak_bytes"], runs["kvcache"]["process_peak_bytes"]
-    return f"{k / b:.2f}× `KVCache`'s process peak at {n // 1024}K ({k / MIB:.1f} against {b / MIB:.1f} MiB)"
+def kvzip_peak(data: dict, more: dict | None = None) -> str:
+    """kvzip's process peak against KVCache's at each prompt length measured."""
+    return ", ".join(f"{r:.2f}× `KVCache`'s process peak at {n:,} tokens ({k / MIB:.1f} against {b / MIB:.1f} MiB)"
+                     if i == 0 else f"{r:.2f}× at {n:,} ({k / MIB:.1f} against {b / MIB:.1f} MiB)"
+                     for i, (n, r, k, b) in enumerate(kvzip_peaks(data, more)))
