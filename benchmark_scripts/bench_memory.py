@@ -999,7 +999,7 @@ def peak_parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--out", type=Path, default=PEAK_OUT)
     add_publish(p)
-    return route_outputs(p.parse_args(argv), "out")
+    return p.parse_args(argv)
 
 
 def peak_caches(model, label: str, budget: int):
@@ -1056,7 +1056,8 @@ def peak_prompt(tokenizer, n: int) -> list:
 
 def peak_main(argv=None) -> int:
     args = peak_parse_args(argv)
-    preload_blas()
+    preload_blas()  # re-executes this script once: its note below comes after
+    route_outputs(args, "out")
     from veloxquant_mlx.models import load_model
 
     model, tokenizer = load_model(args.model)

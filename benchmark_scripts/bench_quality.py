@@ -519,8 +519,9 @@ def choosing_main(argv=None) -> int:
     p.add_argument("--out-dir", type=Path, default=CHOOSING_OUT)
     p.add_argument("--labels", nargs="+", default=None, help="only these labels (default: every label found)")
     add_publish(p)
-    args = route_outputs(p.parse_args(argv), "out_dir")
-    preload_blas()
+    args = p.parse_args(argv)
+    preload_blas()  # re-executes this script once: its note below comes after
+    route_outputs(args, "out_dir")
     from veloxquant_mlx.evaluation.passkey import make_passkey_prompt
     from veloxquant_mlx.models import load_model
 
