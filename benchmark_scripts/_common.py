@@ -27,11 +27,53 @@ FIGURES = ROOT / "figures"
 MIB = 1024 * 1024
 BENCH_CACHE = Path(os.environ.get("VELOXQUANT_BENCH_CACHE", Path.home() / ".cache" / "veloxquant-bench")).expanduser()
 
-__all__ = ["ROOT", "FIGURES", "MIB", "BENCH_CACHE", "budget", "tiny_llama", "tiny_tokenizer", "stamp",
+__all__ = ["ROOT", "FIGURES", "MIB", "BENCH_CACHE", "SCRATCH_ENV", "scratch_dir", "published", "output",
+           "add_publish", "route_outputs", "budget", "tiny_llama", "tiny_tokenizer", "stamp",
            "provenance", "command_line", "resumed", "commit", "write_json", "machine", "preload_blas",
            "blas_info", "median", "cpu_timed", "peer_venv", "AllocationRecorder", "total_nbytes",
            "weights_bytes"]
 
+
+
+SCRATCH_ENV = "VELOXQUANT_BENCH_OUT"
+PUBLISHED = ("figures", "docs", "README.md")  # this checkout's tracked results and the pages that quote them
+
+
+def scratch_dir() -> Path:
+    """Where a run writes what would land in the published tree without ``--publish``:
+    ``$VELOXQUANT_BENCH_OUT``, else ``./veloxquant_bench`` (relative to the working directory)."""
+    return Path(os.environ.get(SCRATCH_ENV) or "veloxquant_bench")
+
+
+def published(path) -> bool:
+    """True for a path inside this checkout's published figures/ or docs (the tracked results)."""
+    p = Path(path).resolve()
+    return any(p == (ROOT / d) or (ROOT / d) in p.parents for d in PUBLISHED)
+
+
+def output(path, publish: bool):
+    """Where a run writes ``path``: as given when it is outside the published tree or with ``--publish``;
+    else the same relative path under :func:`scratch_dir` (``figures/memory/x.json`` ->
+    ``veloxquant_bench/figures/memory/x.json``), said once on stderr. Returns the type it was given."""
+    if path is None or publish or not published(path):
+        return path
+    moved = scratch_dir() / Path(path).resolve().relative_to(ROOT)
+    print(f"note: writing {moved} instead of {Path(path).resolve().relative_to(ROOT)} "
+          "(the published figures change only with --publish)", file=sys.stderr, flush=True)
+    return str(moved) if isinstance(path, str) else moved
+
+
+def add_publish(parser) -> None:
+    parser.add_argument("--publish", action="store_true",
+                        help="write the published figures (figures/, docs/) of this checkout; without it their "
+                             f"paths go under ./veloxquant_bench/ (or ${SCRATCH_ENV})")
+
+
+def route_outputs(args, *names):
+    """Apply :func:`output` to each named output argument of ``args`` (``args.publish`` decides)."""
+    for name in names:
+        setattr(args, name, output(getattr(args, name), args.publish))
+    return args
 
 
 def commit() -> str:

@@ -33,7 +33,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from _common import FIGURES, provenance
+from _common import FIGURES, add_publish, provenance, route_outputs
 
 from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.shard import HeadShard
@@ -218,7 +218,8 @@ def main():
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--projection-prompt", type=int, default=8192)
     ap.add_argument("--out-dir", default=str(OUT))
-    args = ap.parse_args()
+    add_publish(ap)
+    args = route_outputs(ap.parse_args(), "out_dir")
     group = mx.distributed.init()
     os.makedirs(args.out_dir, exist_ok=True)
     if group.size() == 1:  # one process: the closed-shape projection for a Llama-3-8B-like model

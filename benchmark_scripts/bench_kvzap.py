@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import add_publish, route_outputs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--scorer", nargs="*", default=[], help="--needle-rank: scorer files to compare (default: "
                    "the shipped SmolLM2 scorer)")
     p.add_argument("--out", default=str(ROOT / "figures" / "kvzap" / "cost.json"))
-    return p.parse_args(argv)
+    add_publish(p)
+    return route_outputs(p.parse_args(argv), "out")
 
 
 def prefill(model, tokens, caches, step):

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import _common
-from _common import (FIGURES, MIB, AllocationRecorder, blas_info, preload_blas, provenance, resumed, tiny_llama,
-                     run_subcommands, total_nbytes, weights_bytes)
+from _common import (FIGURES, MIB, AllocationRecorder, add_publish, blas_info, output, preload_blas, provenance, resumed,
+                     route_outputs, tiny_llama, run_subcommands, total_nbytes, weights_bytes)
 
 
 # ================================================================================================
@@ -102,7 +102,8 @@ def eviction_parse_args(argv=None):
     p.add_argument("--figures-only", action="store_true", help="redraw the figures from the JSON files")
     p.add_argument("--no-fast-blas", action="store_true", help="keep MLX's reference BLAS")
     p.add_argument("--quick", action="store_true", help="tiny model and short prompts everywhere (harness check)")
-    p.add_argument("--out-dir", default=str(OUT))
+    p.add_argument("--out-dir", default=str(OUT), help="where the JSON files and PNGs are (default figures/memory)")
+    add_publish(p)
     return p.parse_args(argv)
 
 
@@ -527,8 +528,11 @@ def eviction_main(argv=None):
 
     quiet_cache_warnings()
     methods = args.methods or list(veloxquant_mlx.methods())
+    src = Path(args.out_dir)  # --figures-only and --markdown read the files here
+    route_outputs(args, "out_dir")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    read = src if args.figures_only else out
     t_start = time.perf_counter()
 
     def log(msg):
@@ -558,11 +562,11 @@ def eviction_main(argv=None):
 
             res = (run_bundled if part == "bundled" else run_tiny)(args, methods, log, save)
             save(res)
-        if path.exists():
-            figure[part](json.loads(path.read_text()), out / f"memory_{part}.png")
-            log(f"wrote {path} and memory_{part}.png; BLAS: {meta['blas']}")
+        if (read / path.name).exists():
+            figure[part](json.loads((read / path.name).read_text()), out / f"memory_{part}.png")
+            log(f"wrote {out / f'memory_{part}.png'} from {read / path.name}; BLAS: {meta['blas']}")
     if args.markdown:
-        data = {p: json.loads((out / f"{p}.json").read_text()) if (out / f"{p}.json").exists() else None
+        data = {p: json.loads((read / f"{p}.json").read_text()) if (read / f"{p}.json").exists() else None
                 for p in ("bundled", "tiny")}
         print(markdown(data["bundled"], data["tiny"]))
     return 0
@@ -578,9 +582,13 @@ Part ``memory``: the bundled SmolLM2-135M (30 layers, 3 KV heads of 64, float32)
 2K or 4K tokens, 16 new tokens, budget = 20 % of the prompt, ``prompt_eviction="end"``. Per run:
 ``kv_allocated_bytes`` = sum of ``c.nbytes`` after generation (packed words + scales + biases for
 quantized rows, positions, per-row state, query window: everything held), the kept rows' bytes and the
-K/V of every token in fp32 (``veloxquant_mlx.cli.kv_report``). References: mlx-lm's ``KVCache`` and its
-``QuantizedKVCache`` (8 / 4 bits, no eviction). Labels: ``<method>[-8bit|-4bit]``, ``nestedkv-nocap``
-(the spec's per-head bound, ``max_head_factor=None``), ``kvcache``, ``kvcache-4bit``.
+K/V of every token in fp32 (``veloxquant_mlx.caches.accounting.kv_report``; ``allocated_vs_full`` is the
+fraction ``generate`` prints), and ``mx.get_peak_memory()`` over the run (``process_peak_bytes``; minus the
+weights: ``peak_over_weights_bytes``). Caches from ``KVCacheBuilder.for_model(model, config,
+tokenizer=tokenizer)``, as the README's quick start makes them (KVzip's reconstruction pass reads its repeat
+prompt through the tokenizer). References: mlx-lm's ``KVCache`` and its ``QuantizedKVCache`` (8 / 4 bits, no
+eviction). Labels: ``<method>[-8bit|-4bit]``, ``nestedkv-nocap`` (the spec's per-head bound,
+``max_head_factor=None``), ``kvcache``, ``kvcache-4bit``.
 
 Part ``speed``: decode tokens/s of a method with fp rows against the same method with 4-bit rows at
 the same budget (``stream_generate``'s generation_tps), prompt 1K tokens, 20 %, 64 new tokens,
@@ -590,7 +598,8 @@ are meant to be quoted (a shared CPU).
     python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_memory.py quant --part memory   # OpenBLAS preloaded
     python -m veloxquant_mlx.platform.blas benchmark_scripts/bench_memory.py quant --part speed
 
-Results: figures/memory/quant.json, figures/eval/quant_speed.json (resumable: finished runs are kept),
+Results: figures/memory/quant.json, figures/eval/quant_speed.json with ``--publish``, else the same paths under
+./veloxquant_bench/ (resumable: finished runs are kept),
 each with the project's provenance (commit, command, date, behaviour fingerprint of every label in
 the file; stale when a run extends rows of other code) and each run's machine and BLAS under
 ``runs_provenance``.
@@ -623,17 +632,17 @@ def parse_label(label: str):
     return label, extra
 
 
-def make_caches(model, label: str, budget: int):
+def make_caches(model, label: str, budget: int, tokenizer=None):
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
     from veloxquant_mlx.caches.quant import model_caches
 
     method, extra = parse_label(label)
     if method == "kvcache":
         return model_caches(model, extra.get("kv_bits"), extra.get("kv_group_size", 64))
-    return KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=budget, **extra))
+    return KVCacheBuilder.for_model(model, KVCacheConfig(method=method, budget=budget, **extra), tokenizer=tokenizer)
 
 
-def measure_memory(model, prompt, label, budget, max_tokens) -> dict:
+def measure_memory(model, prompt, label, budget, max_tokens, tokenizer=None) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -641,14 +650,18 @@ def measure_memory(model, prompt, label, budget, max_tokens) -> dict:
 
     gc.collect()
     mx.clear_cache()
-    caches = make_caches(model, label, budget)
+    mx.reset_peak_memory()
+    caches = make_caches(model, label, budget, tokenizer)
     t0 = time.perf_counter()
     toks = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=caches)]
     wall = time.perf_counter() - t0
+    peak = mx.get_peak_memory()
     rep = kv_report(caches)
     out = {"label": label, "prompt_tokens": len(prompt), "budget": budget, "new_tokens": len(toks),
            "kv_allocated_bytes": rep["allocated_bytes"], "kv_kept_bytes": rep["kept_bytes"],
-           "kv_full_bytes": rep["full_bytes"], "wall_s": round(wall, 1), "tokens_head": toks[:8]}
+           "kv_full_bytes": rep["full_bytes"], "allocated_vs_full": rep["fraction"],
+           "process_peak_bytes": peak, "peak_over_weights_bytes": peak - weights_bytes(model),
+           "wall_s": round(wall, 1), "tokens_head": toks[:8]}
     if hasattr(caches[0], "tokens_kept"):
         out["tokens_kept_mean"] = sum(c.tokens_kept for c in caches) / len(caches)
         out["evictions"] = sum(c.evictions for c in caches)
@@ -690,7 +703,8 @@ def run_memory(args):
     path = Path(args.out_memory)
     res = load(path)
     res.update({"what": "allocated KV through plain mlx_lm.generate (generate_step defaults), 20 % budget, "
-                        "prompt_eviction='end'", "model": "SmolLM2-135M-Instruct (bundled GGUF, float32)",
+                        "prompt_eviction='end', caches from KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)",
+                "model": "SmolLM2-135M-Instruct (bundled GGUF, float32)",
                 "density": args.density, "max_tokens": args.max_tokens})
     stamp(res, [k.split("|")[1] for k in res["runs"]] + args.labels)
     for n in args.contexts:
@@ -700,7 +714,7 @@ def run_memory(args):
             key = f"{n}|{label}"
             if key in res["runs"]:
                 continue
-            r = measure_memory(model, prompt, label, budget, args.max_tokens)
+            r = measure_memory(model, prompt, label, budget, args.max_tokens, tokenizer)
             r["commit"] = res["runs_provenance"][-1]["commit"]
             res["runs"][key] = r
             derive(res)
@@ -801,8 +815,13 @@ def replay_bytes(label: str, n_prompt: int, budget: int, decode_steps: int, shap
             "source": "replay (random K/V of the model's shapes through the calls generate makes)"}
 
 
+def runs_file(args) -> Path:
+    """The real runs: --out-memory where this run writes, when a file is there, else --out-memory as given."""
+    return Path(args.out_memory) if Path(args.out_memory).exists() else args.src_memory
+
+
 def run_replay(args):
-    real_runs = load(Path(args.out_memory))["runs"]  # the real generate runs (written by --part memory)
+    real_runs = load(runs_file(args))["runs"]  # the real generate runs (written by --part memory)
     path = Path(args.out_memory).with_name("quant_replay.json")
     res = load(path)
     stamp(res, [k.split("|")[1] for k in res.get("replay", {})] + args.labels)
@@ -828,8 +847,8 @@ def run_replay(args):
 
 def table(args):
     """Markdown table of allocated KV / KVCache (real generate runs where measured, else the replay)."""
-    real = load(Path(args.out_memory))["runs"]
-    replay = load(Path(args.out_memory).with_name("quant_replay.json")).get("replay", {})
+    real = load(runs_file(args))["runs"]
+    replay = load(runs_file(args).with_name("quant_replay.json")).get("replay", {})
     lines = []
     for n in args.contexts:
         base = (real.get(f"{n}|kvcache") or replay.get(f"{n}|kvcache") or {}).get("kv_allocated_bytes")
@@ -855,6 +874,18 @@ def table(args):
     print("\n".join(lines))
 
 
+def summary(args):
+    """The README's row and docs/memory.md's table (lab.report_memory) of a one-context --out-memory, with
+    kvzip's peak at other lengths from kvzip_peak.json beside it when there is one."""
+    from lab import report_memory
+
+    data = load(runs_file(args))
+    side = runs_file(args).with_name("kvzip_peak.json")
+    more = load(side) if side.exists() else None
+    print(report_memory.allocated_table(data), "", report_memory.kvzip_peak(data, more), "",
+          report_memory.readme_row(data, more), sep="\n")
+
+
 def figure(args):
     """Allocated KV / KVCache per method for fp, 8-bit and 4-bit rows, one panel per context."""
     import matplotlib
@@ -862,8 +893,8 @@ def figure(args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = load(Path(args.out_memory))
-    replay = load(Path(args.out_memory).with_name("quant_replay.json")).get("replay", {})
+    res = load(runs_file(args))
+    replay = load(runs_file(args).with_name("quant_replay.json")).get("replay", {})
     runs = {**replay, **res["runs"]}  # real runs where measured, else the replay (hatched)
     ctxs = sorted({r["prompt_tokens"] for r in runs.values()})
     fig, axes = plt.subplots(1, len(ctxs), figsize=(7 * len(ctxs), 4.2), squeeze=False)
@@ -888,6 +919,7 @@ def figure(args):
         ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(args.out_memory).with_name("quant_memory.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     print(out)
 
@@ -895,7 +927,9 @@ def figure(args):
 def quant_main(argv=None):
     p = argparse.ArgumentParser(prog="bench_memory.py quant", description=QUANT_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table"), required=True)
+    p.add_argument("--part", choices=("memory", "speed", "figure", "replay", "table", "summary"), required=True,
+                   help="summary: print the README's row and docs/memory.md's table of --out-memory (one context; "
+                        "kvzip's peak at other lengths from kvzip_peak.json beside it)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -911,8 +945,15 @@ def quant_main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-speed", default=str(FIGURES / "eval" / "quant_speed.json"))
+    add_publish(p)
     args = p.parse_args(argv)
-    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay, "table": table}[args.part](args)
+    args.src_memory = Path(args.out_memory)  # table, figure and replay read the real runs here (or this run's copy)
+    if args.part in ("memory", "replay", "figure"):
+        route_outputs(args, "out_memory")
+    elif args.part == "speed":
+        route_outputs(args, "out_speed")
+    {"memory": run_memory, "speed": run_speed, "figure": figure, "replay": run_replay, "table": table,
+     "summary": summary}[args.part](args)
     return 0
 
 
@@ -934,9 +975,11 @@ For each cache and prompt length, one ``generate_step`` with mlx-lm's own loop a
 
 Caches: ``kvzap`` (and any registry method) with ``prompt_eviction="stream"``, mlx-lm's ``KVCache``,
 ``RotatingKVCache(max_size=budget)`` (``--max-kv-size``) and ``QuantizedKVCache`` (``--kv-bits 8`` / ``4``).
-The full and quantized caches grow with the prompt: they run only up to ``--full-max`` tokens.
+The full and quantized caches grow with the prompt: they run only up to ``--full-max`` tokens. Writes
+figures/memory/peak_stream.json (``--out``) with ``--publish``, else the same path under ./veloxquant_bench/.
 
     python benchmark_scripts/bench_memory.py peak --lengths 4096 8192 16384 32768 --budget 1024 --step 256
+    python benchmark_scripts/bench_memory.py peak --lengths 2048 --budget 410 --step 2048 256 --methods kvzap kvcache
 """
 
 PEAK_OUT = FIGURES / "memory" / "peak_stream.json"
@@ -947,13 +990,15 @@ def peak_parse_args(argv=None):
     p.add_argument("--model", default="bundled")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--budget", type=int, default=1024, help="rows per KV head (and RotatingKVCache's max_size)")
-    p.add_argument("--step", type=int, default=256, help="prefill_step_size")
+    p.add_argument("--step", type=int, nargs="+", default=[256],
+                   help="prefill_step_size (several: each cache at each step; mlx-lm's default is 2048)")
     p.add_argument("--methods", nargs="+",
                    default=["kvzap", "kvzap:allocation=uniform", "kvcache", "rotating", "kvcache-8bit", "kvcache-4bit"],
                    help="method specs (run with prompt_eviction=stream), kvcache[-8bit|-4bit], rotating")
     p.add_argument("--full-max", type=int, default=8192, help="longest prompt for caches that hold it whole")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--out", type=Path, default=PEAK_OUT)
+    add_publish(p)
     return p.parse_args(argv)
 
 
@@ -1011,11 +1056,13 @@ def peak_prompt(tokenizer, n: int) -> list:
 
 def peak_main(argv=None) -> int:
     args = peak_parse_args(argv)
-    preload_blas()
+    preload_blas()  # re-executes this script once: its note below comes after
+    route_outputs(args, "out")
     from veloxquant_mlx.models import load_model
 
     model, tokenizer = load_model(args.model)
-    res = {"setting": {"model": args.model, "budget": args.budget, "prefill_step_size": args.step,
+    steps = args.step[0] if len(args.step) == 1 else list(args.step)
+    res = {"setting": {"model": args.model, "budget": args.budget, "prefill_step_size": steps,
                        "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model)}, "rows": []}
     if args.out.exists():
         import json
@@ -1023,21 +1070,22 @@ def peak_main(argv=None) -> int:
         old = json.loads(args.out.read_text())
         if old.get("setting") == res["setting"]:
             res = old
-    done = {(r["label"], r["prompt_tokens"]) for r in res["rows"]}
+    done = {(r["label"], r["prompt_tokens"], r["prefill_step_size"]) for r in res["rows"]}
     for n in args.lengths:
         prompt = peak_prompt(tokenizer, n)
-        for label in args.methods:
-            grows = label.startswith("kvcache")
-            if (label, n) in done or (grows and n > args.full_max):
-                continue
-            r = peak_measure(model, prompt, label, args.budget, args.step, args.new_tokens)
-            res["rows"].append(r)
-            bound = f", bound {r['bound_bytes'] / MIB:.1f}" if "bound_bytes" in r else ""
-            print(f"{label:>14} {n:>6}: KV max {r['kv_allocated_max_bytes'] / MIB:8.1f} MiB{bound}, peak - weights "
-                  f"{r['peak_over_weights_bytes'] / MIB:8.1f} MiB ({r['wall_s']:.0f} s)", flush=True)
-            _common.stamp(res, sorted({lb.split(":")[0] for lb in args.methods if not lb.startswith("kvcache")}
-                                      - {"rotating"}), regime="stream")
-            _common.write_json(args.out, res)
+        for step in args.step:
+            for label in args.methods:
+                grows = label.startswith("kvcache")
+                if (label, n, step) in done or (grows and n > args.full_max):
+                    continue
+                r = peak_measure(model, prompt, label, args.budget, step, args.new_tokens)
+                res["rows"].append(r)
+                bound = f", bound {r['bound_bytes'] / MIB:.1f}" if "bound_bytes" in r else ""
+                print(f"{label:>14} {n:>6} step {step:>5}: KV max {r['kv_allocated_max_bytes'] / MIB:8.1f} MiB{bound}, "
+                      f"peak - weights {r['peak_over_weights_bytes'] / MIB:8.1f} MiB ({r['wall_s']:.0f} s)", flush=True)
+                _common.stamp(res, sorted({lb.split(":")[0] for lb in args.methods if not lb.startswith("kvcache")}
+                                          - {"rotating"}), regime="stream")
+                _common.write_json(args.out, res)
     return 0
 
 

@@ -10,8 +10,8 @@
 * ``followup``: the follow-up task (2 facts, 2 turns on the same caches): ``"offload"``, ``"end"`` and the
   full cache; a later turn re-selects from every row under ``"offload"``.
 
-Results go to ``--out`` (default: a scratch file under ~/.cache/veloxquant-bench/offload/; ``--publish``:
-figures/offload/), resumed cell by cell.
+Results go to ``--out`` (default: figures/offload/<subcommand>_<model>.json, written there only with
+``--publish``, else under ./veloxquant_bench/), resumed cell by cell.
 
     python benchmark_scripts/bench_offload.py identity --contexts 2048 4096 --prompts 12
     python benchmark_scripts/bench_offload.py peak --lengths 4096 8192 16384 32768 --budget 1024 --step 512
@@ -30,21 +30,19 @@ import sys
 import time
 
 import _common
-from _common import BENCH_CACHE, FIGURES, MIB, preload_blas, run_subcommands, weights_bytes, write_json
+from _common import FIGURES, MIB, add_publish, output, preload_blas, run_subcommands, weights_bytes, write_json
 
 DEFAULT_METHODS = ["snapkv", "pyramidkv", "h2o", "nexus", "nestedkv", "morphkv", "streaming", "random", "kvzap"]
 
 
 def _out(args, name: str):
-    if args.out:
-        return args.out
-    return (FIGURES / "offload" if args.publish else BENCH_CACHE / "offload") / f"{name}_{args.model}.json"
+    return output(args.out or FIGURES / "offload" / f"{name}_{args.model}.json", args.publish)
 
 
 def _common_args(p, name):
     p.add_argument("--model", default="bundled", help="bundled | gemma3-270m | qwen2.5-coder-1.5b | tiny (peak only)")
-    p.add_argument("--out", default=None, help=f"results file (default: scratch {name}_<model>.json)")
-    p.add_argument("--publish", action="store_true", help="write to figures/offload/ (the published figures)")
+    p.add_argument("--out", default=None, help=f"results file (default: figures/offload/{name}_<model>.json)")
+    add_publish(p)
     p.add_argument("--step", type=int, default=512, help="prefill_step_size")
 
 

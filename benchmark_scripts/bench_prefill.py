@@ -29,8 +29,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from _common import (FIGURES, MIB, blas_info, budget, cpu_timed, preload_blas, provenance, run_subcommands, stamp,
-                     write_json)
+from _common import (FIGURES, MIB, add_publish, blas_info, budget, cpu_timed, output, preload_blas, provenance,
+                     route_outputs, run_subcommands, stamp, write_json)
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.decode import greedy, prefill
 from veloxquant_mlx.evaluation.speed import _prompt
@@ -73,7 +73,8 @@ def fused_main(argv=None):
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(FIGURES / "speed" / "fused_scoring.json"))
-    a = ap.parse_args(argv)
+    add_publish(ap)
+    a = route_outputs(ap.parse_args(argv), "out")
     from veloxquant_mlx.evaluation.results import machine_info
     from veloxquant_mlx.models import load_model
 
@@ -161,7 +162,8 @@ def kvzip_parse_args(argv=None):
     p.add_argument("--no-fast-blas", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts")
     p.add_argument("--out", default=str(FIGURES / "kvzip" / "prefill_cost.json"))
-    return p.parse_args(argv)
+    add_publish(p)
+    return route_outputs(p.parse_args(argv), "out")
 
 
 def feed(model, tokens, caches, step):
@@ -314,7 +316,9 @@ def attention_main(argv=None):
     ap.add_argument("--chunk", type=int, default=2048, help="prefill step (mlx_lm.generate's default 2048)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="default figures/speed/prefill_attention_<shape>.json")
+    add_publish(ap)
     args = ap.parse_args(argv)
+    args.out = output(args.out or str(FIGURES / "speed" / f"prefill_attention_{args.shape}.json"), args.publish)
     n_q, n_kv, d, layers, hidden, inter = SHAPES[args.shape]
 
     def cpu(fn):
@@ -351,7 +355,7 @@ def attention_main(argv=None):
     out = {"experiment": "prefill_attention", "shape": dict(zip(
         ("query_heads", "kv_heads", "head_dim", "layers", "hidden", "intermediate"), SHAPES[args.shape]), name=args.shape),
         "device": str(mx.default_device()), "blas": blas_info(), "rows": rows}
-    path = write_json(args.out or FIGURES / "speed" / f"prefill_attention_{args.shape}.json", stamp(out, labels=[]))
+    path = write_json(args.out, stamp(out, labels=[]))
     print(f"wrote {path}")
     return 0
 

@@ -32,9 +32,11 @@ from pathlib import Path
 import mlx.core as mx
 
 import _common
-from _common import FIGURES, MIB, AllocationRecorder, preload_blas, provenance, run_subcommands, total_nbytes
+from _common import (FIGURES, MIB, AllocationRecorder, add_publish, preload_blas, provenance, route_outputs,
+                     run_subcommands, total_nbytes)
 from lab import recall_cost
 from lab import recall_followup as rf
+from lab import report_choosing
 from lab import report_quant as rq
 from lab.report_paired import _paired_outcomes
 from lab.report_passkey import _passkey_index
@@ -138,7 +140,9 @@ def report_main(argv=None) -> int:
     ap.add_argument("--curve", default="nestedkv")
     ap.add_argument("--out", default="figures/eval/quant/passkey_quant_summary.json")
     ap.add_argument("--figure", default="figures/eval/quant/equal_memory_curve.png")
-    a = ap.parse_args(argv)
+    add_publish(ap)
+    a = route_outputs(ap.parse_args(argv), "out", "figure")
+    Path(a.figure).parent.mkdir(parents=True, exist_ok=True)
     summary, labels = {"models": {}}, set()
     for name, path in a.run:
         outs, nbytes, data = rq.index(path)
@@ -176,6 +180,7 @@ def report_main(argv=None) -> int:
     summary["provenance"] = provenance(sorted(labels))
     summary["provenance"]["note"] = ("fingerprints run fp rows only; -8bit / -4bit labels are these methods "
                                      "with kv_bits (tests/test_quantized.py pins the quantized path)")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {a.out}")
     return 0
@@ -218,7 +223,8 @@ def models_main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--density", type=float, default=0.2)
     ap.add_argument("--out", default="figures/eval/passkey_two_models.png")
-    args = ap.parse_args(argv)
+    add_publish(ap)
+    args = route_outputs(ap.parse_args(argv), "out")
     runs = [(name, outcomes(p, args.density)) for name, p in DEFAULT_RUNS if Path(p).exists()]
     if not runs:
         raise SystemExit("no passkey cells found: run `python -m veloxquant_mlx eval passkey` first")
@@ -306,7 +312,8 @@ def recall_main(argv=None) -> int:
     p.add_argument("--quantized-baseline", action="store_true",
                    help="also run mlx-lm's QuantizedKVCache(bits=4, group 32) holding everything ('full-4bit')")
     p.add_argument("--out", default=str(FIGURES / "recall" / "followup_smollm2.json"))
-    args = p.parse_args(argv)
+    add_publish(p)
+    args = route_outputs(p.parse_args(argv), "out")
     specs = dict(zip(args.methods, method_specs(args.methods)))  # an unknown label fails here, before any prefill
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {"prompts": []}
@@ -364,7 +371,8 @@ def recall_cost_main(argv=None) -> int:
                    help="pages read back per KV head; several values: one tier each ('memory-p2')")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--out", default=str(FIGURES / "recall" / "turn_cost_smollm2_8k.json"))
-    args = p.parse_args(argv)
+    add_publish(p)
+    args = route_outputs(p.parse_args(argv), "out")
     spec = method_specs([args.method])[0]  # an unknown label fails here, before any prefill
     pages = list(dict.fromkeys(args.recall_pages))
     try:
@@ -416,9 +424,12 @@ method, plus ``:stream`` for the ``decode`` regime, i.e. ``prompt_eviction="stre
 chunk), pairs each label with the full cache on the prompts both ran, and measures each label's KV bytes once on one
 prompt of the same length: the largest ``sum(c.nbytes)`` right after any layer's update (the KV part of
 the peak) and after generation. Writes ``figures/choosing/summary_<model>.json`` and the figure
-``figures/choosing/accuracy_vs_peak_<model>.png`` (accuracy with its Wilson 95 % interval against KV peak bytes).
+``figures/choosing/accuracy_vs_peak_<model>.png`` (accuracy with its Wilson 95 % interval against KV peak bytes)
+with ``--publish``, else the same paths under ./veloxquant_bench/; prints the page's table (``lab.report_choosing``).
 
-    python benchmark_scripts/bench_quality.py choosing figures/eval/choosing/passkey_end.json figures/eval/choosing/passkey_stream.json
+    python benchmark_scripts/bench_quality.py choosing figures/eval/passkey.json figures/eval/choosing/passkey_end.json
+        figures/eval/choosing/passkey_stream.json figures/eval/quant/passkey_paired.json
+        --labels full full-8bit full-4bit rotating kvzap kvzap:stream nexus nestedkv kvzip snapkv h2o nexus:recall=disk:stream
 """
 
 CHOOSING_OUT = FIGURES / "choosing"
@@ -507,8 +518,10 @@ def choosing_main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--out-dir", type=Path, default=CHOOSING_OUT)
     p.add_argument("--labels", nargs="+", default=None, help="only these labels (default: every label found)")
+    add_publish(p)
     args = p.parse_args(argv)
-    preload_blas()
+    preload_blas()  # re-executes this script once: its note below comes after
+    route_outputs(args, "out_dir")
     from veloxquant_mlx.evaluation.passkey import make_passkey_prompt
     from veloxquant_mlx.models import load_model
 
@@ -543,6 +556,7 @@ def choosing_main(argv=None) -> int:
     choosing_figure(rows, args.out_dir / f"accuracy_vs_peak_{args.model}.png",
                     f"{args.model}, passkey {args.context} tokens, {args.density:.0%} budget ({budget} rows); "
                     "each point: its prompts paired with the full cache's")
+    print(f"\nwrote {out}\n\n{report_choosing.table(res)}")  # docs/choosing.md's table
     return 0
 
 

@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _common
-from _common import FIGURES, ROOT, blas_info, preload_blas, provenance, tiny_llama, tiny_tokenizer, run_subcommands
+from _common import (FIGURES, ROOT, add_publish, blas_info, preload_blas, provenance, route_outputs, tiny_llama,
+                     tiny_tokenizer, run_subcommands)
 
 OUT = FIGURES / "serving"
 
@@ -91,7 +92,8 @@ def batch_parse_args(argv=None):
     p.add_argument("--no-fast-blas", action="store_true", help="keep MLX's reference BLAS")
     p.add_argument("--quick", action="store_true", help="tiny random model (numbers meaningless)")
     p.add_argument("--out-dir", default=str(OUT))
-    return p.parse_args(argv)
+    add_publish(p)
+    return route_outputs(p.parse_args(argv), "out_dir")
 
 
 def load(args):
@@ -405,7 +407,8 @@ def load_parse_args(argv=None):
     p.add_argument("--out-dir", default=str(OUT))
     p.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary folder)")
     p.add_argument("--name", default="bench_serve_load", help="output file stem")
-    return p.parse_args(argv)
+    add_publish(p)
+    return route_outputs(p.parse_args(argv), "out_dir")
 
 
 def free_port() -> int:

@@ -40,7 +40,7 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from _common import FIGURES, blas_info, budget, provenance, tiny_llama, run_subcommands
+from _common import FIGURES, add_publish, blas_info, budget, output, provenance, route_outputs, tiny_llama, run_subcommands
 import veloxquant_mlx
 from veloxquant_mlx import EvictionCache, KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.caches.batch import BatchEvictionCache
@@ -410,8 +410,10 @@ def cost_main(argv=None):
                     "(--components: figures/speed/step_components.json)")
     ap.add_argument("--components", action="store_true",
                     help="time each piece of one layer's step on its own instead of whole decode steps")
+    add_publish(ap)
     a = ap.parse_args(argv)
-    a.out = a.out or str(FIGURES / "speed" / ("step_components.json" if a.components else "step_cost.json"))
+    a.out = output(a.out or str(FIGURES / "speed" / ("step_components.json" if a.components else "step_cost.json")),
+                   a.publish)
     methods = [m for m in a.methods.split(",") if m]
     variants = [v for v in a.variants.split(",") if v]
     if "full" not in variants:
@@ -648,10 +650,12 @@ def nexus_main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--out", default=str(FIGURES / "bench_nexus_step.json"))
+    add_publish(ap)
     args = ap.parse_args(argv)
     if args.markdown:
         print(markdown(args.markdown))
         return 0
+    route_outputs(args, "out")
     blas = blas_info()
     results = []
     for per_head in (False, True):
@@ -830,7 +834,8 @@ def weight_main(argv=None) -> int:
     ap.add_argument("--no-timing", action="store_true", help="calls and nodes only (deterministic)")
     ap.add_argument("--out", default=str(FIGURES / "speed" / "step_weight.json"))
     ap.add_argument("--note", default="")
-    args = ap.parse_args(argv)
+    add_publish(ap)
+    args = route_outputs(ap.parse_args(argv), "out")
     if not 0 < args.steps < 30:
         raise SystemExit("--steps must be in 1..29: the steps must fall between evictions (slack 32, 2 warm-up)")
     names = list(args.methods or methods())

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_CACHE, ROOT, peer_venv, provenance
+from _common import BENCH_CACHE, ROOT, add_publish, peer_venv, provenance, route_outputs
 
 VENV = BENCH_CACHE / "kvpress-venv"
 HF_DIR = BENCH_CACHE / "smollm2-135m-hf"
@@ -150,7 +150,8 @@ def main() -> int:
     ap.add_argument("--skip-kvpress", action="store_true", help="reuse <out-dir>/kvpress_raw.json (a partial run "
                     "compares the prompts both sides finished)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "figures" / "kvpress")
-    args = ap.parse_args()
+    add_publish(ap)
+    args = route_outputs(ap.parse_args(), "out_dir")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     labels = args.ours if args.ours is not None else [o for o, _, _ in PAIRS if o and o != "full"]
     presses = args.presses if args.presses is not None else [p for _, p, _ in PAIRS if p]

@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_CACHE, ROOT as REPO, peer_venv, provenance
+from _common import BENCH_CACHE, ROOT as REPO, add_publish, output, peer_venv, provenance
 
 ORIGIN_DIST = "VeloxQuant-MLX"
 ORIGIN_VERSION = "0.94.15"
@@ -458,10 +458,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ours-only", action="store_true",
                     help="run this package's worker alone (no origin venv): its methods against mlx-lm's KVCache")
     ap.add_argument("--report-only", action="store_true", help="measure nothing: print --out's table")
+    add_publish(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args)
     if not args.report_only:
+        args.out = output(args.out, args.publish)
         return driver_main(args)
     res = json.loads(Path(args.out).read_text())
     pkgs = tuple(res.get("workers", {"ours": 0, "origin": 0}))

@@ -6,7 +6,8 @@
 
 Writes <out>/results.json (sorted keys, floats rounded; only ``*_ms`` fields vary between runs),
 PNG figures in <out>/, and regenerates the table block of docs/benchmarks.md (full runs only, unless
---docs is given). Every registered method runs, plus Nexus top-K / no-walk ablations; a method that
+--docs is given); the published figures/planted/ and docs/benchmarks.md only with --publish, else the
+same paths under ./veloxquant_bench/. Every registered method runs, plus Nexus top-K / no-walk ablations; a method that
 raises gets "error" in its cells and the run continues.
 
 For realistic CPU timings preload OpenBLAS:
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _common import ROOT
+from _common import ROOT, add_publish, output, route_outputs
 
 from lab import planted as P
 from lab.provenance import command_line, provenance
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
                     help="markdown file whose table block to regenerate (default: docs/benchmarks.md for "
                          "full runs of every family, nothing otherwise; 'none' disables)")
     ap.add_argument("--no-figures", action="store_true")
-    args = ap.parse_args(argv)
+    add_publish(ap)
+    args = route_outputs(ap.parse_args(argv), "out")
 
     kw = {}
     if args.seeds:
@@ -148,6 +150,8 @@ def main(argv=None) -> int:
     if docs is None and not args.quick and not args.only:
         docs = str(ROOT / "docs" / "benchmarks.md")
     if docs and docs != "none":
+        docs = output(docs, args.publish)  # without --publish: a copy of the table block under ./veloxquant_bench/
+        os.makedirs(os.path.dirname(os.path.abspath(docs)), exist_ok=True)
         P.update_markdown(docs, P.round_floats(results), header=DOC_HEADER)
         print(f"updated {docs}")
     if results["errors"]:

@@ -11,6 +11,11 @@ from the current one for any method it covers. A doc (README.md, docs/**/*.md) q
 it names the figure's path. A quote on a line that itself says "stale" tells the reader so and is
 listed but allowed; any other quote of a stale figure fails the check.
 
+A doc that gives a command beside the figure it makes (```python ...`` (``figures/x.json``)``) must give the
+command the figure recorded (``provenance.command``), up to the scripts renamed since (``RENAMED``), the
+OpenBLAS launcher and the flags that only say where a run writes (``PLUMBING``); another command fails the
+check too: it would not reproduce the figure.
+
 ``stamp`` attaches provenance to a figure written before figures carried it: the fingerprint is
 computed on a checkout of the producing commit C (``git archive`` of the package into a temporary
 folder, with today's fingerprint code copied in), so a figure made by code that has since changed
@@ -23,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -66,6 +73,66 @@ def quotes(root: Path, paths) -> dict:
     return out
 
 
+# Scripts and entry points renamed since a figure recorded its command: {recorded: today's}.
+RENAMED = {
+    "benchmark_scripts/bench_peak.py": "benchmark_scripts/bench_memory.py peak",
+    "benchmark_scripts/bench_quant.py": "benchmark_scripts/bench_memory.py quant",
+    "benchmark_scripts/bench_kvzip_prefill.py": "benchmark_scripts/bench_prefill.py kvzip",
+    "benchmark_scripts/quant_passkey_report.py": "benchmark_scripts/bench_quality.py quant-report",
+    "benchmark_scripts/eval_quant_passkey.py": "benchmark_scripts/bench_quality.py quant-passkey",
+    "-m veloxquant_mlx._blas": "-m veloxquant_mlx.platform.blas",
+}
+# Flags that say where a run writes and what it prints, not what it measures: {flag: values it takes}.
+PLUMBING = {"--publish": 0, "--no-report": 0, "--no-progress": 0, "--out-dir": 1, "--out": 1}
+LAUNCHER = ["-m", "veloxquant_mlx.platform.blas"]
+# "`python ...` (`figures/x.json`" or "`python ...` (... `figures/x.json`": a command beside the figure it makes.
+COMMAND_BESIDE = re.compile(r"`(python [^`]+)`\s*\((?:[^()`]*?)`(figures/[^`]+\.json)`")
+
+
+def normalized(command: str) -> list:
+    """A command's words as they are compared: today's script names, no OpenBLAS launcher, no
+    output-only flags; ``python -m veloxquant_mlx ... eval`` (before the lab existed) is ``python -m lab ... eval``."""
+    for old, new in RENAMED.items():
+        command = command.replace(old, new)
+    words = shlex.split(command)
+    if words[1:3] == LAUNCHER:
+        words = words[:1] + words[3:]
+    if words[1:3] == ["-m", "veloxquant_mlx"] and "eval" in words:
+        words[2] = "lab"
+    out, skip = [], 0
+    for w in words:
+        if skip:
+            skip -= 1
+            continue
+        flag = w.split("=", 1)[0]
+        if flag in PLUMBING:
+            skip = PLUMBING[flag] if "=" not in w else 0
+            continue
+        out.append(w)
+    return out
+
+
+def commands(root: Path) -> list:
+    """(doc, figure, command) for every command a doc gives beside the figure it makes."""
+    found = []
+    for doc in docs(root):
+        text = re.sub(r"\s*\n\s*", " ", doc.read_text(errors="replace"))  # a code span may wrap
+        found += [(doc.relative_to(root).as_posix(), fig, cmd) for cmd, fig in COMMAND_BESIDE.findall(text)]
+    return found
+
+
+def command_mismatches(root: Path, provenance: dict | None = None) -> list:
+    """(doc, figure, the doc's command, the recorded one) where they differ (or the figure records none)."""
+    provenance = figures(root) if provenance is None else provenance
+    bad = []
+    for doc, fig, cmd in commands(root):
+        prov = provenance.get(fig)
+        recorded = prov.get("command") if isinstance(prov, dict) else None
+        if recorded is None or normalized(cmd) != normalized(recorded):
+            bad.append((doc, fig, cmd, recorded))
+    return bad
+
+
 def check(root: Path, current: dict | None = None) -> dict:
     """{"fresh": {path: prov}, "stale": {path: {method: why}}, "quotes": ..., "failing": [(path, doc, line)]}."""
     current = fingerprint() if current is None else current
@@ -74,7 +141,8 @@ def check(root: Path, current: dict | None = None) -> dict:
     q = quotes(root, list(figs))
     failing = [(p, d, n) for p in stale for d, n, ok in q[p] if not ok]
     return {"fresh": {p: figs[p] for p in figs if p not in stale}, "stale": stale, "quotes": q,
-            "failing": failing, "current": current, "provenance": figs}
+            "failing": failing, "current": current, "provenance": figs,
+            "commands": command_mismatches(root, figs)}
 
 
 def report(res: dict) -> str:
@@ -94,10 +162,16 @@ def report(res: dict) -> str:
         for d, n, ok in res["quotes"][p]:
             lines.append(f"      quoted by {d}:{n}" + (" (says stale)" if ok else "  <-- FAILS"))
     lines.append("")
+    for doc, fig, cmd, recorded in res.get("commands", []):
+        lines.append(f"  {doc} gives for {fig}:\n      {cmd}\n    which is not what made it:\n      {recorded}  <-- FAILS")
     if res["failing"]:
         lines.append(f"FAIL: {len(res['failing'])} doc line(s) quote a stale figure without saying so.")
     else:
         lines.append("OK: no doc quotes a stale figure without saying so.")
+    if res.get("commands"):
+        lines.append(f"FAIL: {len(res['commands'])} doc command(s) beside a figure are not the command it recorded.")
+    else:
+        lines.append("OK: every command a doc gives beside a figure is the one it recorded.")
     return "\n".join(lines)
 
 
@@ -190,7 +264,7 @@ def main(argv=None) -> int:
     res = check(Path(args.root))
     print(f"check_figures at {commit()} ({time.perf_counter() - t0:.1f} s, {os.cpu_count()} CPUs)")
     print(report(res))
-    return 1 if res["failing"] else 0
+    return 1 if res["failing"] or res["commands"] else 0
 
 
 if __name__ == "__main__":

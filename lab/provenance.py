@@ -147,7 +147,10 @@ def method_fingerprint(key: str) -> str:
 
 def _with_tiny_scorer(model, method, setting, options):
     """A learned-scorer method (kvzap) on the fingerprint model: its scorer fitted by the real fit code on
-    fixed random windows, in a temporary folder (deterministic up to the BLAS's summation order)."""
+    fixed random windows, in a temporary folder removed when the process exits (deterministic up to the
+    BLAS's summation order)."""
+    import atexit
+    import shutil
     import tempfile
 
     from veloxquant_mlx.evaluation.kvzap_fit import tiny_scorer
@@ -155,6 +158,7 @@ def _with_tiny_scorer(model, method, setting, options):
     global _SCORER_DIR
     if _SCORER_DIR is None:
         _SCORER_DIR = tempfile.mkdtemp(prefix="vq-fingerprint-scorer-")
+        atexit.register(shutil.rmtree, _SCORER_DIR, ignore_errors=True)
     # The tiny scorer replaces a label's own (fitted for a real model, it cannot run on the tiny one).
     return _config(method, setting, {**(options or {}), "scorer": str(tiny_scorer(model, _SCORER_DIR))})
 

@@ -7,24 +7,8 @@ from __future__ import annotations
 
 import math
 
-Z95 = 1.959963984540054  # two-sided 95% normal quantile
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple:
-    """Wilson score interval (low, high) for ``k`` successes out of ``n`` trials, as fractions.
-
-    ``n == 0`` gives (0, 1): no information."""
-    if n < 0 or not 0 <= k <= n:
-        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    z2 = z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    lo, hi = centre - half, centre + half
-    # Exact at the edges (rounding would otherwise leave 1e-17 residue).
-    return (0.0 if k == 0 else max(lo, 0.0), 1.0 if k == n else min(hi, 1.0))
+# The package's own: eval prints the same intervals while it runs as the report does.
+from veloxquant_mlx.evaluation.accuracy import Z95, wilson  # noqa: F401 (re-exported)
 
 
 def binom_cdf(k: int, n: int, p: float = 0.5) -> float:

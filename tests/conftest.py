@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -38,17 +40,30 @@ SMALL_BUDGET = 32  # the budget the methods' small= options are sized for
 
 
 # kvzap needs a scorer fitted for each model: the tiny models get theirs from the real fit code (KVzip+ scores
-# of random token windows, ridge regression), written to a session folder on kvzap's search path, so every
-# registry-driven test builds kvzap exactly as a user with a fitted scorer does.
-KVZAP_DIR = Path(tempfile.mkdtemp(prefix="vq-kvzap-scorers-"))
-os.environ["VELOXQUANT_KVZAP_PATH"] = str(KVZAP_DIR)
+# of random token windows, ridge regression), written to a folder of this process on kvzap's search path, so
+# every registry-driven test builds kvzap exactly as a user with a fitted scorer does. The folder is made by
+# the first fit and removed when the process exits: a process that fits nothing (pytest before it re-executes
+# itself with OpenBLAS, which skips exit handlers) leaves nothing in the temporary folder.
+KVZAP_DIR = None
+os.environ.pop("VELOXQUANT_KVZAP_PATH", None)  # a user's own scorers stay out of the tests
+
+
+def kvzap_dir() -> Path:
+    """This process's scorer folder (made, put on kvzap's search path and registered for removal at exit
+    on the first call)."""
+    global KVZAP_DIR
+    if KVZAP_DIR is None:
+        KVZAP_DIR = Path(tempfile.mkdtemp(prefix="vq-kvzap-scorers-"))
+        os.environ["VELOXQUANT_KVZAP_PATH"] = str(KVZAP_DIR)
+        atexit.register(shutil.rmtree, KVZAP_DIR, ignore_errors=True)
+    return KVZAP_DIR
 
 
 def fit_tiny_scorer(model) -> Path:
     """Fit (once per model identity) and store a kvzap scorer for a tiny test model."""
     from veloxquant_mlx.evaluation.kvzap_fit import tiny_scorer
 
-    return tiny_scorer(model, KVZAP_DIR, tiny_tokenizer())
+    return tiny_scorer(model, kvzap_dir(), tiny_tokenizer())
 
 
 def make_tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2,

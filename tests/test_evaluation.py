@@ -185,6 +185,53 @@ def test_run_cells_calls_after_cell_once_per_stored_cell(tmp_path):
     assert seen == [["c0"], ["c0", "c1"], ["c0", "c1", "c2"]]
 
 
+def test_a_run_prints_each_caches_accuracy_with_its_interval_as_it_goes_and_at_the_end(tmp_path, capsys):
+    from veloxquant_mlx.evaluation.outputs import RunControl
+
+    store = R.ResultStore(tmp_path / "p.json", "passkey")
+    right = {"full": [True, True, True, True], "nexus": [True, False, True, False]}
+    cells = [(f"{m}{i}", {"method": m, "density": None if m == "full" else 0.2, "i": i})
+             for i in range(4) for m in right]
+
+    def run_one(p):
+        return {"correct": right[p["method"]][p["i"]]} if p["i"] < 3 else {"error": "ValueError: budget"}
+
+    R.run_experiment(store, cells, run_one, RunControl(out_dir=str(tmp_path), progress=False, note_every=0))
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("passkey so far: ")]
+    assert len(notes) == len(cells)  # one per finished cell with note_every=0
+    assert notes[0] == "passkey so far: full 1/1 100% [21, 100]"
+    assert notes[5] == "passkey so far: full 3/3 100% [44, 100] | nexus 2/3 67% [21, 94]"
+    table = out[out.index("accuracy (right / answered, Wilson 95 % interval):"):].splitlines()
+    assert table[1].split() == ["full", "3/3", "100.0%", "[43.9,", "100.0]"]  # the errored cells are no answers
+    assert table[2].split() == ["nexus", "2/3", "66.7%", "[20.8,", "93.9]"]
+    rows = R.accuracy_rows([{"method": "nexus", "density": d, "regime": "decode", "correct": c}
+                            for d, c in ((0.1, False), (0.2, True), (0.2, True))])
+    assert rows == [("nexus (density 0.1)", 0, 1), ("nexus (density 0.2)", 2, 2)]  # names what varies only
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["passkey", "--contexts", "-5"], "--contexts: must be >= 64, got -5"),
+    (["passkey", "--densities", "2"], r"--densities: must be in \(0, 1\], got 2"),
+    (["passkey", "--densities", "0"], r"--densities: must be in \(0, 1\], got 0"),
+    (["passkey", "--depths", "1.5"], r"--depths: must be in \[0.0, 1.0\], got 1.5"),
+    (["passkey", "--n-keys", "0"], "--n-keys: must be >= 1"),
+    (["passkey", "--time-budget", "-1"], "--time-budget: must be >= 0.0"),
+    (["perplexity", "--densities", "1.5"], r"--densities: must be in \(0, 1\]"),
+    (["speed", "--density", "2"], r"--density: must be in \(0, 1\]"),
+    (["speed", "--repeats", "0"], "--repeats: must be >= 1"),
+    (["tasks", "--densities", "-0.2"], r"--densities: must be in \(0, 1\]"),
+    (["tasks", "--n-facts", "5"], r"--n-facts: must be in \[2, 4\]")])
+def test_eval_refuses_values_out_of_range_in_one_line(tmp_path, capsys, argv, pattern):
+    import re
+
+    # --quick --max-cells 0: were the value taken, a dry run on the tiny model would answer at once
+    assert main(["eval", *argv, "--out-dir", str(tmp_path), "--quick", "--max-cells", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and re.search(pattern, err), err
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
+
+
 def test_generatepasskey_spec_names_one_evaluation_prompt():
     import argparse
 
@@ -253,4 +300,7 @@ def test_max_cells_counts_json_records_in_summary_bar_and_file_and_leaves_no_loc
     assert ran < 6  # the second prompt never started
     bar = re.findall(r"(\d+)/(\d+) \[", captured.err)[-1]
     assert (int(bar[0]), int(bar[1])) == (ran, 6)
+    table = captured.out.split("accuracy (right / answered, Wilson 95 % interval):\n")[1].splitlines()
+    assert [row.split()[0] for row in table] == ["full", "h2o", "snapkv"]  # the end's accuracy per cache
+    assert all(re.fullmatch(r"\s+\S+\s+[01]/1\s+[\d.]+% \[[\d.]+, [\d.]+\]", row) for row in table), table
     assert sorted(p.name for p in out.iterdir()) == ["passkey.json"]  # no .lock (nor temporary) file

@@ -64,7 +64,8 @@ def test_every_figure_label_is_pinned():
             data = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        for c in (data.get("cells") or {}).values() if isinstance(data, dict) else ():
+        cells = data.get("cells") if isinstance(data, dict) else None
+        for c in cells.values() if isinstance(cells, dict) else cells if isinstance(cells, list) else ():
             if isinstance(c, dict):
                 seen |= {c["method"]} if isinstance(c.get("method"), str) else set()
     seen -= {"kvcache"}  # the speed harness's name for mlx-lm's KVCache, not a label

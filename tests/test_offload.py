@@ -57,7 +57,8 @@ def test_offload_gives_the_tokens_and_logits_of_end(method, allocation, model, t
     assert np.abs(lp_off - lp_end).max() <= 1e-4
 
 
-@pytest.mark.parametrize("spec", ["snapkv:kv_bits=8,kv_group_size=32", "h2o:kv_bits=4,kv_group_size=32"])
+@pytest.mark.parametrize("spec", ["snapkv:kv_bits=8,kv_group_size=32", "h2o:kv_bits=4,kv_group_size=32",
+                                  "kvzap:kv_bits=8,kv_group_size=32,layers=global"])
 def test_offload_with_quantized_rows_gives_the_tokens_of_end(spec, model, tmp_path):
     prompt = random_prompt(150, seed=8)
     toks = {}
@@ -274,3 +275,18 @@ def test_batch_generate_refuses_offload_caches_and_serve_runs_them_one_at_a_time
         assert "prompt_eviction='offload' reads each sequence's prompt against its own page file" in caplog.text
     finally:
         KVCacheBuilder.uninstall(model)
+
+
+def test_window_probabilities_a_block_at_a_time_equal_the_whole():
+    from veloxquant_mlx.ops.attention import blocked_window_probs, window_attention_probs
+
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.normal(size=(1, 6, 8, 16)).astype(np.float32))
+    k = mx.array(rng.normal(size=(1, 2, 100, 16)).astype(np.float32))
+    pos = mx.broadcast_to(mx.arange(100), (1, 2, 100))
+    q_pos = mx.arange(92, 100)
+    whole = window_attention_probs(q, k, q_pos, pos, 0.25)
+    blocks = lambda: ((k[:, :, a:a + 32], pos[:, :, a:a + 32]) for a in range(0, 100, 32))
+    for reduce in (lambda p: p.sum(axis=(2, 3)), lambda p: p.max(axis=3).sum(axis=2), lambda p: p):
+        got = blocked_window_probs(q, q_pos, 0.25, blocks, reduce)
+        assert np.abs(np.array(got) - np.array(reduce(whole))).max() <= 1e-6

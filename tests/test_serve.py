@@ -576,7 +576,8 @@ def test_serve_takes_a_method_spec(monkeypatch):
     monkeypatch.setattr(serve_mod.distributed, "setup_cli", lambda model: None)
     args = build_parser().parse_args(["serve", "--method", "h2o:budget=64,kv_bits=4,allocation=ada", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
-    assert seen[-1]["config"] == KVCacheConfig.parse("h2o:budget=64,kv_bits=4,allocation=ada")
+    # the command line's quantization groups are mlx-lm's 64 (KVCacheConfig's own default for 4 bits is 32)
+    assert seen[-1]["config"] == KVCacheConfig.parse("h2o:budget=64,kv_bits=4,kv_group_size=64,allocation=ada")
     assert "kv_bits" not in seen[-1]  # our caches quantize their rows: requests stay batchable
     args = build_parser().parse_args(["serve", "--method", "full:kv_bits=8", "--port", str(free_port())])
     assert serve_mod.cmd_serve(args) == 0
@@ -661,8 +662,8 @@ def test_port_taken_after_the_check_stops_the_generation_thread(monkeypatch):
 
 
 def test_request_log_line_has_generates_words_and_baseline():
-    """serve's per-request KV line is generate's: allocated bytes against the full cache's K/V of the
-    tokens seen (kv_report), not against what mlx-lm's KVCache would allocate."""
+    """serve's per-request KV line is generate's, like against like: the allocated bytes against what
+    mlx-lm's KVCache allocates for the tokens seen, the kept rows against every token's K/V (kv_report)."""
     from veloxquant_mlx.caches.accounting import kv_report
     from veloxquant_mlx.cli.args import kv_summary
     from veloxquant_mlx.cli.serve_memory import request_log_line
@@ -675,8 +676,8 @@ def test_request_log_line_has_generates_words_and_baseline():
         line = request_log_line(n, caches)
         assert line == f"request done: {n} tokens in its cache; {kv_summary(kv)}"
         ratio = float(line.split("= ")[1].split("x")[0])
-        assert ratio == pytest.approx(sum(c.nbytes for c in caches) / kv["full_bytes"], abs=0.01)
-        assert "of the full cache's" in line and "KVCache allocates" not in line
+        assert ratio == pytest.approx(sum(c.nbytes for c in caches) / kv["kvcache_bytes"], abs=0.01)
+        assert "of the full cache's" in line and "mlx-lm's KVCache" in line
 
 
 def test_prompt_cache_bounds_bytes_at_our_caches_nbytes():

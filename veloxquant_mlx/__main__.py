@@ -1,5 +1,15 @@
 import sys
 
-from .cli import main
 
-sys.exit(main())
+def run() -> int:
+    """The command line (``python -m veloxquant_mlx``, the ``veloxquant-mlx`` script)."""
+    try:
+        from .cli import main
+    except KeyboardInterrupt:  # Ctrl-C while the subcommands import: one line, as during a command
+        print("interrupted", file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -212,10 +212,6 @@ class KVCacheConfig:
         if self.allocation not in cls.allocations:
             raise ValueError(f"allocation={self.allocation!r} is not supported by method {method!r} (it runs "
                              f"{' or '.join(repr(a) for a in cls.allocations)})")
-        if self.budget <= self.n_sink + self.recent:
-            raise ValueError(
-                f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
-                f"{self.n_sink + self.recent}): nothing would be left for {method!r} to select")
         self.recall, self.recall_page, self.recall_bits, self.recall_dir, self.recall_pages, self.recall_window = (
             check_recall(recall, recall_page, recall_bits, recall_dir, recall_pages, recall_window))
         self.recall_every = check_recall_every(recall, recall_every)
@@ -228,7 +224,14 @@ class KVCacheConfig:
             raise ValueError(f"recall={recall!r} needs uniform per-head storage: {method}'s cross-head "
                              f"competition keeps ragged heads (use {method}_cross_head=False)")
         self.page_dir, self.page_block = check_pages(self.prompt_eviction, page_dir, page_block, recall, method, cls)
+        # The method's own check first: where it needs more than the generic minimum (Nexus's whole blocks),
+        # the first error already names the budget that passes.
         cls.check_config(self)
+        if self.budget <= self.n_sink + self.recent:
+            raise ValueError(
+                f"budget ({self.budget}) must exceed n_sink + recent ({self.n_sink} + {self.recent} = "
+                f"{self.n_sink + self.recent}): nothing would be left for {method!r} to select; need budget >= "
+                f"{self.n_sink + self.recent + 1}")
 
     # ``config.nexus.window`` reads the chosen method's options under the method's name.
     def __getattr__(self, name):

@@ -135,7 +135,6 @@ def check_recall(recall, page, bits, folder, pages, window) -> tuple:
     recall_pages, recall_window). A ``recall_dir`` is tried for writing here, before any cache exists,
     so a read-only folder fails before a single row is evicted."""
     import os
-    import tempfile
 
     if recall is not None and recall not in RECALL_TIERS:
         raise ValueError(f"recall={recall!r} is not supported: use None, 'memory' or 'disk'")
@@ -145,27 +144,35 @@ def check_recall(recall, page, bits, folder, pages, window) -> tuple:
     window = check_value("KVCacheConfig", "recall_window", window, {**int_meta, "low": 1})
     if isinstance(bits, bool) or bits not in RECALL_BITS:
         raise ValueError(f"recall_bits={bits!r} is not supported: use one of {list(RECALL_BITS)}")
-    if folder is not None:
-        if not isinstance(folder, (str, os.PathLike)):
-            raise TypeError(f"recall_dir must be a path, got {type(folder).__name__}")
-        folder = os.fspath(folder)
-        if recall != "disk":
-            raise ValueError(f"recall_dir={folder!r} is only used by recall='disk' (recall={recall!r})")
-        if not os.path.isdir(folder):
-            raise ValueError(f"recall_dir={folder!r} is not an existing folder")
-        try:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as e:
-            raise ValueError(f"recall_dir={folder!r} is not writable: {e.strerror or e}") from None
-    return recall, page, bits, folder, pages, window
+    if folder is not None and recall != "disk":
+        raise ValueError(f"recall_dir={os.fspath(folder)!r} is only used by recall='disk' (recall={recall!r})")
+    return recall, page, bits, writable_folder("recall_dir", folder), pages, window
+
+
+def writable_folder(name: str, folder):
+    """``folder`` (None, or a path) as a string, refused in one line unless it exists and takes a file."""
+    import os
+    import tempfile
+
+    if folder is None:
+        return None
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path, got {type(folder).__name__}")
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{name}={folder!r} is not an existing folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{name}={folder!r} is not writable: {e.strerror or e}") from None
+    return folder
 
 
 def check_pages(prompt_eviction, folder, block, recall, method, cls) -> tuple:
     """Validate the paged prompt's fields (``page_dir``, ``page_block``). The folder is tried for writing
     here, before any cache exists, so a read-only folder fails before the prompt starts."""
     import os
-    import tempfile
 
     block = check_value("KVCacheConfig", "page_block", block,
                         dict(kind=int, low=1, high=None, low_open=False, choices=None, allow_none=False))
@@ -179,18 +186,7 @@ def check_pages(prompt_eviction, folder, block, recall, method, cls) -> tuple:
     if cls.compresses_in_model_pass:
         raise ValueError(f"prompt_eviction='offload' is not supported by {method!r}: its compression runs a model "
                          "pass over every layer's rows at once, which the paged prompt does not hold (use 'end')")
-    if folder is not None:
-        if not isinstance(folder, (str, os.PathLike)):
-            raise TypeError(f"page_dir must be a path, got {type(folder).__name__}")
-        folder = os.fspath(folder)
-        if not os.path.isdir(folder):
-            raise ValueError(f"page_dir={folder!r} is not an existing folder")
-        try:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as e:
-            raise ValueError(f"page_dir={folder!r} is not writable: {e.strerror or e}") from None
-    return folder, block
+    return writable_folder("page_dir", folder), block
 
 
 def check_recall_hold(recall, hold, method, cls):

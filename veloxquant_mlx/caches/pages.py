@@ -50,6 +50,30 @@ def _host(a: mx.array) -> np.ndarray:
     return np.array(a.view(_MX_RAW[a.dtype.size]) if a.dtype.size in _MX_RAW else a)
 
 
+class PagedRows:
+    """A closed paged prompt's keys or values while its eviction runs: they stay in the file. The method's
+    scores read them whole only if they need them (:meth:`load`, through ``stored``); the eviction reads
+    the kept rows alone (``RowStorage.compact`` calls :meth:`gather`)."""
+
+    nbytes = 0  # nothing in memory
+
+    def __init__(self, pages, which: str):
+        self.pages, self.which, self._loaded = pages, which, None
+
+    def load(self):
+        if self._loaded is None:
+            self._loaded = self.pages.read_part(self.which)
+        return self._loaded
+
+    def gather(self, idx: mx.array):
+        return self.pages.gather_rows(idx, self.which)
+
+    def __getattr__(self, name):  # anything else (shape, dtype, ...) is asked of the rows themselves
+        if name.startswith("_") or name in ("pages", "which"):
+            raise AttributeError(name)
+        return getattr(self.load(), name)
+
+
 class PromptPages:
     """One cache's page file and the per-row state of the rows in it (module docstring)."""
 
@@ -65,7 +89,7 @@ class PromptPages:
         self.positions = None  # (B, H, rows) int32 once the rows are not 0 .. rows - 1 (a loaded cache)
         self.padded = False  # a paged row is padding (ragged heads): reads hide it
         self.extras: dict = {}  # name -> (B, H, rows) float32: the method's per-row state
-        self.pending: list = []  # (parts, rows) held for the file (decode rows, written lazily)
+        self.pending: list = []  # each: the parts (keys', then values') of rows held for the file, not written yet
         self.reading = self.closed = False
         self.step_rows = None  # rows in the file after the last paged step (None: the last step was not one)
         self.bytes_read = 0
@@ -133,18 +157,53 @@ class PromptPages:
         self.written += n
 
     # -- reading ------------------------------------------------------------------------------------------
-    def _read(self, lo: int, hi: int) -> list:
-        """Parts of the written rows lo:hi, each (B, H, n, width) as stored."""
-        rec = np.fromfile(self.path, dtype=self.record, count=hi - lo, offset=lo * self.record.itemsize)
-        if rec.shape[0] != hi - lo:
+    def _map(self):
+        """The written rows as a read-only memory map: (rows,) records."""
+        import os
+
+        if not os.path.exists(self.path) or os.path.getsize(self.path) < self.disk_bytes:
             raise RuntimeError(f"prompt_eviction='offload' file {self.path!r} holds fewer rows than written "
                                f"({self.written}): was it removed or truncated?")
-        self.bytes_read += rec.nbytes
+        return np.memmap(self.path, dtype=self.record, mode="r", shape=(self.written,))
+
+    def _read(self, lo: int, hi: int, parts=None) -> list:
+        """Parts (all, or the indices ``parts``) of the written rows lo:hi, each (B, H, n, width) as stored."""
+        rec = self._map()[lo:hi]
         out = []
         for i, dtype in enumerate(self.parts[1]):
-            a = mx.array(np.ascontiguousarray(np.moveaxis(rec[f"p{i}"], 0, 2)))
+            if parts is not None and i not in parts:
+                continue
+            host = np.ascontiguousarray(np.moveaxis(rec[f"p{i}"], 0, 2))
+            self.bytes_read += host.nbytes
+            a = mx.array(host)
             out.append(a.view(dtype) if a.dtype != dtype else a)
         return out
+
+    def _part_range(self, which: str) -> range:
+        n = self.parts[0]
+        return range(n) if which == "keys" else range(n, len(self.parts[1]))
+
+    def read_part(self, which: str):
+        """Every paged row's keys or values, as the hot storage holds them."""
+        self.flush()
+        parts = self._read(0, self.written, parts=self._part_range(which))
+        return tuple(parts) if len(parts) > 1 else parts[0]
+
+    def gather_rows(self, idx: mx.array, which: str):
+        """The keys or values of rows ``idx`` (B, H, K) of every head, read from the file (host-read indices:
+        once per layer at a paged prompt's end), as the hot storage holds them."""
+        self.flush()
+        rows = np.array(idx)
+        B, H = self.shape
+        b, h = np.arange(B)[:, None, None], np.arange(H)[None, :, None]
+        mm, out = self._map(), []
+        for i in self._part_range(which):
+            dtype = self.parts[1][i]
+            host = np.ascontiguousarray(mm[f"p{i}"][rows, b, h])  # (B, H, K, width): only these rows are read
+            self.bytes_read += host.nbytes
+            a = mx.array(host)
+            out.append(a.view(dtype) if a.dtype != dtype else a)
+        return tuple(out) if len(out) > 1 else out[0]
 
     def _kv(self, parts: list):
         """(keys, values) buffers from the parts of a read: quantized rows as their (words, scales, biases)."""
@@ -170,7 +229,7 @@ class PromptPages:
         if name == "positions":
             return self.all_positions()
         if name in ("keys", "values"):
-            return dequantize_rows(self.read_all()[0 if name == "keys" else 1], bits, gs)
+            return dequantize_rows(self.read_part(name), bits, gs)
         return self.extras[name]
 
     # -- the cache's steps --------------------------------------------------------------------------------
@@ -207,7 +266,7 @@ class PromptPages:
         the caller evaluates the kept rows before the next layer reads); a decoding one hands its rows
         newer than the file to it first, since the eviction may drop them."""
         if self.closed:
-            self.unpage(cache)
+            self.unpage(cache, values=False)
             return True
         n = cache.offset - self.next_pos
         if n > 0 and not self.reading:
@@ -217,9 +276,15 @@ class PromptPages:
                 self.flush()
         return False
 
-    def unpage(self, cache) -> None:
-        """The closed cache's rows back into its hot storage (one layer's rows: memory of one layer)."""
-        keys, values = self.read_all()
+    def unpage(self, cache, values: bool = True) -> None:
+        """The closed cache's rows back into its hot storage (one layer's rows: memory of one layer).
+        ``values`` False: the keys and values stay in the file (:class:`PagedRows`): the method's scores read
+        the keys only if they need them, and the eviction that follows reads only the kept rows."""
+        if values:
+            keys, values = self.read_all()
+        else:
+            self.flush()
+            keys, values = PagedRows(self, "keys"), PagedRows(self, "values")
         # fresh arrays: the hot storage writes into its per-row fields in place
         cache.store.replace(keys, values, self.all_positions(), {k: mx.array(v) for k, v in self.extras.items()},
                             ragged=self.padded)

@@ -60,6 +60,10 @@ class RowStore:
     def raw(self, name: str = "keys"):
         """The stored rows of ``keys``, ``values``, ``positions`` or a field, as held (quantized: the parts)."""
         arr = {"keys": self.keys, "values": self.values, "positions": self.positions}.get(name)
+        load = getattr(arr, "load", None)
+        if load is not None:  # a paged prompt's rows, read back from its file on first use (caches.pages)
+            arr = load()
+            setattr(self, name, arr)
         if arr is None:
             arr = self.fields[name]
         r = self.rows
@@ -164,10 +168,18 @@ class RowStore:
         # quantized rows: words, scales and biases gathered alike, never requantized. (A batch row gets its
         # own buffer of kept rows here, which the batch writes back into its slice at the next step.)
         k_idx = idx if extra <= 0 else mx.concatenate([idx, mx.zeros((*idx.shape[:-1], extra), idx.dtype)], -1)
-        k_parts, v_parts = buf_parts(self.keys), buf_parts(self.values)
-        kept = gather_rows_of(k_parts + v_parts, k_idx)
-        n = len(k_parts)
-        self.keys, self.values = from_parts(kept[:n], self.keys), from_parts(kept[n:], self.values)
+        # a paged prompt's keys or values not read back (caches.pages.PagedRows): only the kept rows are read
+        paged = {name: getattr(getattr(self, name), "gather", None) for name in ("keys", "values")}
+        held = [name for name in ("keys", "values") if paged[name] is None]
+        parts = {name: buf_parts(getattr(self, name)) for name in held}
+        kept = gather_rows_of([p for name in held for p in parts[name]], k_idx)
+        for name in ("keys", "values"):
+            if paged[name] is not None:
+                setattr(self, name, paged[name](k_idx))
+            else:
+                n = len(parts[name])
+                setattr(self, name, from_parts(kept[:n], getattr(self, name)))
+                kept = kept[n:]
         pos = gather_rows(self.positions, idx)
         if real is not None:
             pos = mx.where(real, pos, PAD_POSITION)

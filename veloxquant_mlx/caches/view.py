@@ -44,14 +44,14 @@ class View:
         """(B, H, rows, D) the stored keys (post-RoPE), as attention reads them."""
         st = self._cache.store
         k = st.keys
-        return k[:, :, :st.rows] if st.bits is None and k is not None else self._cache.stored("keys")
+        return k[:, :, :st.rows] if st.bits is None and isinstance(k, mx.array) else self._cache.stored("keys")
 
     @property
     def values(self) -> mx.array:
         """(B, H, rows, D_v) the stored values."""
         st = self._cache.store
         v = st.values
-        return v[:, :, :st.rows] if st.bits is None and v is not None else self._cache.stored("values")
+        return v[:, :, :st.rows] if st.bits is None and isinstance(v, mx.array) else self._cache.stored("values")
 
     @property
     def positions(self) -> mx.array:

@@ -76,6 +76,14 @@ def _fast_blas() -> bool:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # at any point: parsing, loading, generating (a partial answer ends its line first)
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
     from ..models import ModelNotAvailableError
 
     try:
@@ -88,6 +96,3 @@ def main(argv=None) -> int:
     except (CLIError, ValueError, TypeError, ModelNotAvailableError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130

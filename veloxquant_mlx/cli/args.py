@@ -1,5 +1,6 @@
 """Argument helpers shared by the subcommands (and scripts): the cache flags every command takes,
-the config they describe, method specs, and loading a model by its command-line name.
+the config they describe, method specs, the model's context; text input and loading a model by its
+command-line name live in ``cli.inputs`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -8,15 +9,13 @@ import argparse
 import dataclasses
 import sys
 
-from ..config import KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant, default_kv_group_size
+from ..config import HEAD_BUDGET_DEFAULTS, KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant
 from ..config_spec import option_key, parse_spec
 from ..model_dims import config_field, model_dims
 from ..options import parse_value as _parse_text
 from ..registry import FULL, get_method, methods
-
-
-class CLIError(Exception):
-    """A user-facing error: printed as one line."""
+from .errors import CLIError
+from .inputs import check_model_spec, load_model_for_cli, read_text, utf8_text  # noqa: F401 (re-exported)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,6 +66,14 @@ def ranged(kind, low=None, high=None):
         return value
 
     return parse
+
+
+def density(text):
+    """An argparse ``type=``: a fraction of the prompt, in (0, 1]."""
+    value = ranged(float)(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def add_sampling_args(parser, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, when=""):
@@ -121,6 +128,31 @@ def _cli_value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
 
 
+def method_defaults(field: str) -> str:
+    """A head-budget field's default as every registered method sets it (``HEAD_BUDGET_DEFAULTS``, then each
+    method's ``config_defaults``): ``uniform; ada for kvzap, kvzip``."""
+    base = HEAD_BUDGET_DEFAULTS[field]
+    others = {}
+    for name in methods():
+        value = {**HEAD_BUDGET_DEFAULTS, **get_method(name).config_defaults}[field]
+        if value != base:
+            others.setdefault(value, []).append(name)
+    def text(v):
+        return v if isinstance(v, str) else _cli_value(v)
+
+    return "; ".join([text(base)] + [f"{text(v)} for {', '.join(names)}" for v, names in others.items()])
+
+
+# mlx_lm.generate's --kv-group-size default, at every bit width: the command line takes mlx-lm's flags with
+# mlx-lm's defaults. (KVCacheConfig's own default is 32 for 4-bit rows: config.default_kv_group_size.)
+MLX_LM_KV_GROUP_SIZE = 64
+
+
+def cli_kv_group(bits, group):
+    """The quantization group of the command line: the one given, else mlx-lm's (for quantized rows)."""
+    return MLX_LM_KV_GROUP_SIZE if group is None and bits is not None else group
+
+
 def add_cache_args(parser, default_method="nexus"):
     """The cache flags every command takes (method, budget or density, sinks, recent, seed, Ada-KV, prompt
     policy, method options); :func:`config_from_args` turns them into a config."""
@@ -142,9 +174,12 @@ def add_cache_args(parser, default_method="nexus"):
                         help="seed of the eviction randomness (default: 0)")
     parser.add_argument("--allocation", choices=("uniform", "ada"), default=None, **given,
                         help="budget across KV heads: uniform, or Ada-KV head-adaptive, for methods with a "
-                             "per-head score (default: the method's; uniform except kvzip's ada)")
+                             "per-head score; under ada no head keeps more than max_head_factor x the budget "
+                             f"(a --method key: {method_defaults('max_head_factor')}) "
+                             f"(default: the method's: {method_defaults('allocation')})")
     parser.add_argument("--floor-alpha", type=float, default=None, **given,
-                        help="Ada-KV guaranteed floor fraction (default: 0.2; kvzip 0.0)")
+                        help="Ada-KV guaranteed floor fraction "
+                             f"(default: the method's: {method_defaults('floor_alpha')})")
     parser.add_argument("--prompt-eviction", choices=("end", "stream", "offload"), default=None, **given,
                         help="end (default): hold the prompt, compress once when it ends, then evict "
                              "through decode; stream: also evict at every prefill chunk (peak = budget + chunk; "
@@ -160,8 +195,10 @@ def add_cache_args(parser, default_method="nexus"):
                              "its quantized attention); with --method full: mlx-lm's QuantizedKVCache "
                              "(default: unset, rows in the model's dtype)")
     parser.add_argument("--kv-group-size", type=int, default=None, **given,
-                        help="quantization group along head_dim: 32, 64 or 128 (default: 32 for 4-bit rows, "
-                             "where groups of 64 lost answers in paired passkey runs; 64 for 8-bit)")
+                        help=f"quantization group along head_dim: 32, 64 or 128 (default: {MLX_LM_KV_GROUP_SIZE}, "
+                             "mlx_lm.generate's, at 4 and 8 bits. With 4-bit rows Nexus kept its passkey answers "
+                             "in groups of 32 and lost them in groups of 64 (12/15 against 4/15), so docs/quality.md "
+                             "recommends --kv-group-size 32 with --kv-bits 4 and Nexus, for ~12%% more bytes)")
     parser.add_argument("--recall", choices=("memory", "disk"), default=None, **given,
                         help="keep evicted rows in a cold tier that a follow-up input recalls from "
                              "(docs/recall.md): memory (quantized at --recall-bits) or disk (a file the cache owns; "
@@ -231,22 +268,49 @@ def cache_spec(args, prompt_len: int | None = None) -> tuple:
             core["budget"] = budget_for(density, prompt_len)
     if core.get("recall") is None and any(k in core for k in _RECALL_FLAGS[1:]):
         raise CLIError(f"{_flags({'opt__' + k: 0 for k in _RECALL_FLAGS[1:] if k in core})} only apply with --recall")
+    if name == "kvzap" and options.get("scorer"):
+        _check_scorer_file(options["scorer"], "--kvzap-scorer" if "opt__kvzap__scorer" in extra else
+                           "scorer= in --method")
     return name, core, options
+
+
+def _check_scorer_file(path: str, source: str) -> None:
+    """kvzap's scorer option names a file: refuse one that is missing or not a scorer before the model
+    loads, naming the flag (mx.load's own message names only the file's extension)."""
+    from ..methods.kvzap import read_scorer_metadata
+
+    try:
+        read_scorer_metadata(path)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        import os
+
+        why = "no such file" if not os.path.exists(path) else \
+            str(e) if "is not a kvzap scorer" in str(e) else f"not a kvzap scorer (a .safetensors file written " \
+                                                           f"by fit-kvzap; reading it said: {e})"
+        raise CLIError(f"{source} {path}: {why}") from None
 
 
 def full_quant(args) -> tuple:
     """(kv_bits, kv_group_size) of mlx-lm's own cache for ``--method full`` (bits None: its KVCache)."""
     _, core, _ = cache_spec(args)
-    return check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
+    return check_kv_quant(core.get("kv_bits"), cli_kv_group(core.get("kv_bits"), core.get("kv_group_size")))
 
 
 def config_from_args(args, prompt_len: int):
     """KVCacheConfig from ``--method`` and the cache flags, or None for the full cache."""
     name, core, options = cache_spec(args, prompt_len)
+    core["kv_group_size"] = cli_kv_group(core.get("kv_bits"), core.get("kv_group_size"))
     if name == FULL:
         check_kv_quant(core.get("kv_bits"), core.get("kv_group_size"))
         return None
     return KVCacheConfig(method=name, options=options, **core)
+
+
+def eviction_flags_given(args) -> list:
+    """The typed flags that only an eviction cache reads (method options included)."""
+    typed = ["--" + d.replace("_", "-") for d in _EVICTION_FLAGS if getattr(args, d, None) is not None]
+    options = [k for k in vars(args) if k.startswith("opt__")]
+    return typed + (_flags(dict.fromkeys(options)).split(", ") if options else [])
 
 
 def _flags(extra):
@@ -308,19 +372,6 @@ def note_budget_past_context(model, config) -> None:
               f"nothing will be evicted, the cache holds every token as the full cache would", file=sys.stderr)
 
 
-def read_text(path: str, flag: str = "--prompt-file") -> str:
-    """The UTF-8 text of ``path`` ('-': standard input); a one-line error naming the file otherwise."""
-    if path == "-":
-        return sys.stdin.read()
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise CLIError(f"{flag} {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-    except OSError as e:
-        raise CLIError(f"{flag} {path}: {e.strerror}") from None
-
-
 def fit_kv_group(model, args) -> None:
     """Check --kv-group-size against the model's head_dim before any work. A default group that does not
     divide it is replaced (with a warning) by the largest supported one that does; one the user asked
@@ -329,7 +380,7 @@ def fit_kv_group(model, args) -> None:
     bits, group = core.get("kv_bits"), core.get("kv_group_size")
     chosen = group is not None  # in --method or --kv-group-size
     if group is None:
-        group = default_kv_group_size(bits)
+        group = cli_kv_group(bits, None)
     try:
         head_dim = model_dims(model).head_dim
     except ValueError:  # dimensions the config does not say: nothing to check against
@@ -361,22 +412,15 @@ def prompt_bar(n_tokens: int, desc: str = "prefill"):
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} prompt tokens [{elapsed}<{remaining}]")
 
 
-def load_model_for_cli(spec):
-    """(model, tokenizer) for a --model value: 'bundled' (or None), 'gemma3-270m', a .gguf or mlx-lm path."""
-    import logging
-
-    from ..models import load_model  # deferred: loading mlx-lm models is slow to import
-
-    # check_context refuses a prompt past the context in one line; transformers' own notice would be a second
-    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
-    return load_model(None if spec in (None, "bundled") else spec)
-
-
 def kv_summary(kv: dict) -> str:
     """The KV line ``generate`` prints and ``serve`` logs per request, from
-    :func:`veloxquant_mlx.caches.accounting.kv_report`: allocated bytes against the full cache's."""
-    return (f"KV cache: allocated {fmt_bytes(kv['allocated_bytes'])} = {kv['fraction']:.2f}x of the full "
-            f"cache's {fmt_bytes(kv['full_bytes'])} (kept rows {fmt_bytes(kv['kept_bytes'])})")
+    :func:`veloxquant_mlx.caches.accounting.kv_report`, like against like: the allocated bytes against
+    what mlx-lm's KVCache allocates for the same tokens (rows in steps of 256, so a short prompt's full
+    cache is 1.00x, not its 256 rows against its few tokens), the kept rows against every token's K/V."""
+    a, ref, k, f = kv["allocated_bytes"], kv["kvcache_bytes"], kv["kept_bytes"], kv["full_bytes"]
+    return (f"KV cache: allocated {fmt_bytes(a)} = {a / ref if ref else 0.0:.2f}x of the full cache's "
+            f"{fmt_bytes(ref)} (mlx-lm's KVCache, rows in steps of 256); kept rows {fmt_bytes(k)} = "
+            f"{k / f if f else 0.0:.2f}x of every token's {fmt_bytes(f)}")
 
 
 def fmt_bytes(n):

@@ -20,7 +20,7 @@ from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
-                   load_model_for_cli, note_budget_past_context, note_pages, prompt_bar,
+                   kv_summary, load_model_for_cli, note_budget_past_context, note_pages, prompt_bar, ranged,
                    read_text)
 from .document import DOCUMENT_FORMAT
 
@@ -113,9 +113,8 @@ def cmd_compress(args):
     r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,
                           not args.ignore_chat_template, args.model)
     print(f"Compressed {r['tokens']} tokens with {config.method} (budget {config.budget}/head) in "
-          f"{r['seconds']:.2f} s: KV allocated {fmt_bytes(r['allocated_bytes'])} "
-          f"({kv_report(r['caches'])['fraction']:.2f}x of the full cache); wrote {args.out} "
-          f"({fmt_bytes(r['file_bytes'])})")
+          f"{r['seconds']:.2f} s; wrote {args.out} ({fmt_bytes(r['file_bytes'])})")
+    print(kv_summary(kv_report(r["caches"])))
     return 0
 
 
@@ -128,7 +127,7 @@ def add_parser(sub):
     c.add_argument("--prompt-file", required=True, help="the document (UTF-8 text; '-': standard input) (required)")
     c.add_argument("--out", required=True, help="the .safetensors file to write; its directory must exist "
                    "(written to a temporary file beside it, then renamed) (required)")
-    c.add_argument("--prefill-step-size", type=int, default=2048, help="document tokens per prefill chunk")
+    c.add_argument("--prefill-step-size", type=ranged(int, 1), default=2048, help="document tokens per prefill chunk")
     c.add_argument("--ignore-chat-template", action="store_true", help="feed the document as raw text")
     c.add_argument("--allow-past-context", action="store_true",
                    help="compress a document longer than the model's context (refused otherwise)")

@@ -10,7 +10,7 @@ from ..builder import KVCacheBuilder
 from ..config import KVCacheConfig, budget_for
 from ..evaluation.passkey import extract_digits, make_passkey_prompt
 from ..registry import FULL
-from .args import CLIError, fmt_bytes, load_model_for_cli
+from .args import CLIError, check_context, fmt_bytes, load_model_for_cli, ranged
 
 
 def demo_row(model, tokenizer, tokens, config, bar, prefill_step_size, max_tokens=8) -> dict:
@@ -60,6 +60,7 @@ def cmd_demo(args):
     model, tokenizer = load_model_for_cli(args.model)
     key = "68043"
     tokens, pos = make_passkey_prompt(tokenizer, args.context, args.depth, key)
+    check_context(model, len(tokens), 8, args.allow_past_context)  # the prompt and its 8-token answer
     budget = budget_for(args.density, len(tokens))
     methods = [FULL] + args.methods
     print(f"Passkey demo: {len(tokens)}-token grass-filler prompt, key {key} at token {pos} "
@@ -96,13 +97,17 @@ def add_parser(sub):
                        description="Passkey retrieval on one prompt: the full cache against eviction methods.")
     d.add_argument("--model", default="bundled", help="'bundled', 'gemma3-270m', a .gguf path, or an mlx-lm "
                    "model path")
-    d.add_argument("--context", type=int, default=1000, help="prompt length in tokens")
-    d.add_argument("--depth", type=float, default=0.5, help="where the key sits (0 = start, 1 = end)")
+    d.add_argument("--context", type=ranged(int, 64), default=1000,
+                   help="prompt length in tokens, >= 64 (within the model's context unless --allow-past-context)")
+    d.add_argument("--depth", type=ranged(float, 0.0, 1.0), default=0.5,
+                   help="where the key sits (0 = start, 1 = end)")
     d.add_argument("--density", type=float, default=0.2, help="fraction of the prompt each eviction method keeps")
+    d.add_argument("--allow-past-context", action="store_true",
+                   help="run a prompt longer than the model's context (refused otherwise)")
     d.add_argument("--methods", nargs="+", default=["nexus", "snapkv"],
                    help="methods compared with the full cache: name or name:option=value,... "
                         "(e.g. nexus:n_samples=none h2o nestedkv)")
-    d.add_argument("--prefill-step-size", type=int, default=256,
+    d.add_argument("--prefill-step-size", type=ranged(int, 1), default=256,
                    help="prompt chunk size (default 256: a live progress bar and less attention work; the "
                         "caches still compress once when the prompt ends)")
     d.set_defaults(func=cmd_demo)

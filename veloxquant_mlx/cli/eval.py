@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 
 from ..evaluation.results import DEFAULT_OUT_DIR, USER_OUT_DIR
+from .args import check_model_spec, density, ranged
 
 
 def _shard(text):
@@ -38,13 +39,14 @@ def _common(p):
                    help="allow --out-dir inside the project's figures/ (resumes and changes the published grid)")
     p.add_argument("--shard", type=_shard, default=(0, 1), help="I/N: run every N-th cell starting at I "
                    "(several workers can share one JSON file)")
-    p.add_argument("--time-budget", type=float, default=None, help="stop starting new cells after this many seconds")
-    p.add_argument("--max-cells", type=int, default=None,
+    p.add_argument("--time-budget", type=ranged(float, 0.0), default=None,
+                   help="stop starting new cells after this many seconds (default: no limit)")
+    p.add_argument("--max-cells", type=ranged(int, 0), default=None,
                    help="stop starting cells once this many have finished in this run; a cell is one record of "
                         "the JSON, as in the bar and the summary's 'ran' (the prefill-only cells of one prompt "
                         "share a pass and finish together, so a run can finish a few more; 0: say what would "
-                        "run, write nothing)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+                        "run, write nothing) (default: no limit)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars (the accuracy lines still print)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="restrict to these labels (full, registry names, nexus-topk, nexus-nowalk, <method>-ada "
                         "for Ada-KV allocation, a spec such as nexus:window=8; for speed also kvcache, rotating); "
@@ -90,6 +92,8 @@ def run_harness(name: str, args) -> int:
     run, cls, renamed = _harness(name)
     control = _control(args)
     check_out_dir(control)
+    if not args.quick and not str(args.model).startswith("twin:"):  # twin:FOLDER names its folder after a prefix
+        check_model_spec(args.model)
     model, tokenizer, desc = load_eval_model(args.model, args.quick)
     return run(model, tokenizer, _settings(cls, args, **renamed), control, desc=desc)
 
@@ -102,25 +106,34 @@ def _cmd(name):
 
 
 def _passkey_args(pk):
-    pk.add_argument("--contexts", type=int, nargs="+", default=None, help="prompt lengths (tokens)")
-    pk.add_argument("--densities", type=float, nargs="+", default=None)
-    pk.add_argument("--haystacks", nargs="+", choices=["grass", "text"], default=None)
-    pk.add_argument("--regimes", nargs="+", choices=["prefill", "decode"], default=None)
-    pk.add_argument("--depths", type=float, nargs="+", default=None)
-    pk.add_argument("--n-keys", type=int, default=3)
+    pk.add_argument("--contexts", type=ranged(int, 64), nargs="+", default=None,
+                    help="prompt lengths in tokens, >= 64 (default: the plan's, 1024; quick 640)")
+    pk.add_argument("--densities", type=density, nargs="+", default=None,
+                    help="fractions of the prompt each eviction method keeps, in (0, 1] (default: 0.2)")
+    pk.add_argument("--haystacks", nargs="+", choices=["grass", "text"], default=None,
+                    help="filler around the key: grass (repeated sentences) or text (stdlib prose) (default: grass)")
+    pk.add_argument("--regimes", nargs="+", choices=["prefill", "decode"], default=None,
+                    help="prefill: compress once at the prompt's end; decode: evict through the prompt in "
+                         "--chunk chunks (default: both)")
+    pk.add_argument("--depths", type=ranged(float, 0.0, 1.0), nargs="+", default=None,
+                    help="where the key sits, in [0, 1] (0: the start) (default: 0.1 0.5 0.9)")
+    pk.add_argument("--n-keys", type=ranged(int, 1), default=3, help="keys (prompts) per context, depth and haystack")
     pk.add_argument("--out-name", default="passkey.json",
                     help="result file inside --out-dir (a separate study keeps the published grid untouched)")
-    pk.add_argument("--seeds", type=int, nargs="+", default=None, help="Nexus reservoir seeds (custom grid)")
-    pk.add_argument("--chunk", type=int, default=256, help="prefill chunk of the prefill + decode regime")
-    pk.add_argument("--max-new-tokens", type=int, default=8)
+    pk.add_argument("--seeds", type=ranged(int, 0), nargs="+", default=None,
+                    help="Nexus reservoir seeds (custom grid) (default: 0)")
+    pk.add_argument("--chunk", type=ranged(int, 1), default=256, help="prefill chunk of the prefill + decode regime")
+    pk.add_argument("--max-new-tokens", type=ranged(int, 1), default=8, help="tokens generated for the answer")
     pk.add_argument("--spread", action="store_true",
                     help="prompt order balanced for partial runs: key by key, depths spread over (0, 1), "
                          "haystacks alternating (default: haystack-major, depths in order)")
     pk.add_argument("--prefill-first", action="store_true",
-                    help="run every prefill-only-regime cell (cheap: shared passes) before the decode regime")
+                    help="run every prefill-only-regime cell (cheap: shared passes) before the decode regime "
+                         "(default: in plan order)")
     pk.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
                     help="prefill-only regime: run every method's prefill separately instead of one shared "
-                         "single-chunk pass per prompt (same result, ~methods x slower)")
+                         "single-chunk pass per prompt (same result, ~methods x slower) (default: off, one "
+                         "shared pass)")
 
 
 def _tasks_args(p):
@@ -130,22 +143,28 @@ def _tasks_args(p):
     p.set_defaults(out_dir=f"{USER_OUT_DIR}/tasks")
     p.add_argument("--tasks", nargs="+", choices=task_names(), default=None,
                    help=f"default: the priority set {' '.join(PRIORITY['tasks'])}")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="target prompt tokens (default 2048)")
-    p.add_argument("--densities", type=float, nargs="+", default=[0.2])
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="fixed token budgets beside the densities")
+    p.add_argument("--lengths", type=ranged(int, 64), nargs="+", default=None,
+                   help="target prompt tokens, >= 64 (default 2048)")
+    p.add_argument("--densities", type=density, nargs="+", default=[0.2],
+                   help="fractions of the prompt each eviction method keeps, in (0, 1]")
+    p.add_argument("--budgets", type=ranged(int, 1), nargs="+", default=None,
+                   help="fixed token budgets beside the densities (default: none)")
     p.add_argument("--question", nargs="+", choices=QUESTION, default=None,
                    help="'in': the question is inside what is compressed (default); 'out': the context is "
                         "compressed alone, then the question is asked (kvpress's default)")
-    p.add_argument("--fanout", type=int, default=None,
+    p.add_argument("--fanout", type=ranged(int, 1), default=None,
                    help="at most this many methods share one prefill pass (bounds the uncompressed copies "
                         "alive at once; default: all)")
-    p.add_argument("--n-prompts", type=int, default=100, help="prompts per task and length")
-    p.add_argument("--start", type=int, default=0, help="first prompt index")
-    p.add_argument("--n-facts", type=int, default=3, help="facts (= turns) of the follow-up task, 2-4")
+    p.add_argument("--n-prompts", type=ranged(int, 1), default=100, help="prompts per task and length")
+    p.add_argument("--start", type=ranged(int, 0), default=0, help="first prompt index")
+    p.add_argument("--n-facts", type=ranged(int, 2, 4), default=3, help="facts (= turns) of the follow-up task, 2-4")
     p.add_argument("--seed", type=int, default=0, help="task generator seed")
-    p.add_argument("--prompt-eviction", choices=["end", "stream", "offload"], default="end")
+    p.add_argument("--prompt-eviction", choices=["end", "stream", "offload"], default="end",
+                   help="end: compress once when the prompt ends; stream: also evict at every prefill chunk; "
+                        "offload: page the prompt to a file, then compress as end does (docs/offload.md)")
     p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
-                   help="one prefill per method instead of one shared prefill per prompt (same result)")
+                   help="one prefill per method instead of one shared prefill per prompt (same result) "
+                        "(default: off, one shared prefill)")
 
 
 def add_parser(subparsers):
@@ -159,20 +178,24 @@ def add_parser(subparsers):
 
     pp = sub.add_parser("perplexity", help="streaming perplexity at fixed densities")
     _common(pp)
-    pp.add_argument("--n-tokens", type=int, default=None, help="tokens scored (default 2048; quick 640)")
-    pp.add_argument("--chunk", type=int, default=None, help="stream chunk (default 128; quick 64)")
-    pp.add_argument("--densities", type=float, nargs="+", default=None)
+    pp.add_argument("--n-tokens", type=ranged(int, 2), default=None, help="tokens scored (default 2048; quick 640)")
+    pp.add_argument("--chunk", type=ranged(int, 1), default=None, help="stream chunk (default 128; quick 64)")
+    pp.add_argument("--densities", type=density, nargs="+", default=None,
+                    help="fractions of the text each eviction method keeps, in (0, 1] (default: the plan's)")
 
     sp = sub.add_parser("speed", help="prefill / decode tok/s, peak memory and KV bytes")
     _common(sp)
-    sp.add_argument("--contexts", type=int, nargs="+", default=None, help="prompt lengths (default 1024 2048 4096)")
-    sp.add_argument("--density", type=float, default=0.2)
-    sp.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens (default 32; quick 8)")
-    sp.add_argument("--repeats", type=int, default=3)
-    sp.add_argument("--prefill-step", type=int, default=256)
+    sp.add_argument("--contexts", type=ranged(int, 1), nargs="+", default=None,
+                    help="prompt lengths (default 1024 2048 4096)")
+    sp.add_argument("--density", type=density, default=0.2,
+                    help="fraction of the prompt each eviction method keeps, in (0, 1]")
+    sp.add_argument("--decode-tokens", type=ranged(int, 1), default=None, help="decoded tokens (default 32; quick 8)")
+    sp.add_argument("--repeats", type=ranged(int, 1), default=3, help="timed rounds per cache and context")
+    sp.add_argument("--prefill-step", type=ranged(int, 1), default=256, help="prompt tokens per prefill chunk")
     sp.add_argument("--shared-prefill", action="store_true",
                     help="per context one prompt pass shared by every cache that compresses at the prompt's end "
-                         "(rotating, quantized and own-prefill methods prefill alone); prefill tok/s is the shared pass's")
+                         "(rotating, quantized and own-prefill methods prefill alone); prefill tok/s is the shared "
+                         "pass's (default: off)")
 
     for p, name in ((pk, "passkey"), (pp, "perplexity"), (sp, "speed")):
         p.set_defaults(func=_cmd(name))

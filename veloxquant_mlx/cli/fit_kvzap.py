@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .args import CLIError, load_model_for_cli
+from .args import CLIError, load_model_for_cli, read_text
 
 
 def _command_line() -> str:
@@ -37,8 +37,7 @@ def cmd_fit_kvzap(args):
                                          stdlib_text, windows)
 
     if args.text:
-        with open(args.text, encoding="utf-8") as f:
-            texts, source = [f.read()], f"file {os.path.basename(args.text)}"
+        texts, source = [read_text(args.text, "--text")], f"file {os.path.basename(args.text)}"
     elif args.corpus == "mixed":
         named = stdlib_sources()
         texts = [t for _, t in named]
@@ -80,7 +79,7 @@ def add_parser(sub):
                    "topics and standard-library source code, in turn; the shipped scorers' text, measured "
                    "better than docstrings alone in docs/methods/kvzap.md) or docstrings (default mixed)")
     p.add_argument("--data-dir", default=None, help="folder that keeps each window's collected scores and "
-                   "hidden states: a stopped fit resumes there, and a refit skips the model passes")
+                   "hidden states: a stopped fit resumes there, and a refit skips the model passes (default: none)")
     p.add_argument("--kind", choices=("linear", "mlp"), default="linear",
                    help="the surrogate: linear (ridge, closed form) or mlp (2 layers, GELU) (default linear)")
     p.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width (default 512)")

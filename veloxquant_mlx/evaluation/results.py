@@ -15,11 +15,13 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
 
 from ..registry import FULL  # noqa: F401 (re-exported)
+from .accuracy import accuracy_line, accuracy_rows, accuracy_table
 from .eval_model import ByteTokenizer, load_eval_model, machine_info, tiny_model  # noqa: F401 (re-exported)
 from .labels import (ROTATING, MethodSpec, _ada_base, _is_ada, make_caches, method_specs,  # noqa: F401 (re-exported)
                      rotating_caches)
@@ -91,6 +93,11 @@ class ResultStore:
     def done(self) -> set:
         return set(self.load()["cells"])
 
+    def records(self, ids) -> list:
+        """The finished records of the cell ids ``ids``, in their order."""
+        cells = self.load()["cells"]
+        return [cells[cid] for cid in ids if cid in cells]
+
     def put(self, cid: str, record: dict):
         with self._locked():
             data = self.load()
@@ -153,12 +160,15 @@ def now() -> str:
 
 
 def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_budget: float | None = None,
-              max_cells: int | None = None, desc: str = "", progress: bool = True, after_cell=None) -> dict:
+              max_cells: int | None = None, desc: str = "", progress: bool = True, after_cell=None,
+              note_every: float = 60.0) -> dict:
     """Run every unfinished cell of this shard (in list order = priority order), storing each.
 
     ``cells`` is a list of (cell_id, params) pairs; ``run_one(params)`` returns the record; an
     exception becomes ``{"error": ...}`` for that cell. Stops starting new cells after
     ``time_budget`` seconds. ``after_cell()`` runs after each stored cell. Returns counts.
+    Where the records hold answers, the bar shows each cache's accuracy so far, and a line with
+    their Wilson intervals goes to stderr at most every ``note_every`` seconds (with or without bars).
     """
     from tqdm import tqdm
 
@@ -177,6 +187,8 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
 
     def finished_now() -> int:
         return len(mine_ids & store.done()) - len(mine_ids & done)
+
+    noted = time.perf_counter()
 
     for cid, params in todo:
         if time_budget is not None and time.perf_counter() - t0 > time_budget:
@@ -199,7 +211,11 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
         if after_cell is not None:
             after_cell()
         bar.update(len(mine_ids & done) + finished_now() - bar.n)
-        bar.set_postfix_str(cid[-60:])
+        rows = accuracy_rows(store.records([cid for cid, _ in mine]))
+        bar.set_postfix_str(", ".join(f"{label} {right}/{n}" for label, right, n in rows) or cid[-60:])
+        if rows and time.perf_counter() - noted >= note_every:
+            noted = time.perf_counter()
+            tqdm.write(f"{desc or store.experiment} so far: {accuracy_line(rows)}", file=sys.stderr)
     bar.close()
     return {"planned": len(mine), "skipped_done": len(mine_ids & done), "ran": finished_now(), "errors": errors,
             "stopped_by_time_budget": stopped, "wall_s": round(time.perf_counter() - t0, 1)}
@@ -208,9 +224,11 @@ def run_cells(store: ResultStore, cells: list, run_one, *, shard=(0, 1), time_bu
 def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
     """The end of every ``eval`` harness: run the unfinished cells with ``control``'s shard / time
     budget / max-cells / progress (:class:`.outputs.RunControl`), record the run in the JSON's meta,
-    print the counts. ``control.stamp(store)``, when set, runs after every stored cell and at the end."""
+    print the counts and, where the records hold answers, each cache's accuracy with its Wilson interval
+    over every finished cell of this shard's plan (earlier runs' included). ``control.stamp(store)``,
+    when set, runs after every stored cell and at the end."""
+    mine = [cid for k, (cid, _) in enumerate(cells) if k % control.shard[1] == control.shard[0]]
     if not store.write:
-        mine = [cid for k, (cid, _) in enumerate(cells) if k % control.shard[1] == control.shard[0]]
         done = store.done()
         print(f"{store.experiment}: {len(mine)} cells planned in {store.path}, {sum(c in done for c in mine)} "
               f"finished, {sum(c not in done for c in mine)} to run; --max-cells 0: nothing written")
@@ -218,10 +236,14 @@ def run_experiment(store: ResultStore, cells: list, run_one, control) -> int:
     stamp = (lambda: control.stamp(store)) if control.stamp is not None else None
     res = run_cells(store, cells, run_one, shard=control.shard, time_budget=control.time_budget,
                     max_cells=control.max_cells, desc=store.experiment, progress=control.progress,
+                    note_every=control.note_every,
                     # a partial file (committed mid-run, or a killed run) carries the stamp too
                     after_cell=stamp)
     store.update_meta(run={"finished": now(), "shard": list(control.shard), **res})
     if stamp is not None:
         stamp()
     print(f"{store.experiment}: {res}")
+    table = accuracy_table(accuracy_rows(store.records(mine)))
+    if table:
+        print(table)
     return 0

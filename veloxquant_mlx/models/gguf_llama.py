@@ -321,10 +321,17 @@ def load_model(spec: Optional[Union[str, os.PathLike]] = None, **kwargs):
       (``kwargs`` such as ``cache_dir``/``dtype`` are forwarded);
     * anything else (model folder, Hugging Face repo id) -> :func:`mlx_lm.load`
       with ``kwargs`` forwarded.
+
+    ``trust_remote_code=True`` lets an mlx-lm model and its tokenizer run their own code (mlx_lm.generate's
+    flag); a GGUF runs none, so the GGUF loaders take it and ignore it.
     """
+    trust = kwargs.pop("trust_remote_code", False)
     path = _gguf_source(spec, _cache_root(kwargs.get("cache_dir")))
     if path is not None:
         return load_gguf_model(path, **kwargs)
     import mlx_lm
 
+    if trust:
+        kwargs = {**kwargs, "trust_remote_code": True,
+                  "tokenizer_config": {**(kwargs.get("tokenizer_config") or {}), "trust_remote_code": True}}
     return mlx_lm.load(str(spec), **kwargs)

@@ -173,3 +173,45 @@ def chunk_visibility(n_rows: int, n_queries: int) -> mx.array:
     """(S, n) bool: the last ``n_queries`` of ``n_rows`` rows are the queries' own positions, causal
     (bottom-right aligned: query i sees rows ``<= n_rows - n_queries + i``)."""
     return mx.arange(n_rows)[None, :] <= (n_rows - n_queries + mx.arange(n_queries))[:, None]
+
+
+@mx.compile
+def _lse_block(q, k, q_pos, k_pos, scale, m, l):
+    logits = mx.where(mx.expand_dims(k_pos, (2, 3)) <= q_pos[:, None], _block_logits(q, k, scale), -mx.inf)
+    m_new = mx.maximum(m, logits.max(axis=-1, keepdims=True))
+    return m_new, l * mx.exp(m - m_new) + mx.exp(logits - m_new).sum(axis=-1, keepdims=True)
+
+
+@mx.compile
+def _probs_block(q, k, q_pos, k_pos, scale, lse):
+    logits = mx.where(mx.expand_dims(k_pos, (2, 3)) <= q_pos[:, None], _block_logits(q, k, scale), -mx.inf)
+    return mx.exp(logits - lse)
+
+
+def blocked_window_probs(queries: mx.array, q_pos: mx.array, scale: float, blocks, reduce) -> mx.array:
+    """:func:`window_attention_probs` over keys that come a block at a time, each block reduced as it comes.
+
+    ``blocks()`` returns a fresh iterator of (keys (B, Hkv, n, D), k_pos (B, Hkv, n)) in row order (it is
+    called twice: the first pass finds each query's log-sum-exp, the second gives the probabilities);
+    ``reduce`` maps a block's probabilities (B, Hkv, G, W, n) float32 to what the caller keeps of it,
+    with the rows along the last axis. Returns the reduced blocks joined along the last axis: the same
+    numbers as reducing :func:`window_attention_probs` of all the keys, up to the softmax's rounding,
+    with only one block's probabilities in memory at a time (each is evaluated before the next)."""
+    q_pos = q_pos.astype(mx.int32)
+    sc = mx.array(scale, mx.float32)
+    q = m = l = None
+    for k, pos in blocks():
+        if q is None:
+            q = group_queries(queries, k.shape[1]).astype(mx.float32)
+            m = mx.full((*q.shape[:-1], 1), -1e30, mx.float32)
+            l = mx.zeros_like(m)
+        m, l = _lse_block(q, k, q_pos, pos.astype(mx.int32), sc, m, l)
+        mx.eval(m, l)
+    if q is None:
+        raise ValueError("blocked_window_probs needs at least one block of keys")
+    lse = m + mx.log(l)
+    out = []
+    for k, pos in blocks():
+        out.append(reduce(_probs_block(q, k, q_pos, pos.astype(mx.int32), sc, lse)))
+        mx.eval(out[-1])
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
