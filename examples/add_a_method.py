@@ -10,7 +10,6 @@ distributed) runs it like a built-in method. See docs/add_a_method.md.
 import dataclasses
 
 from veloxquant_mlx import Method, Needs, register
-from veloxquant_mlx.ops import window_attention_probs
 from veloxquant_mlx.options import evict_every
 
 
@@ -27,6 +26,6 @@ class TOVA(Method):
     needs = Needs(window=1)  # the newest query is the only one that scores
 
     def scores(self, view):
-        q, q_pos, scale = view.window()  # no query seen yet (no tap): the newest key stands in
-        probs = window_attention_probs(q, view.keys, q_pos, view.positions, scale)
-        return probs.mean(axis=(2, 3))  # (B, H, G, 1, rows) -> (B, H, rows)
+        # the window's softmax attention (B, H, G, 1, rows), averaged over the GQA group and the one query
+        # (no query seen yet, no tap: the newest key stands in)
+        return view.window_attention(lambda probs: probs.mean(axis=(2, 3)))

@@ -290,3 +290,19 @@ def test_window_probabilities_a_block_at_a_time_equal_the_whole():
     for reduce in (lambda p: p.sum(axis=(2, 3)), lambda p: p.max(axis=3).sum(axis=2), lambda p: p):
         got = blocked_window_probs(q, q_pos, 0.25, blocks, reduce)
         assert np.abs(np.array(got) - np.array(reduce(whole))).max() <= 1e-6
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - {"nestedkv"}))
+def test_the_prompts_end_never_reads_a_whole_layers_rows_back(method, model, tmp_path, monkeypatch):
+    """At the paged prompt's end every method but NestedKV (whose key anomalies read every key at once)
+    scores a block of rows at a time (View.window_attention) or from its per-row state, and the eviction
+    reads back only the kept rows: the end's memory does not grow with the prompt."""
+    from veloxquant_mlx.caches.pages import PromptPages
+
+    def whole(self, which):
+        raise AssertionError(f"{method} read every paged row's {which} back at once")
+
+    monkeypatch.setattr(PromptPages, "read_part", whole)
+    caches = KVCacheBuilder.for_model(model, _config(method, "offload", tmp_path))
+    greedy(model, random_prompt(150, seed=19), max_tokens=3, prompt_cache=caches, prefill_step_size=32)
+    assert all(c.evictions >= 1 for c in caches)

@@ -540,6 +540,15 @@ class EvictionCache(_BaseCache):
             return self.pages.stored(name, self.kv_bits, self.kv_group_size)
         return self.store.read(name)
 
+    def key_blocks(self, align: int = 1):
+        """At a paged prompt's end, while its keys are still in the file: a function giving a fresh iterator
+        of (keys, positions) blocks of every stored row (multiples of ``align`` rows but the last); else None."""
+        keys = self.store.keys
+        if self.pages is None or getattr(keys, "gather", None) is None or keys.loaded:
+            return None
+        pages, bits, gs = self.pages, self.kv_bits, self.kv_group_size
+        return lambda: pages.key_blocks(align, bits, gs)
+
     def size(self) -> int:
         return self.store.rows
 

@@ -45,6 +45,11 @@ _MX_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 FLUSH_ROWS = 4096  # decode rows held for the file beyond this many are written at the next eviction
 
 
+def _as_buf(parts: list):
+    """A buffer from the parts read for it: a plain array, or quantized rows' (words, scales, biases)."""
+    return tuple(parts) if len(parts) > 1 else parts[0]
+
+
 def _host(a: mx.array) -> np.ndarray:
     """The array's raw bits on the host (materialized)."""
     return np.array(a.view(_MX_RAW[a.dtype.size]) if a.dtype.size in _MX_RAW else a)
@@ -64,6 +69,10 @@ class PagedRows:
         if self._loaded is None:
             self._loaded = self.pages.read_part(self.which)
         return self._loaded
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded is not None
 
     def gather(self, idx: mx.array):
         return self.pages.gather_rows(idx, self.which)
@@ -186,8 +195,7 @@ class PromptPages:
     def read_part(self, which: str):
         """Every paged row's keys or values, as the hot storage holds them."""
         self.flush()
-        parts = self._read(0, self.written, parts=self._part_range(which))
-        return tuple(parts) if len(parts) > 1 else parts[0]
+        return _as_buf(self._read(0, self.written, parts=self._part_range(which)))
 
     def gather_rows(self, idx: mx.array, which: str):
         """The keys or values of rows ``idx`` (B, H, K) of every head, read from the file (host-read indices:
@@ -203,13 +211,12 @@ class PromptPages:
             self.bytes_read += host.nbytes
             a = mx.array(host)
             out.append(a.view(dtype) if a.dtype != dtype else a)
-        return tuple(out) if len(out) > 1 else out[0]
+        return _as_buf(out)
 
     def _kv(self, parts: list):
         """(keys, values) buffers from the parts of a read: quantized rows as their (words, scales, biases)."""
         n = self.parts[0]
-        as_buf = lambda ps: tuple(ps) if len(ps) > 1 else ps[0]
-        return as_buf(parts[:n]), as_buf(parts[n:])
+        return _as_buf(parts[:n]), _as_buf(parts[n:])
 
     def all_positions(self):
         """(B, H, rows) int32 positions of the paged rows (None before any row)."""
@@ -350,6 +357,17 @@ class PromptPages:
             if self.padded:
                 vis = mx.expand_dims(self.positions[:, :, lo:hi] != PAD_POSITION, 2)  # (B, H, 1, n)
             yield lo, hi, k, v, vis
+
+    def key_blocks(self, align: int, bits, gs):
+        """(keys, positions) of every paged row, in blocks of about ``page_block`` rows (a multiple of
+        ``align``), dequantized: what a method's window attention reads at the prompt's end (View)."""
+        self.flush()
+        step = max(self.block // align, 1) * align
+        positions = self.all_positions()
+        for lo in range(0, self.written, step):
+            hi = min(lo + step, self.written)
+            keys = _as_buf(self._read(lo, hi, parts=self._part_range("keys")))
+            yield dequantize_rows(keys, bits, gs), positions[:, :, lo:hi]
 
     def attend_shared(self, queries: mx.array, scale, kwargs: dict, bits, gs) -> mx.array:
         """A KV-shared layer's attention in the step its source just paged: the same rows the source

@@ -11,6 +11,8 @@ import weakref
 
 import mlx.core as mx
 
+from ..ops.attention import blocked_window_probs, window_attention_probs
+
 
 class View:
     """A read-only view of one cache for its method (module docstring)."""
@@ -68,6 +70,24 @@ class View:
         """(queries (B, H_q, W, D), their positions (W,), scale) of the last W queries; where none was seen
         yet (no query tap, an eviction before the first query) the newest W keys stand in, scaled 1/sqrt(D)."""
         return self._cache.observed_window()
+
+    def window_attention(self, reduce, align: int = 1) -> mx.array:
+        """``reduce(p)`` of the observation window's softmax attention ``p`` (B, H, G, W, rows) over every
+        stored row (GQA group G; the rows on the last axis of what ``reduce`` returns). At a paged prompt's
+        end (:attr:`paged`) the rows come from its file a block at a time (a multiple of ``align`` rows but
+        the last), each block reduced before the next is read, so the window's attention over a long prompt
+        never is in memory whole; else all at once."""
+        q, q_pos, scale = self.window()
+        blocks = self._cache.key_blocks(align)
+        if blocks is None:
+            return reduce(window_attention_probs(q, self.keys, q_pos, self.positions, scale))
+        return blocked_window_probs(q, q_pos, scale, blocks, reduce)
+
+    @property
+    def paged(self) -> bool:
+        """The stored rows are a paged prompt's, still in its file (``prompt_eviction="offload"``, at the
+        prompt's end): :meth:`window_attention` reads them a block at a time, :attr:`keys` all at once."""
+        return self._cache.key_blocks(1) is not None
 
     def key(self) -> mx.array:
         """A fresh PRNG key (the cache's key for ``config.seed`` and the layer, split at every call)."""

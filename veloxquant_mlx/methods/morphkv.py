@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..caches.method import Method, Needs
-from ..ops.window_scores import window_scores
+from ..ops.window_scores import window_reduce
 from ..options import evict_every, option
 from ..registry import register
 
@@ -38,5 +38,4 @@ class MorphKV(Method):
         return options.window  # the window's rows are kept
 
     def scores(self, view):
-        q, q_pos, scale = view.window()
-        return window_scores(q, view.keys, q_pos, view.positions, scale, self.options.reduce)
+        return view.window_attention(window_reduce(self.options.reduce))

@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from ..caches.method import Method, Needs
-from ..ops.window_scores import pooled_window_scores
+from ..ops.window_scores import pooled_window_scores, window_reduce
 from ..options import option
 from ..registry import register
 
@@ -57,7 +57,8 @@ class PyramidKV(Method):
         return b
 
     def scores(self, view):  # SnapKV's score (the pyramid is in the budgets)
-        return pooled_window_scores(*view.window(), view.keys, view.positions, self.options.kernel)
+        scores = view.window_attention(window_reduce("sum"))
+        return pooled_window_scores(scores, view.positions, view.window()[1], self.options.kernel)
 
     @classmethod
     def check_config(cls, config):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..caches.method import Method, Needs
-from ..ops.window_scores import pooled_window_scores
+from ..ops.window_scores import pooled_window_scores, window_reduce
 from ..options import option
 from ..registry import register
 
@@ -38,4 +38,5 @@ class SnapKV(Method):
         return options.window  # the observation window itself is kept
 
     def scores(self, view):
-        return pooled_window_scores(*view.window(), view.keys, view.positions, self.options.kernel)
+        scores = view.window_attention(window_reduce("sum"))
+        return pooled_window_scores(scores, view.positions, view.window()[1], self.options.kernel)

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import window_attention_probs
 
 
-def window_scores(queries: mx.array, keys: mx.array, q_pos: mx.array, k_pos: mx.array, scale: float,
-                  reduce: str = "sum") -> mx.array:
-    """(B, Hkv, N) float32: attention each key gets from the window's queries.
+def _group_sum_then_window_sum(p):
+    return p.sum(axis=2).sum(axis=2)
 
-    queries (B, Hq, W, D) post-RoPE at absolute positions q_pos (W,); keys (B, Hkv, N, D) at k_pos
-    (B, Hkv, N) (padding rows carry a huge position and get zero). Probabilities are summed over the
-    GQA group, then reduced over the W window queries by ``"sum"`` or ``"max"``.
-    """
-    probs = window_attention_probs(queries, keys, q_pos, k_pos, scale).sum(axis=2)  # (B, Hkv, W, N)
+
+def _group_sum_then_window_max(p):
+    return p.sum(axis=2).max(axis=2)
+
+
+def window_reduce(reduce: str = "sum"):
+    """The reduction of window attention probabilities (B, Hkv, G, W, N) to one score per key (B, Hkv, N):
+    summed over the GQA group, then over the W window queries by ``"sum"`` or ``"max"`` (what a method
+    hands ``View.window_attention``)."""
     if reduce == "sum":
-        return probs.sum(axis=2)
+        return _group_sum_then_window_sum
     if reduce == "max":
-        return probs.max(axis=2)
+        return _group_sum_then_window_max
     raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
 
 
@@ -43,13 +45,11 @@ def max_pool_1d(x: mx.array, kernel: int) -> mx.array:
     return out
 
 
-def pooled_window_scores(queries: mx.array, q_pos: mx.array, scale: float, keys: mx.array, k_pos: mx.array,
-                         kernel: int) -> mx.array:
-    """The pooled window score (SnapKV's and PyramidKV's; ``queries, q_pos, scale``: the observation window):
-    window attention summed over window and group, max-pooled over the keys before the window; keys inside the
-    observation window get +inf (SnapKV always keeps them); padding rows get -inf."""
-    s = window_scores(queries, keys, q_pos, k_pos, scale, "sum")
+def pooled_window_scores(scores: mx.array, k_pos: mx.array, q_pos: mx.array, kernel: int) -> mx.array:
+    """The pooled window score (SnapKV's and PyramidKV's) from the window attention summed over window and
+    group (``window_reduce("sum")``): max-pooled over the keys before the window (``q_pos``: the window's
+    positions); keys inside the observation window get +inf (SnapKV always keeps them); padding rows -inf."""
     in_window = k_pos >= q_pos[0]  # window rows (and padding, which carries a huge position)
-    s = max_pool_1d(mx.where(in_window, -mx.inf, s), kernel)
+    s = max_pool_1d(mx.where(in_window, -mx.inf, scores), kernel)
     real_window = in_window & (k_pos <= q_pos[-1])
     return mx.where(real_window, mx.inf, s)

@@ -35,7 +35,7 @@ from ...ops.anomaly import ANOMALY_DEFAULTS, anomaly_scores, episodic_block_size
 from ...ops.select import PAD_POSITION
 from ...options import option
 from ...registry import register
-from .ops import (block_distribution, block_max, block_priority, block_rows, forced_blocks, head_means,
+from .ops import (block_distribution, block_max, block_priority, block_rows, block_sums, forced_blocks, head_means,
                   log_reservoir_priority, n_blocks, nexus_weights, select_blocks, shared_block_weights, top_blocks)
 
 @dataclasses.dataclass
@@ -134,8 +134,8 @@ class Nexus(Method):
     def block_weights(self, view) -> mx.array:
         """w (B, G, N_k) for the stored rows (Eq. 1-5); G = 1 (layer-shared) or H_kv."""
         o = self.options
-        keys, pos = view.keys, view.positions
-        B, H, N, D = keys.shape
+        pos = view.positions
+        B, H = pos.shape[:2]
         q, q_pos, scale = view.window()
         G = q.shape[1] // H
         d = view.shard  # tensor parallel: this rank's heads (None: one process)
@@ -143,18 +143,23 @@ class Nexus(Method):
         if o.head_average == "attention":
             # S_hat per query head against its own KV head, then averaged over the heads that share a
             # selection: all of them (layer-shared) or the GQA group (per KV head).
-            q = q.reshape(B, H, G, *q.shape[2:])
-            s_hat = block_distribution(q, mx.expand_dims(keys, 2), q_pos, mx.expand_dims(pos, 2), scale,
-                                       o.block_size)  # (B, H, G, W, N_k)
+            if view.paged:  # a paged prompt's end: the softmax's block sums, a block of rows at a time
+                s_hat = view.window_attention(lambda p: block_sums(p, o.block_size), align=o.block_size)
+                s_hat = s_hat / s_hat.sum(axis=-1, keepdims=True)  # rownorm (Eq. 1)
+            else:
+                q = q.reshape(B, H, G, *q.shape[2:])
+                s_hat = block_distribution(q, mx.expand_dims(view.keys, 2), q_pos, mx.expand_dims(pos, 2), scale,
+                                           o.block_size)  # (B, H, G, W, N_k)
             if not per_head and d is not None:  # heads on other ranks too: all_sum of a few rows
                 return shared_block_weights(d, s_hat.sum(axis=(1, 2)), H * G, o.walk_depth, o.lam,
                                             o.eps_tie)
             s_hat = s_hat.mean(axis=2) if per_head else s_hat.mean(axis=(1, 2))[:, None]
         elif per_head:
             q = q.reshape(B, H, G, *q.shape[2:]).mean(axis=2) if G > 1 else q  # GQA-group-averaged query
-            s_hat = block_distribution(q, keys, q_pos, pos, scale, o.block_size)
+            s_hat = block_distribution(q, view.keys, q_pos, pos, scale, o.block_size)
         else:
             # Head-averaged Q and K vectors (App. A.1, literal); positions agree across heads (uniform storage).
+            keys = view.keys
             keys = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
             if d is None:
                 k_mean, q_mean = keys.mean(axis=1, keepdims=True), q.mean(axis=1, keepdims=True)

@@ -39,12 +39,7 @@ def _block_distribution(q, k, q_pos, k_pos, scale, block_size: int):
     visible = mx.expand_dims(k_pos, -2) <= mx.expand_dims(q_pos, -1)  # causal by absolute position
     logits = mx.where(visible, logits, _MASKED)
     e = mx.power(2.0, logits - logits.max(axis=-1, keepdims=True))  # unnormalized softmax  (Eq. 1)
-    N = e.shape[-1]
-    nk = -(-N // block_size)
-    if nk * block_size != N:  # partial last block: pad with zero mass
-        pad = [(0, 0)] * (e.ndim - 1) + [(0, nk * block_size - N)]
-        e = mx.pad(e, pad)
-    m = e.reshape(*e.shape[:-1], nk, block_size).sum(axis=-1)  # BlockSum_b  (Eq. 1; App. A.1 M)
+    m = block_sums(e, block_size)  # BlockSum_b  (Eq. 1; App. A.1 M)
     # rownorm (Eq. 1); it also supplies the softmax denominator, which cancels: S_hat is unchanged.
     return m / m.sum(axis=-1, keepdims=True)
 
@@ -91,6 +86,16 @@ def _weights_from_parts(a, walk_rows, lam: float, eps_tie: float):
     nk = s.shape[-1]
     r = mx.arange(nk, dtype=mx.float32) / max(nk - 1, 1)  # r_j = j / (N_k - 1)  (Eq. 5)
     return s + eps_tie * r  # w = s + ε_tie r  (Eq. 5)
+
+
+def block_sums(x: mx.array, block_size: int) -> mx.array:
+    """(..., N) -> (..., N_k): the sum over each block of ``block_size`` rows (a partial last block padded
+    with zero mass)."""
+    N = x.shape[-1]
+    nk = -(-N // block_size)
+    if nk * block_size != N:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nk * block_size - N)])
+    return x.reshape(*x.shape[:-1], nk, block_size).sum(axis=-1)
 
 
 def block_max(row_scores: mx.array, block_size: int) -> mx.array:
