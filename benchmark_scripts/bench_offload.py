@@ -195,7 +195,7 @@ def peak(argv) -> int:
             t0 = time.perf_counter()
             _generate(model, tokens, caches, args.step, args.new_tokens)
             row = {"cache": label, "prompt_tokens": n, "peak_over_weights_bytes": mx.get_peak_memory() - weights_bytes(model),
-                   "wall_s": round(time.perf_counter() - t0, 1)}
+                   "wall_s": round(time.perf_counter() - t0, 1), "commit": _common.commit()}
             reports = [c.byte_report() for c in caches if hasattr(c, "byte_report")]
             if reports and "page_disk_bytes" in reports[0]:
                 row.update({k: sum(r[k] for r in reports) for k in ("page_disk_bytes", "page_resident_bytes",
