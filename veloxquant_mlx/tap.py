@@ -127,7 +127,6 @@ def bind_latent_queries(model, caches: list) -> int:
 # SharedRows in place of None: its update_and_fetch returns the rows as they came, and its tap step gives
 # the source's mask (and, by its ``bits``, mlx-lm's quantized attention for quantized rows). The sharers'
 # queries are not scored: the source scores with its own (docs/architecture.md says why).
-_SHARING_SUBCLASSES: dict = {}
 
 
 class SourceRows(tuple):
@@ -172,44 +171,59 @@ def kv_sources(model) -> dict:
     return {}
 
 
-def _sharing_subclass(cls):
-    sub = _SHARING_SUBCLASSES.get(cls)
-    if sub is None:
-        def __call__(self, x, mask=None, cache=None, *args, **kwargs):
-            rows = kwargs.get("shared_kv", args[1] if len(args) > 1 else None)
-            if cache is None and isinstance(rows, SourceRows):  # a sharer of an eviction cache's rows
-                return cls.__call__(self, x, mask, SharedRows(rows.cache), *args, **kwargs)
-            out = cls.__call__(self, x, mask, cache, *args, **kwargs)
-            if hasattr(cache, "attention_mask"):  # a source whose cache is ours: its rows name it
-                out = (out[0], SourceRows(out[1], cache), *out[2:])
-            return out
-
-        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                            "__qualname__": cls.__qualname__, "__veloxquant_sharing__": True,
-                                            "__veloxquant_base__": cls})
-        _SHARING_SUBCLASSES[cls] = sub
-    return sub
+def _sharing_call(cls, self, x, mask=None, cache=None, *args, **kwargs):
+    rows = kwargs.get("shared_kv", args[1] if len(args) > 1 else None)
+    if cache is None and isinstance(rows, SourceRows):  # a sharer of an eviction cache's rows
+        return cls.__call__(self, x, mask, SharedRows(rows.cache), *args, **kwargs)
+    out = cls.__call__(self, x, mask, cache, *args, **kwargs)
+    if hasattr(cache, "attention_mask"):  # a source whose cache is ours: its rows name it
+        out = (out[0], SourceRows(out[1], cache), *out[2:])
+    return out
 
 
 def install_shared_rows(model) -> int:
     """Let the KV-shared layers of ``model`` read their source's rows with its mask. Idempotent; returns
     how many layers (sources and sharers) carry the link."""
     links = kv_sources(model)
-    n = 0
-    for i in sorted(set(links) | set(links.values())):
-        layer = model.layers[i]
-        if not getattr(type(layer), "__veloxquant_sharing__", False):
-            layer.__class__ = _sharing_subclass(type(layer))
-        n += 1
-    return n
+    return _wrap([model.layers[i] for i in sorted(set(links) | set(links.values()))], "sharing", _sharing_call)
 
 
 def remove_shared_rows(model) -> int:
     """Give every layer its own class back. Returns how many were restored."""
-    n = 0
-    for layer in getattr(model, "layers", None) or []:
-        if getattr(type(layer), "__veloxquant_sharing__", False):
-            layer.__class__ = type(layer).__veloxquant_base__
+    return _unwrap(getattr(model, "layers", None) or [], "sharing")
+
+
+# -- module classes swapped per instance (the shared-rows link, the hidden-state tap) -------------------
+_WRAPPED: dict = {}  # (class, kind) -> its subclass
+
+
+def _wrap(modules, kind: str, call) -> int:
+    """Give each module (None: skipped) a subclass of its class whose ``__call__`` is ``call(cls, self, ...)``,
+    named and placed as the class itself (``isinstance`` and parameters unchanged). Idempotent; returns how
+    many modules carry it."""
+    marker, n = f"__veloxquant_{kind}__", 0
+    for m in modules:
+        if m is None:
+            continue
+        cls = type(m)
+        if not getattr(cls, marker, False):
+            sub = _WRAPPED.get((cls, kind))
+            if sub is None:
+                sub = type(cls.__name__, (cls,), {
+                    "__call__": lambda self, *a, _cls=cls, **k: call(_cls, self, *a, **k), "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__, marker: True, "__veloxquant_base__": cls})
+                _WRAPPED[(cls, kind)] = sub
+            m.__class__ = sub
+        n += 1
+    return n
+
+
+def _unwrap(modules, kind: str) -> int:
+    """Give every module its own class back (:func:`_wrap` undone). Returns how many were restored."""
+    marker, n = f"__veloxquant_{kind}__", 0
+    for m in modules:
+        if m is not None and getattr(type(m), marker, False):
+            m.__class__ = type(m).__veloxquant_base__
             n += 1
     return n
 
@@ -263,7 +277,6 @@ def query_tap_installed(model) -> bool:
 # ``attention_input`` of the cache passed in (when it has one) before the original runs, so the cache holds
 # this step's hidden states when it stores the step's rows.
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
-_HIDDEN_SUBCLASSES: dict = {}
 
 
 def attention_modules(model) -> list:
@@ -274,43 +287,22 @@ def attention_modules(model) -> list:
     return out
 
 
-def _hidden_subclass(cls):
-    sub = _HIDDEN_SUBCLASSES.get(cls)
-    if sub is None:
-        def __call__(self, x, *args, **kwargs):
-            cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-            if hasattr(cache, "attention_input"):
-                cache.attention_input = x
-            return cls.__call__(self, x, *args, **kwargs)
-
-        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                            "__qualname__": cls.__qualname__, "__veloxquant_hidden__": True,
-                                            "__veloxquant_base__": cls})
-        _HIDDEN_SUBCLASSES[cls] = sub
-    return sub
+def _hidden_call(cls, self, x, *args, **kwargs):
+    cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+    if hasattr(cache, "attention_input"):
+        cache.attention_input = x
+    return cls.__call__(self, x, *args, **kwargs)
 
 
 def install_hidden_tap(model) -> int:
     """Hand every attention module's input to its cache (``cache.attention_input = x``).
     Idempotent; returns how many modules carry the tap."""
-    n = 0
-    for attn in attention_modules(model):
-        if attn is None:
-            continue
-        if not getattr(type(attn), "__veloxquant_hidden__", False):
-            attn.__class__ = _hidden_subclass(type(attn))
-        n += 1
-    return n
+    return _wrap(attention_modules(model), "hidden", _hidden_call)
 
 
 def remove_hidden_tap(model) -> int:
     """Give every attention module its own class back. Returns how many were restored."""
-    n = 0
-    for attn in attention_modules(model):
-        if attn is not None and getattr(type(attn), "__veloxquant_hidden__", False):
-            attn.__class__ = type(attn).__veloxquant_base__
-            n += 1
-    return n
+    return _unwrap(attention_modules(model), "hidden")
 
 
 def hidden_tap_installed(model) -> bool:
