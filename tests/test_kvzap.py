@@ -69,6 +69,19 @@ def test_hidden_tap_hands_each_attention_its_input(model):
     assert type(model.model.layers[0].self_attn).__name__ == "Attention"
 
 
+def test_a_cache_whose_method_reads_no_hidden_states_holds_none_under_the_tap(model):
+    # kvzap's caches install the hidden-state tap on the model; caches of another method built on the same
+    # model afterwards must not keep every layer's input alive (that is a chunk x d_model array per layer)
+    KVCacheBuilder.for_model(model, kvzap())
+    assert hidden_tap_installed(model)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", budget=48, recent=4))
+    feed(model, caches, random_prompt(40, seed=3), decode=2)
+    assert all(c.attention_input is None for c in caches)
+    zap = KVCacheBuilder.for_model(model, kvzap(budget=200))
+    model(mx.array([random_prompt(8, seed=4)]), cache=zap)
+    assert all(c.needs_hidden for c in zap)
+
+
 def test_every_prompt_and_decode_row_carries_its_predicted_score(model):
     path = fit_tiny_scorer(model)
     caches = KVCacheBuilder.for_model(model, kvzap(budget=200))  # nothing evicted: every row stays

@@ -289,7 +289,7 @@ def attention_modules(model) -> list:
 
 def _hidden_call(cls, self, x, *args, **kwargs):
     cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-    if hasattr(cache, "attention_input"):
+    if getattr(cache, "needs_hidden", False):  # a cache that does not read it must not hold it (memory)
         cache.attention_input = x
     return cls.__call__(self, x, *args, **kwargs)
 

@@ -268,6 +268,10 @@ class BatchEvictionCache(_BaseCache):
         return bool(self.rows) and self.rows[0].needs_ids
 
     @property
+    def needs_hidden(self) -> bool:
+        return bool(self.rows) and self.rows[0].needs_hidden
+
+    @property
     def pass_driven(self) -> bool:
         return any(r.pass_driven for r in self.rows)
 

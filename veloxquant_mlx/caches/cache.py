@@ -107,6 +107,7 @@ class EvictionCache(_BaseCache):
         self.pass_driven = False  # inside a forward of the builder's model-pass wrapper
         self.needs_ids = m.needs.token_ids  # the model-pass wrapper sets each forward's token ids (input_ids)
         self.input_ids = None  # (B, S) token ids of this step, where the method reads them
+        self.needs_hidden = m.needs.hidden_states  # the hidden-state tap hands this cache its input (attention_input)
         self.attention_input = None  # (B, S, d_model) this step's attention input, set by the hidden-state tap
         self.dist = None  # HeadShard of this rank under tensor parallelism (set by the builder)
         self.latent_query = None  # MLA: the step's queries in the latent's space (tap.bind_latent_queries)

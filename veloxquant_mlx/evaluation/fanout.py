@@ -93,13 +93,17 @@ class FanOutCache:
                 c.pass_driven = on
 
     @property
+    def needs_hidden(self) -> bool:
+        return any(getattr(c, "needs_hidden", False) for c in self.subs.values())
+
+    @property
     def attention_input(self):
         return None
 
     @attention_input.setter
     def attention_input(self, x):  # the hidden-state tap, for the caches that read it
         for c in self.subs.values():
-            if hasattr(c, "attention_input"):
+            if getattr(c, "needs_hidden", False):
                 c.attention_input = x
 
     def attention_mask(self, mask, queries):

@@ -104,6 +104,7 @@ def kvzip_plus_rows(model, tokenizer, ids: list, n_sink: int = 4) -> dict:
     install_hidden_tap(model)
     seen = {}
     for i, c in zips.items():  # the prompt's forward hands each layer's input to its step: record it there
+        c.needs_hidden = True
         c.method.on_rows = (lambda view, step, i=i, rows=c.method.on_rows:
                             (seen.__setitem__(i, step.hidden), rows(view, step))[1])
     x = mx.array(ids)[None]
@@ -136,7 +137,7 @@ def hidden_states(model, ids: list, layers: list) -> dict:
     from ..tap import install_hidden_tap
 
     class Capture:  # a layer's own cache that also records the input the tap hands it
-        attention_input = None
+        attention_input, needs_hidden = None, True
 
         def __init__(self, inner):
             self.inner = inner
