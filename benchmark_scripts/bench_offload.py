@@ -4,7 +4,8 @@
   under ``"end"`` and ``"offload"`` (fresh caches each, ``mlx_lm.generate.generate_step``), and whether
   each answered the pass key. Same answers by construction: this counts how often the tokens agree.
 * ``peak``: ``mx.get_peak_memory()`` minus the weights while a prompt of each length runs at a fixed
-  budget and prefill step, for offload caches, ``"end"`` and mlx-lm's ``KVCache`` (up to ``--full-max``).
+  budget and prefill step, for offload caches, ``"end"`` and mlx-lm's ``KVCache`` (up to ``--full-max``),
+  each (cache, length) in a fresh process (``peak-cell``), as a user's own process would run it.
 * ``cost``: the prefill's process time of ``"offload"`` over ``"end"``, paired per round, orders
   alternated, and the bytes read back from the page files.
 * ``followup``: the follow-up task (2 facts, 2 turns on the same caches): ``"offload"``, ``"end"`` and the
@@ -145,63 +146,97 @@ def _tiny(args):
     return _common.tiny_llama(layers=4, heads=8, kv_heads=2, head_dim=64, vocab=1024, seed=0), None
 
 
-def peak(argv) -> int:
-    p = argparse.ArgumentParser(description="peak memory during a growing prompt")
+def _peak_args(argv, one: bool):
+    p = argparse.ArgumentParser(description="one cell of peak, in a process of its own" if one else
+                                "peak memory during a growing prompt, each cell in a fresh process")
     _common_args(p, "peak")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--block", type=int, default=1024, help="page_block")
-    p.add_argument("--caches", nargs="+", default=["snapkv:offload", "h2o:offload", "kvzap:offload",
-                                                   "snapkv:end", "kvcache"],
-                   help="METHOD:POLICY or kvcache")
-    p.add_argument("--full-max", type=int, default=16384, help="longest prompt for caches that hold it whole")
     p.add_argument("--new-tokens", type=int, default=4)
-    args = p.parse_args(argv)
+    if one:
+        p.add_argument("--cache", required=True)
+        p.add_argument("--length", type=int, required=True)
+    else:
+        p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+        p.add_argument("--caches", nargs="+", default=["snapkv:offload", "h2o:offload", "kvzap:offload",
+                                                       "snapkv:end", "kvcache"],
+                       help="METHOD:POLICY or kvcache")
+        p.add_argument("--full-max", type=int, default=16384, help="longest prompt for caches that hold it whole")
+    return p.parse_args(argv)
+
+
+def _load_peak_model(name):
+    if name == "tiny":
+        return _tiny(None)
+    from veloxquant_mlx.models import load_model
+
+    return load_model(name)
+
+
+def peak_cell(argv) -> int:
+    """One (cache, length) of ``peak`` in this process, which has run nothing else: the peak a user's own
+    process would see. Prints the row as the last line of its output."""
+    args = _peak_args(argv, one=True)
     preload_blas()
     import mlx.core as mx
 
-    if args.model == "tiny":
-        model, tokenizer = _tiny(args)
+    model, tokenizer = _load_peak_model(args.model)
+    n = args.length
+    if tokenizer is None:
+        tokens = mx.random.randint(0, 1024, (n,), key=mx.random.key(n)).tolist()
     else:
-        from veloxquant_mlx.models import load_model
+        from veloxquant_mlx.evaluation.tasks.filler import long_filler
 
-        model, tokenizer = load_model(args.model)
+        ids = tokenizer.encode(" ".join(long_filler(seed=0)))
+        while len(ids) < n:
+            ids = ids + ids
+        tokens = ids[:n]
+    method, _, policy = args.cache.partition(":")
+    kw = {"page_block": args.block} if policy == "offload" else {}
+    caches = _caches(model, method, args.budget, policy or "end", **kw)
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    _generate(model, tokens, caches, args.step, args.new_tokens)
+    row = {"cache": args.cache, "prompt_tokens": n,
+           "peak_over_weights_bytes": mx.get_peak_memory() - weights_bytes(model),
+           "wall_s": round(time.perf_counter() - t0, 1), "commit": _common.commit()}
+    reports = [c.byte_report() for c in caches if hasattr(c, "byte_report")]
+    if reports and "page_disk_bytes" in reports[0]:
+        row.update({k: sum(r[k] for r in reports) for k in ("page_disk_bytes", "page_resident_bytes",
+                                                            "page_bytes_read")})
+    row["kv_allocated_after_bytes"] = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+def peak(argv) -> int:
+    import subprocess
+
+    args = _peak_args(argv, one=False)
+    model, _ = _load_peak_model(args.model)
     path = _out(args, "peak")
     setting = {"model": args.model, "budget": args.budget, "prefill_step_size": args.step, "page_block": args.block,
-               "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model)}
+               "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model), "process": "one per cell"}
+    del model
     res = _load(path)
     if res.get("setting") != setting:
         res = {"setting": setting, "rows": []}
     done = {(r["cache"], r["prompt_tokens"]) for r in res["rows"]}
     for n in args.lengths:
-        if tokenizer is None:
-            tokens = mx.random.randint(0, 1024, (n,), key=mx.random.key(n)).tolist()
-        else:
-            from veloxquant_mlx.evaluation.tasks.filler import long_filler
-
-            ids = tokenizer.encode(" ".join(long_filler(seed=0)))
-            while len(ids) < n:
-                ids = ids + ids
-            tokens = ids[:n]
         for label in args.caches:
             method, _, policy = label.partition(":")
             if (label, n) in done or ((policy == "end" or method == "kvcache") and n > args.full_max):
                 continue
-            gc.collect()
-            mx.clear_cache()
-            mx.reset_peak_memory()
-            kw = {"page_block": args.block} if policy == "offload" else {}
-            caches = _caches(model, method, args.budget, policy or "end", **kw)
-            t0 = time.perf_counter()
-            _generate(model, tokens, caches, args.step, args.new_tokens)
-            row = {"cache": label, "prompt_tokens": n, "peak_over_weights_bytes": mx.get_peak_memory() - weights_bytes(model),
-                   "wall_s": round(time.perf_counter() - t0, 1), "commit": _common.commit()}
-            reports = [c.byte_report() for c in caches if hasattr(c, "byte_report")]
-            if reports and "page_disk_bytes" in reports[0]:
-                row.update({k: sum(r[k] for r in reports) for k in ("page_disk_bytes", "page_resident_bytes",
-                                                                    "page_bytes_read")})
-            row["kv_allocated_after_bytes"] = sum(c.nbytes for c in caches if getattr(c, "keys", None) is not None)
-            del caches
+            cmd = [sys.executable, __file__, "peak-cell", "--model", args.model, "--budget", str(args.budget),
+                   "--step", str(args.step), "--block", str(args.block), "--new-tokens", str(args.new_tokens),
+                   "--cache", label, "--length", str(n)]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode != 0:
+                print(f"{label:>16} {n:>7}: failed\n{run.stderr[-2000:]}", flush=True)
+                continue
+            row = json.loads(run.stdout.strip().splitlines()[-1])
             res["rows"].append(row)
             print(f"{label:>16} {n:>7}: peak - weights {row['peak_over_weights_bytes'] / MIB:8.1f} MiB"
                   + (f", pages {row['page_disk_bytes'] / MIB:.0f} MiB on disk, "
@@ -304,7 +339,7 @@ def followup(argv) -> int:
     return 0
 
 
-SUBCOMMANDS = {"identity": identity, "peak": peak, "cost": cost, "followup": followup}
+SUBCOMMANDS = {"identity": identity, "peak": peak, "peak-cell": peak_cell, "cost": cost, "followup": followup}
 
 
 def main(argv=None) -> int:
