@@ -279,6 +279,11 @@ def test_user_runs_never_touch_the_published_grid(tmp_path, monkeypatch, capsys)
     assert "--publish" in capsys.readouterr().err and not (published / "x").exists()
     assert {p: p.read_bytes() for p in published.iterdir() if p.is_file()} == before
     assert is_published(published) and not is_published(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "PUBLISHED").write_text("")
+    assert is_published(tmp_path / "mine" / "a" / "b") and not is_published(tmp_path)
+    (tmp_path / "mine" / "PUBLISHED").unlink()
+    (tmp_path / "mine").rmdir()
     _run("eval", "passkey", "--max-cells", "1", *small)  # the bare command: the user's folder
     data = json.loads((tmp_path / "veloxquant_eval" / "passkey.json").read_text())
     assert len(data["cells"]) == 1 and not (tmp_path / "veloxquant_eval" / "results.md").exists()  # reports: the lab

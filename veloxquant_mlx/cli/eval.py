@@ -36,7 +36,8 @@ def _common(p):
     p.add_argument("--out-dir", default=USER_OUT_DIR, help=f"JSON / figure folder (default ./{USER_OUT_DIR}; the "
                    f"published {DEFAULT_OUT_DIR} needs --publish)")
     p.add_argument("--publish", action="store_true",
-                   help="allow --out-dir inside the project's figures/ (resumes and changes the published grid)")
+                   help="allow --out-dir inside published figures (under a PUBLISHED marker file, as the "
+                        "project's figures/ is); resumes and changes them")
     p.add_argument("--shard", type=_shard, default=(0, 1), help="I/N: run every N-th cell starting at I "
                    "(several workers can share one JSON file)")
     p.add_argument("--time-budget", type=ranged(float, 0.0), default=None,

@@ -1,7 +1,8 @@
 """Where an ``eval`` run may write, and which lengths a model can take.
 
-A user's run goes to a user's folder (``veloxquant_eval/`` by default); the published figures under
-the project's ``figures/`` change only with ``--publish``. ``--max-cells 0`` is a dry run: it reads
+A user's run goes to a user's folder (``veloxquant_eval/`` by default); a folder of published figures
+(one that holds, or sits under a folder that holds, a ``PUBLISHED`` marker file) changes only with
+``--publish``. ``--max-cells 0`` is a dry run: it reads
 the result file, says what would run, and writes nothing.
 """
 
@@ -11,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-_REPO = Path(__file__).resolve().parents[2]
+PUBLISHED_MARKER = "PUBLISHED"  # a file whose presence makes its folder's results change only with --publish
 
 # Tokens beyond the first prompt that a cell may still feed or decode (later turns, answers): a
 # length is refused unless length + this fits the model's context.
@@ -32,14 +33,10 @@ class RunControl:
     note_every: float = 60.0  # seconds between the accuracy lines printed while cells finish
 
 
-def published_dirs() -> list:
-    """The folders whose files are published figures: ``figures/`` of this checkout and of the cwd."""
-    return [(_REPO / "figures").resolve(), (Path.cwd() / "figures").resolve()]
-
-
 def is_published(path) -> bool:
+    """Whether ``path`` lies in a folder of published figures: it, or a folder above it, holds the marker."""
     p = Path(path).resolve()
-    return any(p == d or d in p.parents for d in published_dirs())
+    return any((d / PUBLISHED_MARKER).is_file() for d in (p, *p.parents))
 
 
 def check_out_dir(control: RunControl) -> None:
@@ -47,7 +44,8 @@ def check_out_dir(control: RunControl) -> None:
     if control.max_cells == 0:
         return  # a dry run writes nothing anywhere
     if is_published(control.out_dir) and not control.publish:
-        raise ValueError(f"--out-dir {control.out_dir} is inside the published figures/; pass --publish to change "
+        raise ValueError(f"--out-dir {control.out_dir} is inside published figures (a {PUBLISHED_MARKER} file marks "
+                         "them); pass --publish to change "
                          "them on purpose, or pick another folder")
 
 
