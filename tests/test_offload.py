@@ -148,6 +148,24 @@ def test_a_follow_up_reads_the_history_exactly(model, tmp_path):
     assert np.abs(np.array(logits) - np.array(ref)).max() <= 1e-4
 
 
+def test_a_follow_up_without_continue_on_purpose_warns_and_reads_as_one_that_says_so(model, tmp_path):
+    """A cache reused after decoding without ``continue_on_purpose()`` warns, as any cache does, and its new
+    input (paged chunks, then the last token alone) is read exactly as a cache told so reads it."""
+    first, second = random_prompt(140, seed=13), random_prompt(50, seed=14)
+    told, untold = (KVCacheBuilder.for_model(model, _config("snapkv", "offload", tmp_path)) for _ in range(2))
+    for cs in (told, untold):
+        y = _feed(model, cs, first)
+        for t in (3, 7, 11):  # the same decode tokens in both
+            y = model(mx.array([[t]]), cache=cs)[0, -1]
+        mx.eval(y)
+    for c in told:
+        c.continue_on_purpose()
+    ref = _feed(model, told, second)
+    with pytest.warns(UserWarning, match="continue_on_purpose"):
+        logits = _feed(model, untold, second)
+    assert np.abs(np.array(logits) - np.array(ref)).max() <= 1e-6
+
+
 def test_save_and_load_keep_the_hot_rows_and_a_new_input_pages_them(model, tmp_path):
     caches = KVCacheBuilder.for_model(model, _config("nexus", "offload", tmp_path))
     greedy(model, random_prompt(150, seed=15), max_tokens=3, prompt_cache=caches, prefill_step_size=32)

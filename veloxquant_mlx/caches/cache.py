@@ -160,6 +160,7 @@ class EvictionCache(_BaseCache):
             cold.check_head_dim(keys.shape[-1])
         if self.pages is not None and S > 1 and not sched.open:
             self.pages.begin_input(self)  # this input is read against every row so far, from the file
+            self._light = 0  # the hot rows are gone: no cheap branch until the input's end refreshes it
         if cold is not None and S > 1 and not sched.open and self.offset > 0:
             if cold.held:  # recall_hold: the last turn's compression waited for this input
                 self._settle(0, "release")
