@@ -1,6 +1,7 @@
 """The CLI on the bundled model: equivalence with the full cache, passkey at 20%, clear errors."""
 
 import importlib.util
+import re
 
 import pytest
 
@@ -955,3 +956,21 @@ def test_extra_eos_token_ends_the_answer(capsys, tiny_cli, monkeypatch):
     assert rc == 0, err
     assert "Generation: 3 tokens" in out and third not in _generated_text(out).split()
     assert set(tiny_tokenizer().eos_token_ids) == shared_eos
+
+
+def test_a_prompt_longer_than_the_budget_is_paged_by_default_with_ends_answer(capsys, tiny_cli, tmp_path):
+    """generate pages a prompt longer than the budget unless a mode is given, and answers as "end" does; a
+    prompt within the budget, a given mode, a method that cannot page (KVzip's model pass) and one whose paged
+    prefill costs more (H2O's second pass over the file) keep "end"."""
+    base = ["generate", "--prompt", _words(120), "--max-tokens", "4", "--method", "snapkv", "--budget", "40"]
+    runs = {}
+    for name, extra in {"default": [], "end": ["--prompt-eviction", "end"],
+                        "spec": ["--method", "snapkv:prompt_eviction=end"], "kvzip": ["--method", "kvzip"],
+                        "h2o": ["--method", "h2o"], "short": ["--prompt", _words(30)]}.items():
+        rc, out, err = _main(capsys, *base, *extra)
+        assert rc == 0, err
+        runs[name] = (out.split("\n")[0], re.search(r"prompt_eviction=(\w+)", out).group(1), err)
+    assert runs["default"][1] == "offload" and "pages: ~" in runs["default"][2]
+    assert runs["default"][0] == runs["end"][0]  # the same answer
+    assert [runs[n][1] for n in ("end", "spec", "kvzip", "h2o", "short")] == ["end"] * 5
+    assert all("pages:" not in runs[n][2] for n in ("end", "spec", "kvzip", "h2o", "short"))

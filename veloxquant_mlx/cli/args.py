@@ -181,11 +181,12 @@ def add_cache_args(parser, default_method="nexus"):
                         help="Ada-KV guaranteed floor fraction "
                              f"(default: the method's: {method_defaults('floor_alpha')})")
     parser.add_argument("--prompt-eviction", choices=("end", "stream", "offload"), default=None, **given,
-                        help="end (default): hold the prompt, compress once when it ends, then evict "
-                             "through decode; stream: also evict at every prefill chunk (peak = budget + chunk; "
-                             "later chunks read a compressed prefix); offload: page the prompt to a file, every chunk "
-                             "attending to every earlier row, then compress as end does (end's answers at a flat "
-                             "peak; docs/offload.md)")
+                        help="end: hold the prompt, compress once when it ends, then evict through decode; "
+                             "stream: also evict at every prefill chunk (peak = budget + chunk; later chunks read a "
+                             "compressed prefix); offload: page the prompt to a file, every chunk attending to every "
+                             "earlier row, then compress as end does (end's answers at a flat peak; docs/offload.md); "
+                             "default: offload for a prompt longer than the budget where the method and model allow "
+                             "it, H2O aside (generate, compress), else end; serve and eval: end")
     parser.add_argument("--page-dir", default=None, **given,
                         help="folder of --prompt-eviction offload's page files (default: the OS's temporary folder)")
     parser.add_argument("--page-block", type=int, default=None, **given,
@@ -344,6 +345,27 @@ def row_bytes(model) -> int:
     model(mx.array([[0]]), cache=caches)
     return sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
                for c in caches if getattr(c, "keys", None) is not None)
+
+
+def page_long_prompt(model, config, prompt_tokens: int, args):
+    """The CLI's prompt mode when none is given: a prompt longer than the budget is paged
+    (``prompt_eviction="offload"``: ``"end"``'s answers, by construction, at a flat peak; docs/offload.md),
+    where the method, the flags and the model allow it (KVzip's model pass, ``--recall``, MLA latents and
+    models without the query tap do not) and its prefill costs about what ``"end"``'s does: not for a method
+    that sums attention mass over the prompt (H2O reads the file twice per chunk: 1.6x ``"end"``'s prefill
+    time at 8K, docs/offload.md); else ``"end"``. A mode given as a flag or in the spec stays."""
+    if config is None or prompt_tokens <= config.budget or getattr(args, "prompt_eviction", None) is not None \
+            or "prompt_eviction" in parse_spec(args.method, {})[1] \
+            or config.method_class.attention_mass_field is not None:
+        return config
+    from ..builder import KVCacheBuilder
+
+    try:
+        paged = config.replace(prompt_eviction="offload")
+        KVCacheBuilder.for_model(model, paged)  # the model's own refusals, before any work
+    except ValueError:
+        return config
+    return paged
 
 
 def note_pages(model, config, prompt_tokens: int) -> None:

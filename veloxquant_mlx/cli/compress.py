@@ -20,8 +20,8 @@ from .. import distributed
 from ..caches.accounting import kv_report
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, cache_spec, check_context, config_from_args, fit_kv_group, fmt_bytes,
-                   kv_summary, load_model_for_cli, note_budget_past_context, note_pages, prompt_bar, ranged,
-                   read_text)
+                   kv_summary, load_model_for_cli, note_budget_past_context, note_pages, page_long_prompt, prompt_bar,
+                   ranged, read_text)
 from .document import DOCUMENT_FORMAT
 
 _MARK = "\x00VQ-DOCUMENT-END\x00"
@@ -107,7 +107,7 @@ def cmd_compress(args):
     fit_kv_group(model, args)
     n = len(split_template(tokenizer, text, not args.ignore_chat_template)[0])
     check_context(model, n, allow=args.allow_past_context)
-    config = config_from_args(args, n)
+    config = page_long_prompt(model, config_from_args(args, n), n, args)
     note_budget_past_context(model, config)
     note_pages(model, config, n)
     r = compress_document(model, tokenizer, text, config, args.out, args.prefill_step_size,

@@ -15,8 +15,8 @@ from ..caches.quant import model_caches
 from ..registry import FULL
 from .args import (CLIError, add_cache_args, add_sampling_args, cache_spec, check_context, config_from_args,
                    eviction_flags_given, fit_kv_group, fmt_bytes, full_quant, given_flags, kv_summary,
-                   load_model_for_cli, note_budget_past_context, note_pages, prompt_bar, ranged, read_text,
-                   utf8_text)
+                   load_model_for_cli, note_budget_past_context, note_pages, page_long_prompt, prompt_bar, ranged,
+                   read_text, utf8_text)
 from .document import check_flags_against_file, describe_file_config, load_compressed_document, question_tokens
 
 
@@ -230,7 +230,8 @@ def cmd_generate(args):
                                args.prefill_response, template_kwargs)
     held = meta["tokens"] if args.prompt_cache else 0
     check_context(model, held + len(tokens), args.max_tokens, args.allow_past_context)
-    config = None if args.prompt_cache else config_from_args(args, len(tokens))
+    config = None if args.prompt_cache else \
+        page_long_prompt(model, config_from_args(args, len(tokens)), len(tokens), args)
     note_budget_past_context(model, config)
     note_pages(model, config, held + len(tokens))
     bits, group = (config.kv_bits, config.kv_group_size) if config is not None else \
