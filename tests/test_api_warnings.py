@@ -101,11 +101,30 @@ def test_readme_quick_start_with_kvzip_is_silent(monkeypatch):
 
     block = re.search(r"## Quick start\s+```python\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
     assert 'method="nexus"' in block and "max_tokens=600" in block
+    assert 'prompt_eviction="offload"' in block  # kvzip cannot page its prompt: held, as "end" does
     code = block.replace('method="nexus"', 'method="kvzip"').replace("max_tokens=600", "max_tokens=4")
+    code = code.replace(', prompt_eviction="offload"', "")
     code = code.replace('"Tell me a story."', '"t5 t6 t7 t8 " * 40').replace("budget=512", "budget=48")
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (make_tiny_model("llama"), _chat_tokenizer()))
     namespace = {}
     seen = _user_warnings(lambda: exec(compile(code, "README.md", "exec"), namespace))
     assert seen == []
     assert namespace["caches"][0].evictions > 0  # the kvzip caches really compressed the prompt
+    mx.clear_cache()
+
+
+def test_readme_quick_start_as_written_pages_the_prompt_silently(monkeypatch):
+    """The quick start as written (Nexus, the prompt paged), on the tiny model with a prompt past the budget:
+    no warning, the prompt went to the page file and was compressed at its end."""
+    from veloxquant_mlx import models
+
+    block = re.search(r"## Quick start\s+```python\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    code = block.replace("max_tokens=600", "max_tokens=4").replace('"Tell me a story."', '"t5 t6 t7 t8 " * 60')
+    code = code.replace("budget=512", "budget=120")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (make_tiny_model("llama"), _chat_tokenizer()))
+    namespace = {}
+    seen = _user_warnings(lambda: exec(compile(code, "README.md", "exec"), namespace))
+    assert seen == []
+    report = namespace["caches"][0].byte_report()
+    assert report["page_disk_bytes"] > 0 and namespace["caches"][0].evictions > 0
     mx.clear_cache()

@@ -11,6 +11,7 @@ import pytest
 
 from lab import report_choosing as rc
 from lab import report_memory as rm
+from lab import report_offload as ro
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -66,14 +67,14 @@ def test_memory_page_quotes_the_figure():
 
 def test_choosing_kvzap_bytes_and_kvzip_peak_are_the_figures():
     """kvzap keeps layers x heads x B rows but allocates more (Ada heads); kvzip's pass raises the peak."""
-    assert rm.ada_bytes(GENERATE) in _row(CHOOSING, "a prompt longer than memory allows")
+    assert rm.ada_bytes(GENERATE) in _row(CHOOSING, "a bounded prompt with no disk to page to")
     assert rm.kvzip_peak(GENERATE, KVZIP) in _row(CHOOSING, "the prompt fits, the answer matters most")
 
 
 def test_choosing_bounded_row_states_the_prefill_step_it_needs():
     """The recommendation names every setting it needs: prompt_eviction="stream" bounds nothing at mlx-lm's
     default step for a prompt up to 2K, and the page quotes the measured peaks at both steps."""
-    row = _row(CHOOSING, "a prompt longer than memory allows")
+    row = _row(CHOOSING, "a bounded prompt with no disk to page to")
     assert 'prompt_eviction="stream"' in row and "prefill_step_size=256" in row
     peak = _figure(rm.PEAK_FIGURE)
     assert rm.stream_step_sentence(peak) in _flat(CHOOSING)
@@ -101,12 +102,17 @@ def _mib(summary, label, key="kv_peak_bytes"):
     ("choosing", lambda: f"**Gemma 3: {_count(GEMMA, 'kvzap:stream')}** against full {_count(GEMMA, 'full')}"),
     ("choosing", lambda: f"what left the window is gone: {_count(SMOL, 'rotating')}"),
     ("choosing", lambda: f"`kvzap` on SmolLM2 ({_count(SMOL, 'kvzap')}), `nexus` on Gemma 3 ({_count(GEMMA, 'nexus')})"),
-    ("readme", lambda: f"SmolLM2 {_count(SMOL, 'kvzap:stream')} (full {_count(SMOL, 'full')}) at "
-                       f"{rc.row(SMOL, 'kvzap:stream')['kv_peak_bytes'] / rc.row(SMOL, 'full')['kv_peak_bytes']:.2f}× "
-                       "the full cache's KV peak"),
-    ("readme", lambda: f"Gemma 3 {_count(GEMMA, 'kvzap:stream')} (full {_count(GEMMA, 'full')}, kvzap at the "
-                       f"prompt's end {_count(GEMMA, 'kvzap')})"),
+    ("readme", lambda: f"SmolLM2 passkey {_count(SMOL, 'kvzap:stream')} at 1K"),
 ])
 def test_quoted_passkey_numbers_are_the_choosing_figures(page, fragment):
     text = {"choosing": CHOOSING, "readme": README}[page]
     assert fragment() in text, fragment()
+
+
+def test_offload_numbers_are_written_from_the_offload_figures():
+    """docs/offload.md's measured section, choosing.md's first row and the README's row: python -m
+    lab.report_offload, from figures/offload."""
+    assert ro.block() in (ROOT / "docs" / "offload.md").read_text()
+    row = _row(CHOOSING, "a prompt longer than memory allows")
+    assert 'prompt_eviction="offload"' in row and ro.choosing_cells(*ro.figures()) in row
+    assert ro.readme_row(*ro.figures()) in README.splitlines()
