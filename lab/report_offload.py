@@ -188,7 +188,7 @@ def block() -> str:
 
 
 CHOOSING, README = ROOT / "docs" / "choosing.md", ROOT / "README.md"
-CHOOSING_FROM, CHOOSING_TO = "`\"end\"`'s, by construction, so those of the next row: ", " mlx-lm: `KVCache` holds"
+CHOOSING_FROM, CHOOSING_TO = "`\"end\"`'s, by construction (see \"the prompt fits\" below): ", " mlx-lm: `KVCache` holds"
 README_ROW = "| a prompt longer than memory (`prompt_eviction=\"offload\"`)"
 
 
