@@ -70,8 +70,11 @@ def peak_table(data: dict) -> str:
         if len(ns) > 1:
             a, b = by[cache][ns[0]], by[cache][ns[-1]]
             notes.append(f"`{cache}` grows {b['peak_over_weights_bytes'] / a['peak_over_weights_bytes']:.2f}× from "
-                         f"{ns[0]:,} to {ns[-1]:,} tokens (per-row state at {ns[-1]:,}: "
-                         f"{b['page_resident_bytes'] / MIB:.2f} MiB; page file {b['page_disk_bytes'] / MIB:.0f} MiB)")
+                         f"{ns[0]:,} to {ns[-1]:,} tokens; the per-row state grows from "
+                         f"{a['page_resident_bytes'] / MIB:.2f} to {b['page_resident_bytes'] / MIB:.2f} MiB and the kept "
+                         f"rows' buffers after the prompt from {a['kv_allocated_after_bytes'] / MIB:.1f} to "
+                         f"{b['kv_allocated_after_bytes'] / MIB:.1f} MiB; the page file holds "
+                         f"{b['page_disk_bytes'] / MIB:.0f} MiB")
         full = by.get("kvcache", {})
         for n in ns:
             if n in full and n == max(set(ns) & set(full)):
