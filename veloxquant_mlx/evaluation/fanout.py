@@ -12,6 +12,22 @@ from ..decode import feed_prompt
 from .results import now
 
 
+def _any_sub(flag: str) -> property:
+    """True when any sub-cache's ``flag`` is."""
+    return property(lambda self: any(getattr(c, flag, False) for c in self.subs.values()))
+
+
+def _to_subs_that(flag: str, name: str) -> property:
+    """A value set on the fan-out goes to ``name`` of every sub-cache whose ``flag`` is true (it reads None)."""
+
+    def hand_on(self, value) -> None:
+        for c in self.subs.values():
+            if getattr(c, flag, False):
+                setattr(c, name, value)
+
+    return property(lambda self: None, hand_on)
+
+
 class FanOutCache:
     """One layer's cache that feeds every prefill step to several caches at once.
 
@@ -66,21 +82,10 @@ class FanOutCache:
     def observe_queries(self, queries, scale=None):
         self._each("observe_queries", queries, scale)
 
-    # the model-pass wrapper: every forward's token ids for the sub-caches that keep them, and whether the
-    # wrapper drives this forward
-    @property
-    def needs_ids(self) -> bool:
-        return any(getattr(c, "needs_ids", False) for c in self.subs.values())
-
-    @property
-    def input_ids(self):
-        return None
-
-    @input_ids.setter
-    def input_ids(self, ids):
-        for c in self.subs.values():
-            if getattr(c, "needs_ids", False):
-                c.input_ids = ids
+    # the model-pass wrapper's token ids and the hidden-state tap's attention input, each for the sub-caches
+    # whose method reads it; and whether the wrapper drives this forward
+    needs_ids, input_ids = _any_sub("needs_ids"), _to_subs_that("needs_ids", "input_ids")
+    needs_hidden, attention_input = _any_sub("needs_hidden"), _to_subs_that("needs_hidden", "attention_input")
 
     @property
     def pass_driven(self) -> bool:
@@ -91,20 +96,6 @@ class FanOutCache:
         for c in self.subs.values():
             if hasattr(c, "pass_driven"):
                 c.pass_driven = on
-
-    @property
-    def needs_hidden(self) -> bool:
-        return any(getattr(c, "needs_hidden", False) for c in self.subs.values())
-
-    @property
-    def attention_input(self):
-        return None
-
-    @attention_input.setter
-    def attention_input(self, x):  # the hidden-state tap, for the caches that read it
-        for c in self.subs.values():
-            if getattr(c, "needs_hidden", False):
-                c.attention_input = x
 
     def attention_mask(self, mask, queries):
         return mask
