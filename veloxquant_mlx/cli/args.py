@@ -354,8 +354,7 @@ def page_long_prompt(model, config, prompt_tokens: int, args):
     models without the query tap do not) and its prefill costs about what ``"end"``'s does: not for a method
     that sums attention mass over the prompt (H2O reads the file twice per chunk: well above ``"end"``'s prefill
     time at 8K, docs/offload.md); else ``"end"``. A mode given as a flag or in the spec stays."""
-    if config is None or prompt_tokens <= config.budget or getattr(args, "prompt_eviction", None) is not None \
-            or "prompt_eviction" in parse_spec(args.method, {})[1] \
+    if config is None or prompt_tokens <= config.budget or "prompt_eviction" in cache_spec(args)[1] \
             or config.method_class.attention_mass_field is not None:
         return config
     from ..builder import KVCacheBuilder
