@@ -76,11 +76,12 @@ def peak_table(data: dict) -> str:
                          f"{b['kv_allocated_after_bytes'] / MIB:.1f} MiB; the page file holds "
                          f"{b['page_disk_bytes'] / MIB:.0f} MiB")
         full = by.get("kvcache", {})
-        for n in ns:
-            if n in full and n == max(set(ns) & set(full)):
-                notes.append(f"at {n:,} tokens `{cache}` peaks at "
-                             f"{by[cache][n]['peak_over_weights_bytes'] / full[n]['peak_over_weights_bytes']:.2f}× "
-                             "`KVCache`'s")
+        both = set(ns) & set(full)
+        if both:  # the longest prompt both ran
+            n = max(both)
+            notes.append(f"at {n:,} tokens `{cache}` peaks at "
+                         f"{by[cache][n]['peak_over_weights_bytes'] / full[n]['peak_over_weights_bytes']:.2f}× "
+                         "`KVCache`'s")
     return "\n".join(lines + [""] + [f"- {n}." for n in notes])
 
 

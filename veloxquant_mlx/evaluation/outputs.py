@@ -2,8 +2,7 @@
 
 A user's run goes to a user's folder (``veloxquant_eval/`` by default); a folder of published figures
 (one that holds, or sits under a folder that holds, a ``PUBLISHED`` marker file) changes only with
-``--publish``. ``--max-cells 0`` is a dry run: it reads
-the result file, says what would run, and writes nothing.
+``--publish``. ``--max-cells 0`` is a dry run: it reads the result file, says what would run, and writes nothing.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def check_out_dir(control: RunControl) -> None:
         return  # a dry run writes nothing anywhere
     if is_published(control.out_dir) and not control.publish:
         raise ValueError(f"--out-dir {control.out_dir} is inside published figures (a {PUBLISHED_MARKER} file marks "
-                         "them); pass --publish to change "
-                         "them on purpose, or pick another folder")
+                         "them); pass --publish to change them on purpose, or pick another folder")
 
 
 def writes(control: RunControl) -> bool:
