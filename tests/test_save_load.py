@@ -246,21 +246,11 @@ SAVED_METHODS = {"streaming": {"streaming_evict_every": 4}, "snapkv": {"snapkv_w
                  "h2o": {"h2o_evict_every": 4}, "nestedkv": {"nestedkv_window": 8}}
 
 
-def _saved_run(method, extra):
-    model = make_tiny_model()
-    cfg = KVCacheConfig(method=method, budget=28, seed=3, **extra)
-    caches = KVCacheBuilder.for_model(model, cfg)
-    logits = _run(model, caches, random_prompt(60))
-    _decode(model, caches, int(mx.argmax(logits, axis=-1).item()), 5)
-    mx.eval([c.state for c in caches])
-    return model, caches
-
-
 def write_saved_before(folder=SAVED_BEFORE):
     folder.mkdir(parents=True, exist_ok=True)
     expected = {}
     for method, extra in SAVED_METHODS.items():
-        model, caches = _saved_run(method, extra)
+        model, caches = _saved_run_of({"method": method, **extra})
         save_prompt_cache(folder / f"{method}.safetensors", caches, model=model)
         expected[method] = [t for t, _ in _decode(model, caches, 7, 12)]
         KVCacheBuilder.uninstall(model)
