@@ -333,3 +333,29 @@ def test_the_table_names_each_architecture_once():
     (table,) = [n.value for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "ARCHS"]
     twice = [k for k, n in collections.Counter(k.value for k in table.keys).items() if n > 1]
     assert twice == []
+
+
+_REFUSAL_CONFIGS = {
+    "snapkv": lambda: small_config("snapkv", budget=BUDGET),
+    "offload": lambda: small_config("snapkv", budget=BUDGET, prompt_eviction="offload"),
+    "kv_bits": lambda: small_config("snapkv", budget=64, kv_bits=8, kv_group_size=32),
+    "pyramidkv": lambda: small_config("pyramidkv", budget=24),
+    "kvzip": lambda: small_config("kvzip", budget=BUDGET),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*scaled_dot_product_attention")  # keys stand in for queries
+@pytest.mark.parametrize("name", [n for n in architecture_files() if isinstance(ARCHS.get(n), tuple)])
+def test_refusal_says_what_for_model_does(name):
+    """``KVCacheBuilder.refusal`` answers, without building, what ``for_model`` does: None where it builds,
+    its exact line where it refuses (paged prompts, quantized rows, per-layer budgets, model passes)."""
+    for label, make in _REFUSAL_CONFIGS.items():
+        config = make()
+        model = build(name)
+        said = KVCacheBuilder.refusal(model, config)
+        try:
+            KVCacheBuilder.for_model(model, config)
+        except ValueError as e:
+            assert said == str(e), f"{name} {label}: refusal() said {said!r}, for_model raised {str(e)!r}"
+        else:
+            assert said is None, f"{name} {label}: refusal() said {said!r}, for_model built"

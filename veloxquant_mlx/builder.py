@@ -13,7 +13,8 @@ from .model_dims import config_field
 from .distributed import attach as attach_group, layer_span, resolve_group
 from .model_pass import install_model_pass, remove_model_pass
 from .prompt_cache import load_prompt_cache as read_prompt_cache
-from .tap import bind_latent_queries, install_hidden_tap, install_query_tap, kv_sources, remove_query_tap
+from .tap import (bind_latent_queries, install_hidden_tap, install_query_tap, kv_sources, latent_refusal, mla_layers,
+                  query_tap_reaches, remove_query_tap)
 from .registry import methods, register
 
 _ORIGINAL_MAKE_CACHE = "_veloxquant_original_make_cache"
@@ -65,23 +66,68 @@ def _evictable(c) -> bool:
     return type(c) is KVCache or isinstance(c, EvictionCache)
 
 
-def _refuse_layers(model, base: list) -> None:
-    """One line where no layer of ``model`` (whose own caches are ``base``) can evict: layers that read
-    another layer's cache (afm7, gemma3n), several KV caches in one layer (a sparse-attention indexer over
-    the latent's rows: deepseek_v32; two attentions: longcat_flash; the layer's mask and the indexer's row
+def _layers_refusal(model, base: list) -> str | None:
+    """Where no layer of ``model`` (whose own caches are ``base``) can evict: layers that read another
+    layer's cache (afm7, gemma3n), several KV caches in one layer (a sparse-attention indexer over the
+    latent's rows: deepseek_v32; two attentions: longcat_flash; the layer's mask and the indexer's row
     numbers assume the rows of one cache), or no full-attention KV cache at all (SSM, sliding windows only)."""
     what, fix = type(model).__module__, "run it with mlx-lm's own caches"
     shared = [(f, config_field(model, f)) for f in _SHARED_KV_FIELDS if config_field(model, f)]
     if shared and not kv_sources(model):
-        raise ValueError(f"{what} has layers that read another layer's cache ({shared[0][0]}={shared[0][1]!r}): "
-                         f"eviction is not supported; {fix}")
+        return f"{what} has layers that read another layer's cache ({shared[0][0]}={shared[0][1]!r}): " \
+               f"eviction is not supported; {fix}"
     parts = [list(c.caches) if type(c) is CacheList else [c] for c in base]
     if any(sum(map(_evictable, p)) > 1 for p in parts):
-        raise ValueError(f"{what} keeps several KV caches per layer (a sparse-attention indexer, or two "
-                         f"attentions): eviction is not supported; {fix}")
+        return f"{what} keeps several KV caches per layer (a sparse-attention indexer, or two attentions): " \
+               f"eviction is not supported; {fix}"
     if not any(_evictable(x) for p in parts for x in p):
         kinds = sorted({type(c).__name__ for c in base})
-        raise ValueError(f"{what} has no full-attention KV cache to evict (its layers keep {', '.join(kinds)}): {fix}")
+        return f"{what} has no full-attention KV cache to evict (its layers keep {', '.join(kinds)}): {fix}"
+    return None
+
+
+def _refusal(model, config: KVCacheConfig, base: list) -> str | None:
+    """The one line ``for_model`` refuses ``config`` on ``model`` with (its own caches: ``base``), or None.
+    It reads the model and the config and installs nothing."""
+    refusal = _layers_refusal(model, base)
+    if refusal:
+        return refusal
+    what, method, offload = type(model).__module__, config.method_class, config.prompt_eviction == "offload"
+    tapped = query_tap_reaches(model)
+    layers = getattr(model, "layers", None)
+    if offload and layers is not None and len(base) > len(layers):
+        return (f"{what} keeps {len(base)} caches for {len(layers)} layers (a layer attends through more than one "
+                "of them), which prompt_eviction='offload' cannot page: use prompt_eviction='end'")
+    if offload and not tapped:
+        return ("prompt_eviction='offload' computes each prompt chunk's attention over the page file itself, "
+                f"through the query tap, and {what} does not call mlx-lm's scaled_dot_product_attention: "
+                "use prompt_eviction='end'")
+    if config.kv_bits is not None and not tapped:
+        return (f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's scaled_dot_product_attention "
+                f"(its quantized path reads the packed rows); {what} does not: use kv_bits=None")
+    evicting = [i for i, c in enumerate(base) if any(map(_evictable, c.caches if type(c) is CacheList else [c]))]
+    start, n = layer_span(model, len(base))
+    try:  # per-layer budgets (PyramidKV's refuse a budget too small for a layer)
+        budgets = {method(config, start + i, n).layer_budget() for i in evicting}
+    except ValueError as e:
+        return str(e)
+    if method.needs.model_pass and any(type(c) is CacheList for c in base):
+        # the model pass finds the caches that deferred work among the model's top-level layer caches
+        return (f"{config.method} runs a model pass at the prompt's end, which does not reach the attention caches "
+                f"inside {what}'s CacheList layers: use another method")
+    mla = mla_layers(model, set(evicting).__contains__)
+    for attn in mla:
+        refusal = latent_refusal(model, attn, quantized=config.kv_bits is not None)
+        if refusal:
+            return refusal
+    if mla and offload:
+        return (f"{what} (MLA) reads its prompt in the latent's space, which prompt_eviction='offload' does not "
+                "page: use prompt_eviction='end'")
+    if mla and len(budgets) > 1:
+        # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
+        return (f"{what} (MLA) builds one mask for every layer's rows: {config.method}'s per-layer budgets are not "
+                "supported; use a method that keeps one budget in every layer")
+    return None
 
 
 class KVCacheBuilder:
@@ -108,23 +154,11 @@ class KVCacheBuilder:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         base = _model_layer_caches(model)
-        _refuse_layers(model, base)  # before anything is installed on the model
+        refusal = _refusal(model, config, base)
+        if refusal:  # before anything is installed on the model
+            raise ValueError(refusal)
         method = config.method_class
         tapped = _install_glue(model, [method], tokenizer)
-        layers = getattr(model, "layers", None)
-        if config.prompt_eviction == "offload" and layers is not None and len(base) > len(layers):
-            raise ValueError(f"{type(model).__module__} keeps {len(base)} caches for {len(layers)} layers (a layer "
-                             "attends through more than one of them), which prompt_eviction='offload' cannot page: "
-                             "use prompt_eviction='end'")
-        if config.prompt_eviction == "offload" and not tapped:
-            raise ValueError(f"prompt_eviction='offload' computes each prompt chunk's attention over the page file "
-                             f"itself, through the query tap, and {type(model).__module__} does not call mlx-lm's "
-                             "scaled_dot_product_attention: use prompt_eviction='end'")
-        if config.kv_bits is not None and not tapped:
-            raise ValueError(
-                f"kv_bits={config.kv_bits} needs a model whose attention calls mlx-lm's "
-                f"scaled_dot_product_attention (its quantized path reads the packed rows); "
-                f"{type(model).__module__} does not: use kv_bits=None")
         if not tapped and method.needs.queries and id(model) not in _warned_no_tap:
             _warned_no_tap.add(id(model))
             warnings.warn(
@@ -149,20 +183,19 @@ class KVCacheBuilder:
         # other parts and gets an eviction cache for its attention part.
         caches = [CacheList(*(evicting(x, i) for x in c.caches)) if type(c) is CacheList else evicting(c, i)
                   for i, c in enumerate(base)]
-        if method.needs.model_pass and any(type(c) is CacheList for c in caches):
-            # the model pass finds the caches that deferred work among the model's top-level layer caches
-            raise ValueError(f"{config.method} runs a model pass at the prompt's end, which does not reach the "
-                             f"attention caches inside {type(model).__module__}'s CacheList layers: use another method")
-        mla = bind_latent_queries(model, caches)  # MLA: latent-space queries
-        if mla and config.prompt_eviction == "offload":
-            raise ValueError(f"{type(model).__module__} (MLA) reads its prompt in the latent's space, which "
-                             "prompt_eviction='offload' does not page: use prompt_eviction='end'")
-        if mla and len({c.budget for c in ours}) > 1:
-            # the model folds one mask, built for the first layer's rows, into every layer's rotary logits
-            raise ValueError(f"{type(model).__module__} (MLA) builds one mask for every layer's rows: {config.method}'s "
-                             "per-layer budgets are not supported; use a method that keeps one budget in every layer")
+        bind_latent_queries(model, caches)  # MLA: latent-space queries
         method.attach(model, [c.method for c in ours])  # declared: the model itself
         return caches
+
+    @staticmethod
+    def refusal(model, config: KVCacheConfig) -> str | None:
+        """The one line :meth:`for_model` would refuse ``config`` on ``model`` with, or None where it builds
+        (e.g. whether this model can page a prompt: ``config.replace(prompt_eviction="offload")``). Installs
+        nothing on the model and builds no cache; a method's own checks when it attaches to the model
+        (kvzap's fitted scorer) are not asked."""
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        return _refusal(model, config, _model_layer_caches(model))
 
     @staticmethod
     def attach(model, caches: list, tokenizer=None, group=None) -> list:

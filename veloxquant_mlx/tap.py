@@ -95,6 +95,21 @@ def _is_mla(attn) -> bool:
     return attn is not None and hasattr(attn, "embed_q") and hasattr(attn, "kv_lora_rank")
 
 
+def latent_refusal(model, attn, quantized: bool) -> str | None:
+    """Why an MLA layer (``attn``) cannot evict its latent's rows (stored quantized or not), or None."""
+    if quantized:
+        return f"{type(model).__module__} caches MLA latents, which mlx-lm attends to unquantized: use kv_bits=None"
+    if not int(getattr(attn, "qk_nope_head_dim", 0) or 0):
+        return (f"{type(model).__module__}: MLA with qk_nope_head_dim=0 has no query part in the latent's space to "
+                "score its rows with")
+    return None
+
+
+def mla_layers(model, evictable) -> list:
+    """The attention modules of ``model``'s MLA layers whose own cache (``evictable(i)``) would evict."""
+    return [a for i, a in enumerate(attention_modules(model)) if _is_mla(a) and evictable(i)]
+
+
 def bind_latent_queries(model, caches: list) -> int:
     """Give the query-observing caches of ``model``'s MLA layers their :class:`LatentQuery`. Refuses, in
     one line, what MLA cannot take: quantized rows, and a query without a no-rope part. Returns how many
@@ -104,12 +119,9 @@ def bind_latent_queries(model, caches: list) -> int:
         inner = [x for x in getattr(c, "caches", (c,)) if hasattr(x, "observe_queries")]
         if not inner or not _is_mla(attn):
             continue
-        if any(hasattr(x, "bits") for x in inner):
-            raise ValueError(f"{type(model).__module__} caches MLA latents, which mlx-lm attends to unquantized: "
-                             "use kv_bits=None")
-        if not int(getattr(attn, "qk_nope_head_dim", 0) or 0):
-            raise ValueError(f"{type(model).__module__}: MLA with qk_nope_head_dim=0 has no query part in the "
-                             "latent's space to score its rows with")
+        refusal = latent_refusal(model, attn, quantized=any(hasattr(x, "bits") for x in inner))
+        if refusal:
+            raise ValueError(refusal)
         for x in inner:
             x.latent_query = LatentQuery(attn)
         n += len(inner)
@@ -264,6 +276,12 @@ def remove_query_tap(model) -> list:
             setattr(mod, _TAP_NAME, _ORIGINAL_SDPA)
             restored.append(name)
     return restored
+
+
+def query_tap_reaches(model) -> bool:
+    """Does the model call mlx-lm's ``scaled_dot_product_attention`` (would :func:`install_query_tap` tap it)?"""
+    return any(fn is _ORIGINAL_SDPA or getattr(fn, "__veloxquant_tap__", False)
+               for fn in (getattr(sys.modules.get(n), _TAP_NAME, None) for n in _model_module_names(model)))
 
 
 def query_tap_installed(model) -> bool:

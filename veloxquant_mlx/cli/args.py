@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import sys
 
+from ..builder import KVCacheBuilder
 from ..config import HEAD_BUDGET_DEFAULTS, KV_GROUP_SIZES, KVCacheConfig, budget_for, check_kv_quant
 from ..config_spec import option_key, parse_spec
 from ..model_dims import config_field, model_dims
@@ -357,14 +358,11 @@ def page_long_prompt(model, config, prompt_tokens: int, args):
     if config is None or prompt_tokens <= config.budget or "prompt_eviction" in cache_spec(args)[1] \
             or config.method_class.attention_mass_field is not None:
         return config
-    from ..builder import KVCacheBuilder
-
     try:
-        paged = config.replace(prompt_eviction="offload")
-        KVCacheBuilder.for_model(model, paged)  # the model's own refusals, before any work
+        paged = config.replace(prompt_eviction="offload")  # the method's own refusal (KVzip's model pass)
     except ValueError:
         return config
-    return paged
+    return paged if KVCacheBuilder.refusal(model, paged) is None else config  # the model's
 
 
 def note_pages(model, config, prompt_tokens: int) -> None:
