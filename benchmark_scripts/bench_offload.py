@@ -14,7 +14,7 @@
 Results go to ``--out`` (default: figures/offload/<subcommand>_<model>.json, written there only with
 ``--publish``, else under ./veloxquant_bench/), resumed cell by cell.
 
-    python benchmark_scripts/bench_offload.py identity --contexts 2048 4096 --prompts 12
+    python benchmark_scripts/bench_offload.py identity --contexts 2048 4096 --prompts 12 [--rounds 2]
     python benchmark_scripts/bench_offload.py peak --lengths 4096 8192 16384 32768 --budget 1024 --step 512
     python benchmark_scripts/bench_offload.py peak --model tiny --lengths 8192 32768 131072
     python benchmark_scripts/bench_offload.py cost --length 8192 --rounds 3
@@ -90,11 +90,22 @@ def _stamp_and_write(path, res, labels, regime):
 
 
 # -- identity -------------------------------------------------------------------------------------------
+def needle_prompt(i: int, per_round: int):
+    """Prompt ``i`` of every context, whatever the run's size: (i, haystack, depth, key). Round r = i // per_round
+    puts its needles at depths (j + 0.5 / (r + 1)) / per_round; keys are draw i of one fixed sequence."""
+    r, j = divmod(i, per_round)
+    rng = random.Random(0)
+    key = [str(rng.randrange(10000, 99999)) for _ in range(i + 1)][-1]
+    return i, ("grass", "text")[i % 2], (j + 0.5 / (r + 1)) / per_round, key
+
+
 def identity(argv) -> int:
     p = argparse.ArgumentParser(description="offload vs end: tokens, log-probabilities, answers")
     _common_args(p, "identity")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument("--prompts", type=int, default=12, help="needle prompts per context")
+    p.add_argument("--prompts", type=int, default=12, help="needle prompts per context and round (depths on a grid)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of --prompts prompts; round r shifts the depth grid (r=0: the cell centres)")
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
@@ -114,10 +125,13 @@ def identity(argv) -> int:
     if res.get("setting") != setting:
         res = {"setting": setting, "cells": []}
     done = {(c["context"], c["prompt"], c["method"]) for c in res["cells"]}
-    rng = random.Random(0)
-    prompts = [(ctx, i, ("grass", "text")[i % 2], (i + 0.5) / args.prompts, str(rng.randrange(10000, 99999)))
-               for ctx in args.contexts for i in range(args.prompts)]
+    prompts = [(ctx, *needle_prompt(i, args.prompts)) for ctx in args.contexts
+               for i in range(args.prompts * args.rounds)]
     for ctx, i, hay, depth, key in prompts:
+        held = {(c["depth"], c["key"]) for c in res["cells"] if (c["context"], c["prompt"]) == (ctx, i)}
+        if held - {(round(depth, 3), key)}:
+            raise SystemExit(f"{path} holds another prompt #{i} at {ctx} tokens ({held}): was it run with another "
+                             f"--prompts than {args.prompts}? Use that, or another --out")
         tokens, _ = make_prompt(tokenizer, hay, ctx, depth, key)
         budget = budget_for(args.density, len(tokens))
         for method in args.methods:
