@@ -183,14 +183,16 @@ def kv_sources(model) -> dict:
     return {}
 
 
-def _sharing_call(cls, self, x, mask=None, cache=None, *args, **kwargs):
-    rows = kwargs.get("shared_kv", args[1] if len(args) > 1 else None)
-    if cache is None and isinstance(rows, SourceRows):  # a sharer of an eviction cache's rows
-        return cls.__call__(self, x, mask, SharedRows(rows.cache), *args, **kwargs)
-    out = cls.__call__(self, x, mask, cache, *args, **kwargs)
-    if hasattr(cache, "attention_mask"):  # a source whose cache is ours: its rows name it
-        out = (out[0], SourceRows(out[1], cache), *out[2:])
-    return out
+def _sharing_call(cls):
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        rows = kwargs.get("shared_kv", args[1] if len(args) > 1 else None)
+        if cache is None and isinstance(rows, SourceRows):  # a sharer of an eviction cache's rows
+            return cls.__call__(self, x, mask, SharedRows(rows.cache), *args, **kwargs)
+        out = cls.__call__(self, x, mask, cache, *args, **kwargs)
+        if hasattr(cache, "attention_mask"):  # a source whose cache is ours: its rows name it
+            out = (out[0], SourceRows(out[1], cache), *out[2:])
+        return out
+    return __call__
 
 
 def install_shared_rows(model) -> int:
@@ -209,10 +211,10 @@ def remove_shared_rows(model) -> int:
 _WRAPPED: dict = {}  # (class, kind) -> its subclass
 
 
-def _wrap(modules, kind: str, call) -> int:
-    """Give each module (None: skipped) a subclass of its class whose ``__call__`` is ``call(cls, self, ...)``,
-    named and placed as the class itself (``isinstance`` and parameters unchanged). Idempotent; returns how
-    many modules carry it."""
+def _wrap(modules, kind: str, make_call) -> int:
+    """Give each module (None: skipped) a subclass of its class whose ``__call__`` is ``make_call(cls)`` (a
+    function of ``(self, ...)`` that calls ``cls.__call__``), named and placed as the class itself
+    (``isinstance`` and parameters unchanged). Idempotent; returns how many modules carry it."""
     marker, n = f"__veloxquant_{kind}__", 0
     for m in modules:
         if m is None:
@@ -222,7 +224,7 @@ def _wrap(modules, kind: str, call) -> int:
             sub = _WRAPPED.get((cls, kind))
             if sub is None:
                 sub = type(cls.__name__, (cls,), {
-                    "__call__": lambda self, *a, _cls=cls, **k: call(_cls, self, *a, **k), "__module__": cls.__module__,
+                    "__call__": make_call(cls), "__module__": cls.__module__,
                     "__qualname__": cls.__qualname__, marker: True, "__veloxquant_base__": cls})
                 _WRAPPED[(cls, kind)] = sub
             m.__class__ = sub
@@ -305,11 +307,13 @@ def attention_modules(model) -> list:
     return out
 
 
-def _hidden_call(cls, self, x, *args, **kwargs):
-    cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-    if getattr(cache, "needs_hidden", False):  # a cache that does not read it must not hold it (memory)
-        cache.attention_input = x
-    return cls.__call__(self, x, *args, **kwargs)
+def _hidden_call(cls):
+    def __call__(self, x, *args, **kwargs):
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        if getattr(cache, "needs_hidden", False):  # a cache that does not read it must not hold it (memory)
+            cache.attention_input = x
+        return cls.__call__(self, x, *args, **kwargs)
+    return __call__
 
 
 def install_hidden_tap(model) -> int:

@@ -50,16 +50,18 @@ class KVzapOptions:
 
 
 def _score(x, w, b):
-    # (B, S, d_model) hidden states -> (B, H_kv, S) predicted log KVzip+ scores: one small matmul
-    return (x.astype(mx.float32) @ w + b).swapaxes(-1, -2)
+    # (B, S, d_model) hidden states -> (B, H_kv, S) predicted log KVzip+ scores: one small matmul with its bias
+    # (w is (1, d_model, H_kv) and b (1, 1, H_kv): a decode step's shapes, so nothing is broadcast)
+    return mx.addmm(b, x.astype(mx.float32), w).swapaxes(-1, -2)
 
 
 def _score_mlp(x, w1, b1, w, b):
     # the 2-layer MLP surrogate (paper Sec. 3): GELU between the two projections
-    return (nn.gelu(x.astype(mx.float32) @ w1 + b1) @ w + b).swapaxes(-1, -2)
+    return mx.addmm(b, nn.gelu(mx.addmm(b1, x.astype(mx.float32), w1)), w).swapaxes(-1, -2)
 
 
-_score_compiled = {2: mx.compile(_score, shapeless=True), 4: mx.compile(_score_mlp, shapeless=True)}
+# not shapeless: addmm's bias broadcast is traced for one row count (a trace per prefill chunk size)
+_score_compiled = {2: mx.compile(_score), 4: mx.compile(_score_mlp)}
 _warned: set = set()
 
 
@@ -98,8 +100,9 @@ class KVzap(Method):
             return {"zap_score": self._unscored(view, S)}
         if x.shape[1] != S:
             raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows")
-        params = self._local or self._layer_weights(view.positions.shape[1], view.shard)
-        return {"zap_score": _score_compiled[len(params)](x, *params)}
+        if self._local is None:
+            self._layer_weights(view.positions.shape[1], view.shard)
+        return {"zap_score": _score_compiled[len(self._local)](x, *self._local)}
 
     def wants_pass(self, view, ending, due) -> bool:
         # layers="global": one ranking of every layer's rows at the prompt's end, and, streaming, after every
@@ -153,15 +156,16 @@ class KVzap(Method):
                              f"(sha256 {self._sha}, saved with {sha})")
 
     def _layer_weights(self, n_local: int, shard):
-        """This layer's (hidden..., W, b), W's columns those of this rank's ``n_local`` KV heads."""
+        """This layer's (hidden..., W, b), W's columns those of this rank's ``n_local`` KV heads (and ``_local``)."""
         *hidden, w, b = self._weights  # (an MLP's first layer is shared by every head)
         if w.shape[1] != (n_local if shard is None else shard.total_heads(n_local)):
             raise ValueError(f"kvzap scorer has {w.shape[1]} KV heads for layer {self.layer}, the cache holds "
                              f"{n_local}")
         if shard is not None:  # tensor parallel: this rank's head columns
             w, b = shard.local(w, n_local, axis=1), shard.local(b, n_local, axis=0)
-        self._local = (*hidden, w, b)
-        return self._local
+        # held batched as a decode step's (1, 1, d_model) hidden state, so a step broadcasts nothing (_score)
+        self._local = tuple(a.reshape(1, *(a.shape if a.ndim == 2 else (1, -1))) for a in (*hidden, w, b))
+        return (*hidden, w, b)
 
     def _unscored(self, view, S):
         """No scorer or no hidden state: a cache built without the builder ranks rows by recency (a
