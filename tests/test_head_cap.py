@@ -101,15 +101,16 @@ def test_ragged_decode_mask_reused_between_evictions_equals_a_fresh_one(spec, bu
     step = EvictionCache.tap_step
     build = Fetched._decode_mask
 
-    def fresh(cache, queries):  # the mask built from the step's fetched positions
+    def fresh(cache, queries):  # the mask built from the step's fetched positions (additive, as a decode step's)
         visible = mx.expand_dims(cache.fetched.positions, 2) <= mx.arange(cache.offset - 1, cache.offset)[:, None]
         group = queries.shape[1] // visible.shape[1]
-        return visible if group == 1 or cache.kv_bits is not None else mx.repeat(visible, group, axis=1)
+        visible = visible if group == 1 or cache.kv_bits is not None else mx.repeat(visible, group, axis=1)
+        return mx.where(visible, mx.array(0.0, queries.dtype), mx.array(-mx.inf, queries.dtype))
 
-    def counted_build(self, group, per_kv_head):
+    def counted_build(self, group, per_kv_head, dtype):
         if self.decode is None or self.decode[0] is not self.store:
             checked["builds"] += 1
-        return build(self, group, per_kv_head)
+        return build(self, group, per_kv_head, dtype)
 
     def both(self, queries, scale, mask, kwargs, keys=None):  # every step, the cheap branch's included
         out, got, deps = step(self, queries, scale, mask, kwargs, keys)

@@ -26,6 +26,8 @@ def keep_additive(layer_mask, mask: mx.array, queries: mx.array) -> mx.array:
     hide = layer_mask("causal" if queries.shape[2] > 1 else None, queries)
     if not isinstance(hide, mx.array):
         return mask
+    if is_additive(hide):  # a decode step's ragged mask (Fetched._decode_mask)
+        return mask + hide.astype(mask.dtype)
     return mx.where(hide, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
 
 
@@ -61,7 +63,7 @@ class Fetched:
         n, store = queries.shape[2], self.store
         if n == 1 and store is not None and self.ragged:  # a decode step: the mask of this positions buffer
             group = queries.shape[1] // store.shape[1]
-            return self._decode_mask(group, per_kv_head or group == 1)
+            return self._decode_mask(group, per_kv_head or group == 1, queries.dtype)
         pos = self.positions
         if pos is None:
             return mask
@@ -73,15 +75,17 @@ class Fetched:
         visible = mx.expand_dims(pos, 2) <= mx.arange(q_start, q_start + n)[:, None]  # (B, H_kv, n, rows)
         return visible if per_kv_head else mx.repeat(visible, group, axis=1)
 
-    def _decode_mask(self, group: int, per_kv_head: bool) -> mx.array:
+    def _decode_mask(self, group: int, per_kv_head: bool, dtype) -> mx.array:
         """A decode step's ragged mask, built once per positions buffer: the padding of the rows stored when
-        it was built, every later row visible (a single query sees every real row). It is attention scratch
-        (about 1 % of the layer's K/V bytes), not counted in the cache's bytes."""
+        it was built, every later row visible (a single query sees every real row). Additive (0 / -inf in
+        the queries' dtype): attention adds it where a boolean mask would take a select and its fill. It is
+        attention scratch (about 1 % of the layer's K/V bytes), not counted in the cache's bytes."""
         store, rows, cached = self.store, self.rows, self.decode
-        if cached is None or cached[0] is not store or cached[1:3] != (group, per_kv_head):
+        if cached is None or cached[0] is not store or cached[1:3] != (group, per_kv_head) or cached[3].dtype != dtype:
             real = store[..., :rows] != PAD_POSITION
             extra = mx.ones((*real.shape[:2], store.shape[-1] - rows), mx.bool_)
             visible = mx.expand_dims(mx.concatenate([real, extra], axis=-1), 2)  # (B, H_kv, 1, capacity)
+            visible = mx.where(visible, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
             cached = self.decode = (store, group, per_kv_head, visible if per_kv_head else mx.repeat(visible, group, 1))
         return cached[3][..., :rows]
 
