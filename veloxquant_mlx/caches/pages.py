@@ -36,23 +36,15 @@ import numpy as np
 
 from ..ops.attention import BlockAttention, chunk_visibility
 from .quant import buf_parts, dequantize_rows, rows_map
-from .scratch_files import OwnedFile
+from .scratch_files import RAW_BITS, OwnedFile, host_bits
 from .rows import PAD_POSITION
 
-# numpy has no bfloat16: rows are written as their raw bits, viewed back on reading
-_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-_MX_RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 FLUSH_ROWS = 4096  # decode rows held for the file beyond this many are written at the next eviction
 
 
 def _as_buf(parts: list):
     """A buffer from the parts read for it: a plain array, or quantized rows' (words, scales, biases)."""
     return tuple(parts) if len(parts) > 1 else parts[0]
-
-
-def _host(a: mx.array) -> np.ndarray:
-    """The array's raw bits on the host (materialized)."""
-    return np.array(a.view(_MX_RAW[a.dtype.size]) if a.dtype.size in _MX_RAW else a)
 
 
 class PagedRows:
@@ -120,7 +112,7 @@ class PromptPages:
         B, H = parts[0].shape[:2]
         self.shape = (B, H)
         self.parts = (n_key_parts, [p.dtype for p in parts])
-        self.record = np.dtype([(f"p{i}", _RAW[p.dtype.size], (B, H, p.shape[-1])) for i, p in enumerate(parts)])
+        self.record = np.dtype([(f"p{i}", RAW_BITS[p.dtype.size][1], (B, H, p.shape[-1])) for i, p in enumerate(parts)])
 
     def add(self, keys, values, positions: mx.array, extras: dict, in_order: bool, flush: bool = True) -> None:
         """Rows (B, H, n, ...) as the hot storage holds them (quantized rows as their parts), with their
@@ -154,7 +146,7 @@ class PromptPages:
         n = cols[0].shape[2]
         rec = np.empty((n,), self.record)
         for i, a in enumerate(cols):
-            rec[f"p{i}"] = np.moveaxis(_host(a), 2, 0)
+            rec[f"p{i}"] = np.moveaxis(host_bits(a), 2, 0)
         try:
             with open(self.path, "ab") as f:
                 f.write(rec.tobytes())

@@ -22,9 +22,8 @@ import numpy as np
 
 from .quant import buf_nbytes
 from .recall import ColdTier, MemoryTier
-from .scratch_files import OwnedFile
+from .scratch_files import RAW_BITS, OwnedFile
 
-_RAW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
 
 
 def make_cold_tier(config):
@@ -68,7 +67,7 @@ class DiskTier(ColdTier):
         B, H, _, D = keys.shape
         Dv = values.shape[-1]
         self.dtype, self.shape = keys.dtype, (B, H)
-        raw = _RAW[keys.dtype.size][1]
+        raw = RAW_BITS[keys.dtype.size][1]
         self.record = np.dtype([("k", raw, (self.page, D)), ("v", raw, (self.page, Dv)),
                                 ("pos", np.int32, (self.page,))])
 
@@ -79,7 +78,7 @@ class DiskTier(ColdTier):
 
     def _records(self, keys, values, pos) -> np.ndarray:
         """(n, B, H) records of (B, H, n*page, ...) rows (a host read of materialized arrays)."""
-        raw = _RAW[self.dtype.size][0]
+        raw = RAW_BITS[self.dtype.size][0]
         B, H = self.shape
         n = pos.shape[2] // self.page
         rec = np.empty((n, B, H), self.record)

@@ -10,6 +10,18 @@ import shutil
 import tempfile
 import weakref
 
+import mlx.core as mx
+import numpy as np
+
+# numpy has no bfloat16: rows go to a file as their raw bits, an unsigned integer of their size (mx, numpy)
+RAW_BITS = {1: (mx.uint8, np.uint8), 2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}
+
+
+def host_bits(a: mx.array) -> np.ndarray:
+    """The array's raw bits on the host (materialized)."""
+    return np.array(a.view(RAW_BITS[a.dtype.size][0]) if a.dtype.size in RAW_BITS else a)
+
+
 PREFIX = "veloxquant-"  # + kind + "-" + the owner's pid + "-": a killed owner's files are found by it
 KINDS = ("recall", "pages")
 
