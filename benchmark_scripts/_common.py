@@ -2,15 +2,15 @@
 rule, a figure's provenance, the BLAS preload, timing helpers and the peer packages' venvs.
 
 Scripts run as ``python benchmark_scripts/<name>.py`` and import this file as a sibling module (the
-script's folder is on the import path by Python's own rule); the package itself is installed with
-``pip install -e .``; the repository's lab (``lab/``, not in the wheel) is imported from the checkout
-this file sits in (its root is appended to the import path here, once). Only the standard library is
-imported at the top: the peer workers of bench_vs_kvpress / bench_vs_origin import this file inside
-venvs that lack this package.
+script's folder is on the import path by Python's own rule); the package is installed with
+``pip install -e .`` and the repository's lab (reports, provenance; its own distribution, never in the
+wheel) with ``pip install -e ./lab`` (README). Only the standard library is imported at the top: the
+peer workers of bench_vs_kvpress / bench_vs_origin import this file inside venvs that lack both.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the lab (lab/: reports, provenance; not shipped) imports from this checkout
-    sys.path.append(str(ROOT))
+if importlib.util.find_spec("veloxquant_mlx") and not importlib.util.find_spec("lab"):  # (a peer venv has neither)
+    raise SystemExit(f"the benchmark scripts import the lab: pip install -e {ROOT / 'lab'}")
 FIGURES = ROOT / "figures"
 MIB = 1024 * 1024
 BENCH_CACHE = Path(os.environ.get("VELOXQUANT_BENCH_CACHE", Path.home() / ".cache" / "veloxquant-bench")).expanduser()

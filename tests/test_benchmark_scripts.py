@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 FOLDER = Path(__file__).resolve().parents[1] / "benchmark_scripts"
 HELPER = "_common"
 
@@ -30,12 +32,20 @@ def test_only_scripts_and_the_helper_is_one_of_them():
 
 
 def test_no_script_patches_the_import_path():
-    """Only the helper touches it, once: it appends the checkout's root so scripts import the lab (lab/)."""
-    offenders = [p.name for p in _scripts() if p.stem != HELPER and "sys.path" in p.read_text()]
+    """The lab is imported as the installed distribution it is (lab/pyproject.toml), never by a path."""
+    offenders = [p.name for p in _scripts() if "sys.path" in p.read_text()]
     assert offenders == []
-    helper = [line.strip() for line in (FOLDER / f"{HELPER}.py").read_text().splitlines() if "sys.path" in line]
-    assert helper == ["if str(ROOT) not in sys.path:  # the lab (lab/: reports, provenance; not shipped) imports "
-                      "from this checkout", "sys.path.append(str(ROOT))"], helper
+
+
+def test_the_lab_is_its_own_distribution_and_not_in_the_wheel():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = FOLDER.parent
+    lab = tomllib.loads((root / "lab" / "pyproject.toml").read_text())
+    assert lab["tool"]["setuptools"]["package-dir"] == {"lab": "."}
+    assert tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"] \
+        == ["veloxquant_mlx*"]
+    for text in ((root / ".ci" / "run").read_text(), (root / "README.md").read_text()):
+        assert "-e ./lab" in text  # the set-up that runs the tests installs it
 
 
 def test_scripts_import_no_other_script_and_no_test_module():
