@@ -29,6 +29,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import _common
 from _common import FIGURES, MIB, add_publish, output, preload_blas, run_subcommands, weights_bytes, write_json
@@ -48,10 +49,9 @@ def _common_args(p, name):
 
 
 def _load(path) -> dict:
-    from pathlib import Path
-
     p = Path(path)
-    return json.loads(p.read_text()) if p.exists() else {}
+    text = p.read_text() if p.exists() else ""
+    return json.loads(text) if text.strip() else {}
 
 
 def _caches(model, spec: str, budget: int, policy: str, **kw):
@@ -79,14 +79,28 @@ def _generate(model, tokens, caches, step: int, new_tokens: int):
 
 
 _STAMPED: set = set()
+_KEYS = {"cells": ("context", "prompt", "method"), "rows": ("cache", "prompt_tokens"), "prompts": ("index",)}
 
 
 def _stamp_and_write(path, res, labels, regime):
-    """Write ``res``, its provenance stamped once per run (fingerprints take seconds)."""
+    """Write ``res``, its provenance stamped once per run (fingerprints take seconds). Runs of one subcommand
+    may extend one file side by side (other contexts, other lengths): under a lock, the file's rows that this
+    run does not hold yet are kept, so no run's rows overwrite another's."""
+    import fcntl
+
     if str(path) not in _STAMPED:
         _common.stamp(res, labels, regime=regime)
         _STAMPED.add(str(path))
-    write_json(path, res)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as held:  # the results file is its own lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        disk = _load(path)
+        if disk.get("setting") == res.get("setting"):
+            for name, key in _KEYS.items():
+                if name in res:
+                    mine = {tuple(r[k] for k in key) for r in res[name]}
+                    res[name] += [r for r in disk.get(name, []) if tuple(r[k] for k in key) not in mine]
+        write_json(path, res)
 
 
 # -- identity -------------------------------------------------------------------------------------------

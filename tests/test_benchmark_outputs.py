@@ -141,3 +141,22 @@ def test_the_command_check_ignores_renames_launchers_and_output_flags():
         n("python -m veloxquant_mlx --fast-blas eval speed --no-report --no-progress")
     assert n("python benchmark_scripts/bench_quality.py choosing a.json") != \
         n("python benchmark_scripts/bench_quality.py choosing a.json --labels full")
+
+
+def test_offload_runs_side_by_side_extend_one_file_without_losing_rows(tmp_path, monkeypatch):
+    """Two resumable runs of one subcommand (other contexts) write one results file: each write keeps the
+    file's rows it does not hold, so neither run's cells overwrite the other's."""
+    bench = _import_script("bench_offload")
+    monkeypatch.setattr(bench._common, "stamp", lambda res, labels, regime: res)
+    path = tmp_path / "identity.json"
+    a = {"setting": {"model": "m"}, "cells": [{"context": 2048, "prompt": 0, "method": "snapkv"}]}
+    b = {"setting": {"model": "m"}, "cells": [{"context": 4096, "prompt": 0, "method": "snapkv"}]}
+    bench._stamp_and_write(path, a, [], "offload")
+    bench._stamp_and_write(path, b, [], "offload")
+    a["cells"].append({"context": 2048, "prompt": 1, "method": "snapkv"})
+    bench._stamp_and_write(path, a, [], "offload")
+    held = sorted((c["context"], c["prompt"]) for c in json.loads(path.read_text())["cells"])
+    assert held == [(2048, 0), (2048, 1), (4096, 0)]
+    other = {"setting": {"model": "another"}, "cells": [{"context": 1, "prompt": 0, "method": "snapkv"}]}
+    bench._stamp_and_write(path, other, [], "offload")  # another setting starts the file over
+    assert json.loads(path.read_text())["cells"] == other["cells"]
