@@ -79,13 +79,11 @@ def _generate(model, tokens, caches, step: int, new_tokens: int):
 
 
 _STAMPED: set = set()
-_KEYS = {"cells": ("context", "prompt", "method"), "rows": ("cache", "prompt_tokens"), "prompts": ("index",)}
-
-
-def _stamp_and_write(path, res, labels, regime):
+def _stamp_and_write(path, res, labels, regime, key):
     """Write ``res``, its provenance stamped once per run (fingerprints take seconds). Runs of one subcommand
     may extend one file side by side (other contexts, other lengths): under a lock, the file's rows that this
-    run does not hold yet are kept, so no run's rows overwrite another's."""
+    run does not hold yet (``key``: the fields naming a row of the file's one list) are kept, so no run's rows
+    overwrite another's."""
     import fcntl
 
     if str(path) not in _STAMPED:
@@ -96,10 +94,9 @@ def _stamp_and_write(path, res, labels, regime):
         fcntl.flock(held, fcntl.LOCK_EX)
         disk = _load(path)
         if disk.get("setting") == res.get("setting"):
-            for name, key in _KEYS.items():
-                if name in res:
-                    mine = {tuple(r[k] for k in key) for r in res[name]}
-                    res[name] += [r for r in disk.get(name, []) if tuple(r[k] for k in key) not in mine]
+            name = next(n for n in ("cells", "rows", "prompts") if n in res)
+            mine = {tuple(r[k] for k in key) for r in res[name]}
+            res[name] += [r for r in disk.get(name, []) if tuple(r[k] for k in key) not in mine]
         write_json(path, res)
 
 
@@ -164,7 +161,7 @@ def identity(argv) -> int:
             res["cells"].append(cell)
             print(f"{ctx} #{i:2d} {method:>10}: same {cell['same_tokens']}  |dlogp| {cell['max_abs_logprob_diff']:.2e}"
                   f"  answered end {cell['end_answered']} offload {cell['offload_answered']}", flush=True)
-            _stamp_and_write(path, res, sorted(set(args.methods)), "offload")
+            _stamp_and_write(path, res, sorted(set(args.methods)), "offload", ("context", "prompt", "method"))
     return 0
 
 
@@ -270,7 +267,8 @@ def peak(argv) -> int:
                   + (f", pages {row['page_disk_bytes'] / MIB:.0f} MiB on disk, "
                      f"{row['page_resident_bytes'] / MIB:.2f} MiB per-row state" if "page_disk_bytes" in row else "")
                   + f" ({row['wall_s']:.0f} s)", flush=True)
-            _stamp_and_write(path, res, sorted({lb.partition(":")[0] for lb in args.caches} - {"kvcache"}), "offload")
+            _stamp_and_write(path, res, sorted({lb.partition(":")[0] for lb in args.caches} - {"kvcache"}), "offload",
+                             ("cache", "prompt_tokens"))
     return 0
 
 
@@ -318,7 +316,7 @@ def cost(argv) -> int:
             res["rows"].append(row)
             print(f"round {rnd} {method:>8}: offload / end process time {row['cpu_ratio']:.3f} (wall "
                   f"{row['wall_ratio']:.3f}), {row['page_bytes_read'] / MIB:.0f} MiB read back", flush=True)
-            _stamp_and_write(path, res, sorted(args.methods), "offload")
+            _stamp_and_write(path, res, sorted(args.methods), "offload", ("method", "round"))
     return 0
 
 
@@ -363,7 +361,7 @@ def followup(argv) -> int:
         res["prompts"].append(rec)
         print(f"#{index:2d}: " + "  ".join(f"{n} {''.join('x' if ok else '.' for ok in v)}"
                                            for n, v in rec["correct"].items()), flush=True)
-        _stamp_and_write(path, res, sorted(args.methods), "offload")
+        _stamp_and_write(path, res, sorted(args.methods), "offload", ("index",))
     return 0
 
 

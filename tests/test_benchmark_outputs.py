@@ -148,15 +148,16 @@ def test_offload_runs_side_by_side_extend_one_file_without_losing_rows(tmp_path,
     file's rows it does not hold, so neither run's cells overwrite the other's."""
     bench = _import_script("bench_offload")
     monkeypatch.setattr(bench._common, "stamp", lambda res, labels, regime: res)
+    KEY = ("context", "prompt", "method")
     path = tmp_path / "identity.json"
     a = {"setting": {"model": "m"}, "cells": [{"context": 2048, "prompt": 0, "method": "snapkv"}]}
     b = {"setting": {"model": "m"}, "cells": [{"context": 4096, "prompt": 0, "method": "snapkv"}]}
-    bench._stamp_and_write(path, a, [], "offload")
-    bench._stamp_and_write(path, b, [], "offload")
+    bench._stamp_and_write(path, a, [], "offload", KEY)
+    bench._stamp_and_write(path, b, [], "offload", KEY)
     a["cells"].append({"context": 2048, "prompt": 1, "method": "snapkv"})
-    bench._stamp_and_write(path, a, [], "offload")
+    bench._stamp_and_write(path, a, [], "offload", KEY)
     held = sorted((c["context"], c["prompt"]) for c in json.loads(path.read_text())["cells"])
     assert held == [(2048, 0), (2048, 1), (4096, 0)]
     other = {"setting": {"model": "another"}, "cells": [{"context": 1, "prompt": 0, "method": "snapkv"}]}
-    bench._stamp_and_write(path, other, [], "offload")  # another setting starts the file over
+    bench._stamp_and_write(path, other, [], "offload", KEY)  # another setting starts the file over
     assert json.loads(path.read_text())["cells"] == other["cells"]
