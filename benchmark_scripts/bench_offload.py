@@ -42,7 +42,7 @@ def _out(args, name: str):
 
 
 def _common_args(p, name):
-    p.add_argument("--model", default="bundled", help="bundled | gemma3-270m | qwen2.5-coder-1.5b | tiny (peak only)")
+    p.add_argument("--model", default="bundled", help="bundled | gemma3-270m | qwen2.5-coder-1.5b | tiny (peak) | twin:FOLDER (peak, cost)")
     p.add_argument("--out", default=None, help=f"results file (default: figures/offload/{name}_<model>.json)")
     add_publish(p)
     p.add_argument("--step", type=int, default=512, help="prefill_step_size")
@@ -190,12 +190,14 @@ def _peak_args(argv, one: bool):
     return p.parse_args(argv)
 
 
-def _load_peak_model(name):
+def _load_timed_model(name):
+    """(model, tokenizer) for peak and cost: also ``tiny`` and a random-weight twin (``twin:FOLDER``, a GPU's
+    stand-in for a model whose weights cannot travel: costs only)."""
     if name == "tiny":
         return _tiny(None)
-    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.evaluation.results import load_eval_model
 
-    return load_model(name)
+    return load_eval_model(name)[:2]
 
 
 def peak_cell(argv) -> int:
@@ -205,7 +207,7 @@ def peak_cell(argv) -> int:
     preload_blas()
     import mlx.core as mx
 
-    model, tokenizer = _load_peak_model(args.model)
+    model, tokenizer = _load_timed_model(args.model)
     n = args.length
     if tokenizer is None:
         tokens = mx.random.randint(0, 1024, (n,), key=mx.random.key(n)).tolist()
@@ -240,7 +242,7 @@ def peak(argv) -> int:
     import subprocess
 
     args = _peak_args(argv, one=False)
-    model, _ = _load_peak_model(args.model)
+    model, _ = _load_timed_model(args.model)
     path = _out(args, "peak")
     setting = {"model": args.model, "budget": args.budget, "prefill_step_size": args.step, "page_block": args.block,
                "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model), "process": "one per cell"}
@@ -284,9 +286,8 @@ def cost(argv) -> int:
     preload_blas()
     from veloxquant_mlx.config import budget_for
     from veloxquant_mlx.evaluation.tasks.filler import long_filler
-    from veloxquant_mlx.models import load_model
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = _load_timed_model(args.model)
     ids = tokenizer.encode(" ".join(long_filler(seed=0)))
     while len(ids) < args.length:
         ids = ids + ids
