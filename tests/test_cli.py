@@ -974,3 +974,8 @@ def test_a_prompt_longer_than_the_budget_is_paged_by_default_with_ends_answer(ca
     assert runs["default"][0] == runs["end"][0]  # the same answer
     assert [runs[n][1] for n in ("end", "spec", "kvzip", "h2o", "short")] == ["end"] * 5
     assert all("pages:" not in runs[n][2] for n in ("end", "spec", "kvzip", "h2o", "short"))
+    # the default that did not page says why, once; a given mode or a short prompt says nothing
+    for name, why in (("kvzip", "kvzip"), ("h2o", "attention mass")):
+        said = [line for line in runs[name][2].splitlines() if line.startswith("prompt: held whole")]
+        assert len(said) == 1 and why in said[0], runs[name][2]
+    assert all("held whole" not in runs[n][2] for n in ("default", "end", "spec", "short"))

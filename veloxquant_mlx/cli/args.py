@@ -354,15 +354,23 @@ def page_long_prompt(model, config, prompt_tokens: int, args):
     where the method, the flags and the model allow it (KVzip's model pass, ``--recall``, MLA latents and
     models without the query tap do not) and its prefill costs about what ``"end"``'s does: not for a method
     that sums attention mass over the prompt (H2O reads the file twice per chunk: well above ``"end"``'s prefill
-    time at 8K, docs/offload.md); else ``"end"``. A mode given as a flag or in the spec stays."""
-    if config is None or prompt_tokens <= config.budget or "prompt_eviction" in cache_spec(args)[1] \
-            or config.method_class.attention_mass_field is not None:
+    time at 8K, docs/offload.md); else ``"end"``, said in one line with the reason. A mode given as a flag or
+    in the spec stays."""
+    if config is None or prompt_tokens <= config.budget or "prompt_eviction" in cache_spec(args)[1]:
         return config
-    try:
-        paged = config.replace(prompt_eviction="offload")  # the method's own refusal (KVzip's model pass)
-    except ValueError:
-        return config
-    return paged if KVCacheBuilder.refusal(model, paged) is None else config  # the model's
+    if config.method_class.attention_mass_field is not None:
+        why = f"{config.method}'s paged prefill reads the page file twice per chunk (its attention mass)"
+    else:
+        try:
+            paged = config.replace(prompt_eviction="offload")  # the method's own refusal (KVzip's model pass)
+        except ValueError as e:
+            why = str(e)
+        else:
+            why = KVCacheBuilder.refusal(model, paged)  # the model's
+            if why is None:
+                return paged
+    print(f"prompt: held whole until its end (--prompt-eviction end), not paged: {why}", file=sys.stderr)
+    return config
 
 
 def note_pages(model, config, prompt_tokens: int) -> None:
