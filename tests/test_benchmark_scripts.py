@@ -76,3 +76,14 @@ def test_budgets_come_from_the_one_rule():
     for p in _scripts():
         hits = [n for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
         assert hits == [], f"{p.name}: lines {hits}"
+
+
+def test_a_script_without_the_lab_says_how_to_install_it_in_one_line():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['lab'] = None; "  # the lab not installed (find_spec then finds nothing)
+            f"sys.path.insert(0, {str(FOLDER)!r}); import _common")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=FOLDER.parent)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == f"the benchmark scripts import the lab: pip install -e {FOLDER.parent / 'lab'}"
