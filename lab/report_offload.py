@@ -177,7 +177,7 @@ def section() -> str:
     """Every measured table there is a figure for, in the page's order."""
     parts = []
     for name, render in (("identity_bundled.json", identity_table), ("identity_gemma3-270m.json", identity_table),
-                         ("peak_bundled.json", peak_table), ("peak_tiny.json", peak_table),
+                         ("identity_qwen2.5-coder-1.5b.json", identity_table), ("peak_bundled.json", peak_table), ("peak_tiny.json", peak_table),
                          ("cost_bundled.json", cost_table), ("followup_bundled.json", followup_table),
                          ("followup_gemma3-270m.json", followup_table)):
         data = _load(name)
