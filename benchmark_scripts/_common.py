@@ -212,6 +212,9 @@ def run_subcommands(doc: str, subcommands: dict, argv=None) -> int:
     if not argv or argv[0] not in subcommands:
         print(doc, file=sys.stderr)
         return 2
+    from lab.provenance import pin_commit
+
+    pin_commit()  # the figure's commit is the tree this run started from
     return subcommands[argv[0]](argv[1:]) or 0
 
 

@@ -225,9 +225,23 @@ def key_of(label: str, regime: str = "end", options: dict | None = None) -> str:
     return f"{m}:stream" if regime == "stream" else m
 
 
+_PINNED: list = []  # this process's commit, once pin_commit ran
+
+
+def pin_commit() -> str:
+    """Fix this process's :func:`commit` to the tree as it is now, so a long run stamps the code it started
+    from, not a HEAD that moved while it ran (benchmark scripts pin it before their subcommand starts)."""
+    _PINNED.clear()
+    _PINNED.append(commit())
+    return _PINNED[0]
+
+
 def commit() -> str:
-    """HEAD of this checkout, with ``-dirty`` when tracked files differ from it (``unknown`` outside git).
-    ``$VELOXQUANT_COMMIT`` names it for a copy of the tree without its git folder (a lent GPU's)."""
+    """HEAD of this checkout, with ``-dirty`` when tracked files differ from it (``unknown`` outside git);
+    the pinned one where :func:`pin_commit` ran. ``$VELOXQUANT_COMMIT`` names it for a copy of the tree
+    without its git folder (a lent GPU's)."""
+    if _PINNED:
+        return _PINNED[0]
     if os.environ.get("VELOXQUANT_COMMIT"):
         return os.environ["VELOXQUANT_COMMIT"] + " (named by VELOXQUANT_COMMIT: a copy of the tree without git)"
     try:

@@ -209,3 +209,16 @@ def test_a_label_naming_a_real_models_scorer_fingerprints_its_file(tmp_path):
     g = tmp_path / "t.safetensors"
     g.write_bytes(f.read_bytes() + b" ")
     assert method_fingerprint(key_of(f"kvzap:scorer={g}", "end")) not in (before, method_fingerprint("kvzap"))
+
+
+def test_a_pinned_commit_is_the_tree_the_run_started_from(monkeypatch, tmp_path):
+    """A long run stamps the commit it started from: after ``pin_commit`` a HEAD that moves (here: the
+    checkout itself gone) does not change what ``commit`` says."""
+    monkeypatch.setattr(P, "_PINNED", [])
+    monkeypatch.delenv("VELOXQUANT_COMMIT", raising=False)
+    started = P.pin_commit()
+    assert started == P.commit() and started != "unknown"
+    monkeypatch.setattr(P, "_REPO", tmp_path)  # no git here: unpinned, commit() would say "unknown"
+    assert P.commit() == started
+    P._PINNED.clear()
+    assert P.commit() == "unknown"
