@@ -87,7 +87,7 @@ class KVzap(Method):
     def __init__(self, config, layer=0, n_layers=1):
         super().__init__(config, layer, n_layers)
         self._scorer = self._sha = None  # the scorer file in use and its sha256
-        self._weights = self._local = None  # (W (d_model, H_kv of the whole model), b); the same, this rank's heads
+        self._weights = self._local = None  # (W (d_model, H_kv of the whole model), b); this rank's, batched for a step
         self.layer_shares = "zap_score" if self.options.layers in ("global", "auto") else None
 
     def scores(self, view):
@@ -100,8 +100,9 @@ class KVzap(Method):
             return {"zap_score": self._unscored(view, S)}
         if x.shape[1] != S:
             raise ValueError(f"kvzap: hidden states {tuple(x.shape)} do not match {S} new rows")
-        if self._local is None:
-            self._layer_weights(view.positions.shape[1], view.shard)
+        if self._local is None:  # batched as a decode step's (1, 1, d_model) hidden state: it broadcasts nothing
+            self._local = tuple(a.reshape(1, *(a.shape if a.ndim == 2 else (1, -1)))
+                                for a in self._layer_weights(view.positions.shape[1], view.shard))
         return {"zap_score": _score_compiled[len(self._local)](x, *self._local)}
 
     def wants_pass(self, view, ending, due) -> bool:
@@ -156,15 +157,13 @@ class KVzap(Method):
                              f"(sha256 {self._sha}, saved with {sha})")
 
     def _layer_weights(self, n_local: int, shard):
-        """This layer's (hidden..., W, b), W's columns those of this rank's ``n_local`` KV heads (and ``_local``)."""
+        """This layer's (hidden..., W, b), W's columns those of this rank's ``n_local`` KV heads."""
         *hidden, w, b = self._weights  # (an MLP's first layer is shared by every head)
         if w.shape[1] != (n_local if shard is None else shard.total_heads(n_local)):
             raise ValueError(f"kvzap scorer has {w.shape[1]} KV heads for layer {self.layer}, the cache holds "
                              f"{n_local}")
         if shard is not None:  # tensor parallel: this rank's head columns
             w, b = shard.local(w, n_local, axis=1), shard.local(b, n_local, axis=0)
-        # held batched as a decode step's (1, 1, d_model) hidden state, so a step broadcasts nothing (_score)
-        self._local = tuple(a.reshape(1, *(a.shape if a.ndim == 2 else (1, -1))) for a in (*hidden, w, b))
         return (*hidden, w, b)
 
     def _unscored(self, view, S):
