@@ -42,7 +42,8 @@ def _out(args, name: str):
 
 
 def _common_args(p, name):
-    p.add_argument("--model", default="bundled", help="bundled | gemma3-270m | qwen2.5-coder-1.5b | tiny (peak) | twin:FOLDER (peak, cost)")
+    p.add_argument("--model", default="bundled",
+                   help="bundled | gemma3-270m | qwen2.5-coder-1.5b | tiny (peak) | twin:FOLDER (peak, cost)")
     p.add_argument("--out", default=None, help=f"results file (default: figures/offload/{name}_<model>.json)")
     add_publish(p)
     p.add_argument("--step", type=int, default=512, help="prefill_step_size")

@@ -71,8 +71,8 @@ def peak_table(data: dict) -> str:
             a, b = by[cache][ns[0]], by[cache][ns[-1]]
             notes.append(f"`{cache}` grows {b['peak_over_weights_bytes'] / a['peak_over_weights_bytes']:.2f}× from "
                          f"{ns[0]:,} to {ns[-1]:,} tokens; the per-row state grows from "
-                         f"{a['page_resident_bytes'] / MIB:.2f} to {b['page_resident_bytes'] / MIB:.2f} MiB and the kept "
-                         f"rows' buffers after the prompt from {a['kv_allocated_after_bytes'] / MIB:.1f} to "
+                         f"{a['page_resident_bytes'] / MIB:.2f} to {b['page_resident_bytes'] / MIB:.2f} MiB and the "
+                         f"kept rows' buffers after the prompt from {a['kv_allocated_after_bytes'] / MIB:.1f} to "
                          f"{b['kv_allocated_after_bytes'] / MIB:.1f} MiB; the page file holds "
                          f"{b['page_disk_bytes'] / MIB:.0f} MiB")
         full = by.get("kvcache", {})
@@ -177,7 +177,8 @@ def section() -> str:
     """Every measured table there is a figure for, in the page's order."""
     parts = []
     for name, render in (("identity_bundled.json", identity_table), ("identity_gemma3-270m.json", identity_table),
-                         ("identity_qwen2.5-coder-1.5b.json", identity_table), ("peak_bundled.json", peak_table), ("peak_tiny.json", peak_table),
+                         ("identity_qwen2.5-coder-1.5b.json", identity_table), ("peak_bundled.json", peak_table),
+                         ("peak_tiny.json", peak_table),
                          ("cost_bundled.json", cost_table), ("followup_bundled.json", followup_table),
                          ("followup_gemma3-270m.json", followup_table)):
         data = _load(name)

@@ -86,4 +86,5 @@ def test_a_script_without_the_lab_says_how_to_install_it_in_one_line():
             f"sys.path.insert(0, {str(FOLDER)!r}); import _common")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=FOLDER.parent)
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip().splitlines()[-1] == f"the benchmark scripts import the lab: pip install -e {FOLDER.parent / 'lab'}"
+    said = run.stderr.strip().splitlines()[-1]
+    assert said == f"the benchmark scripts import the lab: pip install -e {FOLDER.parent / 'lab'}"
