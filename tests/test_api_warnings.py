@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, load_prompt_cache, save_prompt_cache
+from veloxquant_mlx import KVCacheBuilder, KVCacheConfig, continue_on_purpose, load_prompt_cache, save_prompt_cache
 
 from conftest import VOCAB, greedy, make_tiny_model, random_prompt, tiny_tokenizer
 
@@ -34,8 +34,7 @@ def test_caches_continued_on_purpose_continue_without_a_warning(tmp_path):
     first = _user_warnings(lambda: mlx_lm.generate(model, tok, prompt, max_tokens=4, prompt_cache=caches))
     assert first == []
     # a second call with the same caches: they are told it is a deliberate continuation
-    for c in caches:
-        c.continue_on_purpose()
+    assert continue_on_purpose(caches) is caches
     assert _user_warnings(lambda: mlx_lm.generate(model, tok, random_prompt(8, seed=1), max_tokens=4,
                                                   prompt_cache=caches)) == []
     # not told: the same call warns (the cache cannot tell an explicit list from a shared make_cache one)
@@ -57,6 +56,11 @@ def test_the_shared_list_pattern_still_warns():
     greedy(model, random_prompt(20), max_tokens=4)
     seen = _user_warnings(lambda: greedy(model, random_prompt(20, seed=3), max_tokens=4))
     assert len(seen) == len(caches) and all("already holds" in w for w in seen)
+    # under Python's default filter the user reads it once per call, not once per layer
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        greedy(model, random_prompt(20, seed=4), max_tokens=4)
+    assert sum("already holds" in str(w.message) for w in shown) == 1
 
 
 def _python(code: str, env_extra: dict, *prefix) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ def _started_as_the_cli() -> bool:
 # later, with one "interrupted" line and status 130; a library import keeps Python's KeyboardInterrupt.
 try:
     from .builder import KVCacheBuilder, load_prompt_cache
-    from .caches import EvictionCache, Method, Needs, View
+    from .caches import EvictionCache, Method, Needs, View, continue_on_purpose
     from .config import KVCacheConfig
     from . import methods as _methods  # noqa: F401 (registers every method)
     from .prompt_cache import save_prompt_cache
@@ -36,5 +36,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KVCacheBuilder", "KVCacheConfig", "EvictionCache", "Method", "Needs", "View", "methods", "register",
+    "continue_on_purpose",
     "install_query_tap", "remove_query_tap", "save_prompt_cache", "load_prompt_cache",
 ]

@@ -170,9 +170,9 @@ class EvictionCache(_BaseCache):
         elif cold is not None and S == 1 and sched.open and sched.streams():
             # the streamed prompt's last token: the pages its last queries need come back
             cold.arm(turn=True, queries=cold.q)
-        if S > 1 and sched.saw_decode:
+        if S > 1 and sched.saw_decode:  # one text from every layer: Python's default filter shows it once
             warnings.warn(
-                f"{type(self).__name__} (layer {self.layer_idx}) already holds {self.offset} tokens from an "
+                f"{type(self).__name__} already holds {self.offset} tokens from an "
                 "earlier generation and now receives a new prompt. If you wrote "
                 "`model.make_cache = lambda *a, **k: caches`, every generate() continues the old context: "
                 "use KVCacheBuilder.install(model, config) for fresh caches per call (call "
@@ -733,3 +733,12 @@ class EvictionCache(_BaseCache):
     # holding one single-row cache per sequence. `merge` exists only on caches that can batch (the server
     # probes hasattr(c, "merge")), never KVCache.merge.
     merge = BatchMerge()
+
+
+def continue_on_purpose(caches) -> list:
+    """Tell each eviction cache of ``caches`` (a model's list; plain mlx-lm caches are skipped) that the next
+    input continues it deliberately, a second turn or a loaded file: no reuse warning. Returns ``caches``."""
+    for c in caches:
+        if isinstance(c, EvictionCache):
+            c.continue_on_purpose()
+    return caches

@@ -18,6 +18,7 @@ def load_compressed_document(model, tokenizer, path: str):
     import warnings
 
     from ..builder import KVCacheBuilder
+    from ..caches.cache import continue_on_purpose
     from ..prompt_cache import load_prompt_cache
 
     with warnings.catch_warnings(record=True) as seen:
@@ -31,9 +32,7 @@ def load_compressed_document(model, tokenizer, path: str):
         KVCacheBuilder.attach(model, caches, tokenizer)  # taps, model pass, this rank's head shard
     except ValueError as e:
         raise CLIError(str(e)) from None
-    for c in caches:
-        if hasattr(c, "continue_on_purpose"):
-            c.continue_on_purpose()  # continuing the document is the point
+    continue_on_purpose(caches)  # continuing the document is the point
     return caches, meta
 
 

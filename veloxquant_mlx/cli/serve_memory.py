@@ -11,6 +11,7 @@ import logging
 import sys
 
 from ..caches.accounting import kv_report
+from ..caches.cache import continue_on_purpose
 from .args import kv_summary, row_bytes  # noqa: F401 (row_bytes: serve's admission estimate)
 
 log = logging.getLogger("veloxquant_mlx.serve")
@@ -120,9 +121,7 @@ def prompt_cache_class():
                 if not can_trim_prompt_cache(cache):
                     return None, tokens
             if cache is not None:
-                for c in cache:
-                    if hasattr(c, "continue_on_purpose"):
-                        c.continue_on_purpose()  # continuing a stored conversation is on purpose
+                continue_on_purpose(cache)  # continuing a stored conversation is on purpose
                 log.info(f"prompt cache: reusing {len(tokens) - len(rest)} of {len(tokens)} prompt tokens")
             return cache, rest
 

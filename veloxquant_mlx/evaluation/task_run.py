@@ -16,6 +16,7 @@ import re
 import time
 
 from ..caches.accounting import kv_report
+from ..caches.cache import continue_on_purpose
 from .fanout import shared_pass
 from ..decode import greedy, last_prompt_step, prefill
 from .task_prompts import continuation, reply_text
@@ -50,6 +51,7 @@ def converse(model, tokenizer, inst, caches, y, eos_ids=()) -> list:
     turns, replies, last_token = [], [], None  # last_token: the previous turn's last generated token
     for k, turn in enumerate(inst.turns):
         if k > 0:
+            continue_on_purpose(caches)  # a later turn continues the conversation
             x = mx.array(continuation(tokenizer, inst, replies, last_token, eos_ids))
             t0 = time.perf_counter()
             y = _first_token(model, x, caches) if x.shape[0] > 1 else last_prompt_step(model, x, caches)
