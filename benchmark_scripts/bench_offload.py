@@ -55,6 +55,16 @@ def _load(path) -> dict:
     return json.loads(text) if text.strip() else {}
 
 
+def _resume(path, setting: dict, rows: str, **fresh) -> dict:
+    """The results at ``path`` to extend, or a new file's ``{"setting": setting, rows: [], **fresh}``; a file
+    holding another setting's rows is refused rather than overwritten."""
+    res = _load(path)
+    if res.get(rows) and res.get("setting") != setting:
+        raise SystemExit(f"{path} holds {len(res[rows])} {rows} of another setting ({res.get('setting')}); "
+                         f"this run's is {setting}: give it another --out")
+    return res if res.get(rows) else {"setting": setting, rows: [], **fresh}
+
+
 def _caches(model, spec: str, budget: int, policy: str, **kw):
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -133,9 +143,7 @@ def identity(argv) -> int:
     path = _out(args, "identity")
     setting = {"model": args.model, "density": args.density, "prefill_step_size": args.step,
                "new_tokens": args.new_tokens}
-    res = _load(path)
-    if res.get("setting") != setting:
-        res = {"setting": setting, "cells": []}
+    res = _resume(path, setting, "cells")
     done = {(c["context"], c["prompt"], c["method"]) for c in res["cells"]}
     prompts = [(ctx, *needle_prompt(i, args.prompts)) for ctx in args.contexts
                for i in range(args.prompts * args.rounds)]
@@ -248,9 +256,7 @@ def peak(argv) -> int:
     setting = {"model": args.model, "budget": args.budget, "prefill_step_size": args.step, "page_block": args.block,
                "new_tokens": args.new_tokens, "weights_bytes": weights_bytes(model), "process": "one per cell"}
     del model
-    res = _load(path)
-    if res.get("setting") != setting:
-        res = {"setting": setting, "rows": []}
+    res = _resume(path, setting, "rows")
     done = {(r["cache"], r["prompt_tokens"]) for r in res["rows"]}
     for n in args.lengths:
         for label in args.caches:
@@ -296,9 +302,7 @@ def cost(argv) -> int:
     budget = args.budget or budget_for(0.2, len(tokens))
     path = _out(args, "cost")
     setting = {"model": args.model, "length": args.length, "budget": budget, "prefill_step_size": args.step}
-    res = _load(path)
-    if res.get("setting") != setting:
-        res = {"setting": setting, "machine": _common.machine(), "rows": []}
+    res = _resume(path, setting, "rows", machine=_common.machine())
     done = {(r["method"], r["round"]) for r in res["rows"]}
     _generate(model, tokens[:1024], _caches(model, args.methods[0], budget, "offload"), args.step, 1)  # warm-up
     for rnd in range(args.rounds):
@@ -343,9 +347,7 @@ def followup(argv) -> int:
     eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
     path = _out(args, "followup")
     setting = {"model": args.model, "length": args.length, "density": args.density, "facts": 2}
-    res = _load(path)
-    if res.get("setting") != setting:
-        res = {"setting": setting, "prompts": []}
+    res = _resume(path, setting, "prompts")
     done = {r["index"] for r in res["prompts"]}
     for index in range(args.prompts):
         if index in done:

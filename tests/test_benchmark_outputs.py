@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "benchmark_scripts"
 
@@ -161,3 +163,14 @@ def test_offload_runs_side_by_side_extend_one_file_without_losing_rows(tmp_path,
     other = {"setting": {"model": "another"}, "cells": [{"context": 1, "prompt": 0, "method": "snapkv"}]}
     bench._stamp_and_write(path, other, [], "offload", KEY)  # another setting starts the file over
     assert json.loads(path.read_text())["cells"] == other["cells"]
+
+
+def test_an_offload_run_of_another_setting_is_refused_not_written_over(tmp_path):
+    bench = _import_script("bench_offload")
+    path = tmp_path / "followup.json"
+    assert bench._resume(path, {"density": 0.2}, "prompts") == {"setting": {"density": 0.2}, "prompts": []}
+    path.write_text(json.dumps({"setting": {"density": 0.2}, "prompts": [{"index": 0}]}))
+    assert bench._resume(path, {"density": 0.2}, "prompts")["prompts"] == [{"index": 0}]
+    with pytest.raises(SystemExit, match="1 prompts of another setting.*another --out"):
+        bench._resume(path, {"density": 0.4}, "prompts")
+    assert json.loads(path.read_text())["prompts"] == [{"index": 0}]
