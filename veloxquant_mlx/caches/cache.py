@@ -22,6 +22,7 @@ work is lazy MLX.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import warnings
@@ -43,6 +44,7 @@ from .subclass import method_of_subclass
 from .view import Step, View
 from .window import QueryWindow
 
+HELD_STEPS = 32  # the most decode steps whose rows' on_rows the cheap branch holds (fold_held)
 _FORMAT_VERSION = 2  # of the saved metadata; 2: "prompt_open" replaced "compressed"
 _warned: set = set()
 
@@ -102,6 +104,10 @@ class EvictionCache(_BaseCache):
         self._light, self._light_now, self._light_q = 0, False, None  # the cheap branch (_refresh_light)
         self._pending = False  # the last step's rows are stored and its queries have not arrived yet
         self._rows_due = False  # rows stored that the method's on_rows has not seen
+        # what the cheap branch holds for the next read instead of writing it every step (fold_held): the
+        # window's newest queries, and each step's (hidden, ids) where the method's rows come from its inputs
+        self._held_q, self._held_rows = collections.deque(maxlen=max(self.window.size, 1)), []
+        self.holds = False  # the cheap branch holds some of it
         self._reading, self._own, self._read_deps = False, None, []  # a model pass reading the rows (reading())
         self.pass_due = False  # a prompt-time compression waits for the model pass (caches.passes)
         self.pass_driven = False  # inside a forward of the builder's model-pass wrapper
@@ -140,6 +146,8 @@ class EvictionCache(_BaseCache):
         return fetched
 
     def _begin(self, keys, values) -> None:
+        if self.holds:
+            self.fold_held()
         """The full step before its rows are stored: the last step's unfinished work, the checks, the
         prompt-time policy (caches.schedule), the paged prompt and the recall tier."""
         sched, cold = self.schedule, self.cold
@@ -242,15 +250,27 @@ class EvictionCache(_BaseCache):
         out, self.attend.out = self.attend.out, None
         return out
 
-    def _observe(self, queries, scale: float, attend: bool, light: bool):
+    def _observe(self, queries, scale: float, attend: bool, light: bool, hold: bool = True):
         """The step's queries (None: none arrived): the window, the method's per-row work, then (the full
-        step) the recall tier and the schedule. Returns the layer's output where the method computed it."""
+        step) the recall tier and the schedule; ``hold``: a light step may hold work for its next read
+        (fold_held). Returns the layer's output where the method computed it."""
         out, self._pending = None, False
         if queries is not None:
             self.queries_observed += 1
             if self.window.size:
-                self.window.add(queries)
-        if self._rows_due:  # the method's per-row work (Method.on_rows), the same on both branches
+                if light and hold:
+                    self._held_q.append(queries)
+                    self.holds = True
+                else:
+                    self.window.add(queries)
+        if self._rows_due and light and hold and self.method.rows_from_inputs:  # on_rows when the rows are next read
+            self._rows_due = False
+            self._held_rows.append((self.attention_input, self.input_ids))
+            self.attention_input = self.input_ids = None
+            self.holds = True
+            if len(self._held_rows) >= HELD_STEPS:
+                self.fold_held()
+        elif self._rows_due:  # the method's per-row work (Method.on_rows), the same on both branches
             step, self._rows_due = self._step, False
             step.queries, step.scale, step.attend = queries, scale, attend
             step.all_visible = queries is not None and queries.shape[2] == 1 and not self.fetched.ragged
@@ -298,6 +318,28 @@ class EvictionCache(_BaseCache):
             "did not deliver its queries: load caches with veloxquant_mlx.load_prompt_cache(path, model=model) "
             "(or call KVCacheBuilder.attach(model, caches)) before generating with them")
 
+    def fold_held(self) -> None:
+        """Write what the cheap branch held: the window's newest queries, and the method's on_rows over the
+        held steps' rows at once (``Method.rows_from_inputs``). Every reader of the window or the fields calls
+        it first (where ``holds``), so they read what a full step would have written."""
+        self.holds = False
+        if self._held_q:
+            held = list(self._held_q)
+            self._held_q.clear()
+            self.window.add(held[0] if len(held) == 1 else mx.concatenate(held, axis=2))
+        if self._held_rows:
+            held, self._held_rows = self._held_rows, []
+            hidden, ids = zip(*held)
+            step, n = self._step, len(held)
+            step.rows, step.queries, step.keys, step.values, step.attend = n, None, None, None, False
+            step.hidden = None if any(h is None for h in hidden) else mx.concatenate(hidden, axis=1)
+            step.ids = None if any(i is None for i in ids) else mx.concatenate(ids, axis=1)
+            fields = self.method.on_rows(self.view, step)
+            step.hidden = step.ids = None
+            r, buf = self.store.rows, self.store.fields
+            for name, v in fields.items():
+                buf[name][:, :, r - v.shape[2]:r] = v
+
     def step_state(self) -> list:
         """Arrays a step updates that attention does not read (positions, per-row fields, the query window):
         the tap makes the layer's output depend on them (``mx.depends``), so they are evaluated with the
@@ -343,6 +385,8 @@ class EvictionCache(_BaseCache):
         """Keep ``keep`` rows per head: the method's selection under the configured allocation; the rows not
         kept go to the cold tier where there is one. The kept rows get new buffers with the headroom until
         the next eviction."""
+        if self.holds:
+            self.fold_held()
         unpaged = self.pages is not None and self.pages.before_evict(self)  # a paged prompt's rows come back
         sel = self.method.select(self.view, keep, self.allocation())
         idx, real = sel if isinstance(sel, tuple) else (sel, None)
@@ -426,8 +470,8 @@ class EvictionCache(_BaseCache):
             return
         B, H, cap, Dk = st.keys.shape
         self._light_k, self._light_v = (B, H, 1, Dk), (B, H, 1, st.values.shape[3])
-        # written in place by the cheap branch: the window's ring, the fields, positions not prefilled
-        self._light_deps = [a for a in (self.window.q, *st.fields.values()) if a is not None]
+        # written in place by the cheap branch: the fields (unless held: fold_held), positions not prefilled
+        self._light_deps = [] if self.method.rows_from_inputs else list(st.fields.values())
         if st.prefilled is not st.positions:
             self._light_deps.append(st.positions)
         self._light_q = None  # the queries' shape, set by the tap step that follows
@@ -445,7 +489,7 @@ class EvictionCache(_BaseCache):
         self.scale = scale
         if self.method.attention_mass_field is not None:  # its on_rows' work is the pages' mass over the file
             self._rows_due = False
-        self._observe(queries, scale, False, True)
+        self._observe(queries, scale, False, True, False)  # (the file takes this step's rows and fields now)
         pages.store_step(self)
         if self.schedule.ending:  # the input's last token: every row is in the file; the method picks
             pages.close(self)
@@ -517,6 +561,8 @@ class EvictionCache(_BaseCache):
 
     def window_queries(self):
         """(queries (B, H_q, W, D), their absolute positions (W,)) of the observation window."""
+        if self.holds:
+            self.fold_held()
         q = self.window.ordered()
         if q is None:
             return None, None
@@ -538,6 +584,8 @@ class EvictionCache(_BaseCache):
     def stored(self, name: str = "keys") -> mx.array:
         """The stored rows of ``keys``, ``values``, ``positions`` or a per-row field, as attention reads them
         (quantized rows dequantized; a closed paged prompt's rows read from its file)."""
+        if self.holds:
+            self.fold_held()
         if self.store.keys is None and self.pages is not None and self.pages.closed:
             return self.pages.stored(name, self.kv_bits, self.kv_group_size)
         return self.store.read(name)
@@ -582,6 +630,8 @@ class EvictionCache(_BaseCache):
         """Bytes this cache holds: the allocated capacity of its buffers, positions and per-row fields, the
         query window, the recall tier's resident part and what a paged prompt holds in memory (its file is
         ``page_disk_bytes`` in :meth:`byte_report`)."""
+        if self.holds:
+            self.fold_held()
         held = self.store.nbytes + (0 if self.window.q is None else self.window.q.nbytes)
         held += 0 if self.pages is None else self.pages.resident_bytes
         if self.cold is not None and self.store.keys is not None:
@@ -636,6 +686,8 @@ class EvictionCache(_BaseCache):
     # -- save / load (mlx-lm's state / meta_state; veloxquant_mlx.prompt_cache writes the file) ---------
     @property
     def state(self):
+        if self.holds:
+            self.fold_held()
         if self.pages is not None and self.pages.closed:  # an input ended keeping every row: read them back
             self.pages.unpage(self)
         if self.store.keys is None:

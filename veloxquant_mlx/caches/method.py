@@ -66,6 +66,9 @@ class Method:
     # on_rows(view, step) -> {field: values of the last n stored rows} (or (fields, output) when
     # step.attend and the method computed the layer's attention output): defined by methods with per-row state
     on_rows = None
+    # True where on_rows reads only step.hidden and step.ids, one row at a time (kvzap, kvzip): the cache may
+    # then call it once for the rows of several decode steps, when they are next read
+    rows_from_inputs = False
     # The per-row field on_rows adds each query's attention mass to (H2O): the paged prompt sums it over the
     # rows in its file (caches.pages), in place of on_rows.
     attention_mass_field: str | None = None

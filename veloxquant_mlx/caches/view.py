@@ -62,6 +62,8 @@ class View:
 
     def field(self, name: str) -> mx.array:
         """(B, H, rows) float32 per-row state the method declared (``Method.row_fields``)."""
+        if self._cache.holds:
+            self._cache.fold_held()
         st = self._cache.store
         f = st.fields.get(name)
         return f[:, :, :st.rows] if f is not None and st.keys is not None else self._cache.stored(name)

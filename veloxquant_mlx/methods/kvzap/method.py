@@ -93,6 +93,8 @@ class KVzap(Method):
     def scores(self, view):
         return view.field("zap_score")
 
+    rows_from_inputs = True  # a row's score is a function of its own hidden state
+
     def on_rows(self, view, step):
         """Every new row's predicted score, from the step's hidden states (Sec. 3: the surrogate)."""
         x, S = step.hidden, step.rows

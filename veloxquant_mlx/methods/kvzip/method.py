@@ -90,6 +90,8 @@ class KVzip(Method):
         return view.offset > self.scored and (due or (
             ending and self.layer_shares is not None and view.offset > view.budget))
 
+    rows_from_inputs = True  # a row's field is its own token id
+
     def on_rows(self, view, step):
         if self.chunk is not None:  # a reconstruction chunk reading the rows
             return self._score_chunk(view, step)
