@@ -106,12 +106,14 @@ def _forward(model, base, inputs, args, kwargs):
         c.pass_driven = True
         if c.needs_ids:
             c.input_ids = ids
+    due = False
     try:
         out = base.__call__(model, inputs, *args, **kwargs)
     finally:
         for c in ours:
             c.pass_driven = False
-    seqs = _due_sequences(cache) if ours else ()
+            due = due or c.pass_due
+    seqs = _due_sequences(cache) if due else ()
     if seqs:
         driver = model.__dict__.get(_DRIVER)
         if driver is None:

@@ -22,15 +22,17 @@ _TAP_NAME = "scaled_dot_product_attention"
 
 
 def tapped_scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, **kwargs):
-    to_rows = getattr(cache, "latent_query", None)
-    if to_rows is not None:  # MLA: which of the module's two attention calls this is (LatentQuery)
-        to_rows.reads_latent = keys is values
     step = getattr(cache, "tap_step", None)
     if step is not None:  # an eviction cache: one call observes, and says the output, mask and dependencies
+        if cache.latent_query is not None:  # MLA: which of the module's two attention calls this is (LatentQuery)
+            cache.latent_query.reads_latent = keys is values
         out, mask, deps = step(queries, scale, mask, kwargs, keys)
         if out is None:
             out = _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         return out if deps is None else mx.depends(out, deps)
+    to_rows = getattr(cache, "latent_query", None)
+    if to_rows is not None:
+        to_rows.reads_latent = keys is values
     observe = getattr(cache, "observe_queries", None)
     if observe is None:
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
@@ -152,6 +154,8 @@ class SourceRows(tuple):
 
 class SharedRows:
     """The cache a KV-shared layer's attention gets: the rows its source's cache returned this step."""
+
+    latent_query = None  # (no MLA model shares KV across layers)
 
     def __init__(self, source):
         self.source = source
@@ -309,7 +313,10 @@ def attention_modules(model) -> list:
 
 def _hidden_call(cls):
     def __call__(self, x, *args, **kwargs):
-        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        try:  # mlx-lm's layers call attention(x, mask, cache)
+            cache = args[1]
+        except IndexError:
+            cache = kwargs.get("cache")
         if getattr(cache, "needs_hidden", False):  # a cache that does not read it must not hold it (memory)
             cache.attention_input = x
         return cls.__call__(self, x, *args, **kwargs)

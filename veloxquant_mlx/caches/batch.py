@@ -280,6 +280,11 @@ class BatchEvictionCache(_BaseCache):
         for r in self.rows:
             r.pass_driven = on
 
+    @property
+    def pass_due(self) -> bool:
+        """Some row's compression waits for the model pass."""
+        return any(r.pass_due for r in self.rows)
+
     def observe_queries(self, queries: mx.array, scale=None) -> None:
         """The query tap: each row's real queries go to that row's cache."""
         if self._step is None:

@@ -268,7 +268,7 @@ class EvictionCache(_BaseCache):
             self._held_rows.append((self.attention_input, self.input_ids))
             self.attention_input = self.input_ids = None
             self.holds = True
-            if len(self._held_rows) >= HELD_STEPS:
+            if self._held_rows[HELD_STEPS - 1:]:  # HELD_STEPS held (a slice, not a len() call, per step)
                 self.fold_held()
         elif self._rows_due:  # the method's per-row work (Method.on_rows), the same on both branches
             step, self._rows_due = self._step, False

@@ -49,6 +49,7 @@ class RowStore:
     def __init__(self, bits: int | None, group_size: int, fields: dict, written: tuple = ()):
         self.bits, self.group_size = bits, group_size
         self.fills, self.written = dict(fields), tuple(written)
+        self.unwritten = [(n, fill) for n, fill in self.fills.items() if n not in self.written]  # append fills them
         self.keys = self.values = self.positions = None  # (B, H, capacity, ...) as held (quantized: tuples)
         self.fields: dict = {}  # name -> (B, H, capacity) float32
         self.rows = 0  # stored rows per head (padding included)
@@ -128,15 +129,17 @@ class RowStore:
             cap = need + self.decode_step if S == 1 else need if exact else -(-need // self.step) * self.step
             self._grow(keys, values, offset, (B, H, S), cap - need, kv)
         else:
-            if kv:
+            if kv and self.bits is None:
+                self.keys[:, :, prev:need] = keys
+                self.values[:, :, prev:need] = values
+            elif kv:  # quantized rows: each part of the buffer
                 for buf, new in ((self.keys, keys), (self.values, values)):
-                    for part, r in zip(*((buf, new) if isinstance(buf, tuple) else ((buf,), (new,)))):
+                    for part, r in zip(buf, new):
                         part[:, :, prev:need] = r
             if self.prefilled is not self.positions:  # a buffer given (loaded, recalled): write the positions
                 self.positions[:, :, prev:need] = offset if S == 1 else mx.arange(offset, offset + S, dtype=mx.int32)
-            for name, fill in self.fills.items():
-                if name not in self.written:
-                    self.fields[name][:, :, prev:need] = fill
+            for name, fill in self.unwritten:
+                self.fields[name][:, :, prev:need] = fill
         self.rows = need
         if not kv:
             return None

@@ -37,6 +37,8 @@ class FanOutCache:
     just the new rows), so the prefill-only regime needs one forward pass per prompt instead of one
     per method. A sub-cache that raises is dropped and its error recorded."""
 
+    pass_due = False  # the shared prefill holds the prompt ("end"): no compression waits for a model pass
+
     def __init__(self, primary, subs: dict, dequantize: bool = False):
         self.primary = primary
         self.subs = dict(subs)
