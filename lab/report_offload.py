@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from .stats import fmt_ci
+from .stats import fmt_ci, fmt_p, paired
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "offload.md"
@@ -107,9 +107,12 @@ def cost_table(data: dict) -> str:
 
 
 def followup_table(data: dict) -> str:
-    """Per cache and turn: how many prompts were answered right, and the cells that raised."""
+    """Per cache and turn: how many prompts were answered right, the last turn paired against the full
+    cache's (prompts only the full cache answered, only this cache answered, exact McNemar p), and the
+    cells that raised."""
     s = data["setting"]
     right, n, errors = defaultdict(lambda: defaultdict(int)), defaultdict(int), defaultdict(int)
+    last = defaultdict(dict)  # cache -> {prompt index: the last turn right}
     for p in data["prompts"]:
         for name, turns in p["correct"].items():
             if name in p.get("errors", {}):
@@ -118,14 +121,21 @@ def followup_table(data: dict) -> str:
             n[name] += 1
             for i, ok in enumerate(turns):
                 right[name][i] += bool(ok)
+            if turns:
+                last[name][p["index"]] = bool(turns[-1])
     turns = max((len(t) for p in data["prompts"] for t in p["correct"].values()), default=0)
     lines = [f"Follow-ups ({s['model']}, the follow-up task at {s['length']:,} tokens, {int(100 * s['density'])} %, "
              f"{s['facts']} facts, {turns} turns on the same caches; {_prov(data)}):", "",
-             "| cache | prompts | " + " | ".join(f"turn {i + 1} right" for i in range(turns)) + " | errors |",
-             "|---|---|" + "---|" * turns + "---|"]
+             "| cache | prompts | " + " | ".join(f"turn {i + 1} right" for i in range(turns))
+             + f" | turn {turns} against `full`: only `full` / only this (McNemar p) | errors |",
+             "|---|---|" + "---|" * turns + "---|---|"]
     for name in sorted(set(n) | set(errors), key=lambda x: (x != "full", x)):
+        vs = "–"
+        if name != "full" and last.get("full"):
+            pr = paired(last["full"], last[name])
+            vs = f"{pr['only_a']} / {pr['only_b']} ({fmt_p(pr['p'])})"
         lines.append(f"| `{name}` | {n[name]} | " + " | ".join(f"{right[name][i]}/{n[name]}" for i in range(turns))
-                     + f" | {errors[name]} |")
+                     + f" | {vs} | {errors[name]} |")
     return "\n".join(lines)
 
 
@@ -180,6 +190,7 @@ def section() -> str:
                          ("identity_qwen2.5-coder-1.5b.json", identity_table), ("peak_bundled.json", peak_table),
                          ("peak_tiny.json", peak_table),
                          ("cost_bundled.json", cost_table), ("followup_bundled.json", followup_table),
+                         ("followup_bundled_40pct.json", followup_table),
                          ("followup_gemma3-270m.json", followup_table)):
         data = _load(name)
         if data and (data.get("cells") or data.get("rows") or data.get("prompts")):
