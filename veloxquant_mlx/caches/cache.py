@@ -146,10 +146,10 @@ class EvictionCache(_BaseCache):
         return fetched
 
     def _begin(self, keys, values) -> None:
+        """The full step before its rows are stored: what the light steps held, the last step's unfinished
+        work, the checks, the prompt-time policy (caches.schedule), the paged prompt and the recall tier."""
         if self.holds:
             self.fold_held()
-        """The full step before its rows are stored: the last step's unfinished work, the checks, the
-        prompt-time policy (caches.schedule), the paged prompt and the recall tier."""
         sched, cold = self.schedule, self.cold
         if self._pending:  # the last step's rows got no queries (no tap): its work now
             mine = self.attention_input, self.input_ids  # (this step's, kept for it)
@@ -263,7 +263,7 @@ class EvictionCache(_BaseCache):
                     self.holds = True
                 else:
                     self.window.add(queries)
-        if self._rows_due and light and hold and self.method.rows_from_inputs:  # on_rows when the rows are next read
+        if self._rows_due and light and hold and self.method.rows_from_inputs:  # on_rows at the rows' next read
             self._rows_due = False
             self._held_rows.append((self.attention_input, self.input_ids))
             self.attention_input = self.input_ids = None
@@ -329,11 +329,12 @@ class EvictionCache(_BaseCache):
             self.window.add(held[0] if len(held) == 1 else mx.concatenate(held, axis=2))
         if self._held_rows:
             held, self._held_rows = self._held_rows, []
-            hidden, ids = zip(*held)
+            hidden = [h for h, _ in held if h is not None]
+            ids = [i for _, i in held if i is not None]
             step, n = self._step, len(held)
             step.rows, step.queries, step.keys, step.values, step.attend = n, None, None, None, False
-            step.hidden = None if any(h is None for h in hidden) else mx.concatenate(hidden, axis=1)
-            step.ids = None if any(i is None for i in ids) else mx.concatenate(ids, axis=1)
+            step.hidden = mx.concatenate(hidden, axis=1) if len(hidden) == n else None  # (one missing: None)
+            step.ids = mx.concatenate(ids, axis=1) if len(ids) == n else None
             fields = self.method.on_rows(self.view, step)
             step.hidden = step.ids = None
             r, buf = self.store.rows, self.store.fields
