@@ -177,3 +177,17 @@ def test_continue_on_purpose_ends_the_light_steps():
     c.continue_on_purpose()
     assert c._light == 0 and not c.prompt.saw_decode
     KVCacheBuilder.uninstall(model)
+
+
+def test_held_work_is_written_before_a_read_and_dropped_with_replaced_rows():
+    model = make_tiny_model()
+    caches, y = _decode_ready("kvzap", model)
+    c = caches[0]
+    assert not c.holds  # reading the state wrote what the light steps held
+    saved = {k: mx.array(v) for k, v in c.state.items()}
+    y = step(model, y.reshape(1), caches)
+    assert c.holds  # a light step: its row's score waits for the next read
+    c.state = saved  # rows replaced: the held score belonged to the old rows
+    assert not c.holds
+    assert np.array_equal(np.array(c.stored("zap_score")), np.array(saved["row.zap_score"]))
+    KVCacheBuilder.uninstall(model)

@@ -704,6 +704,8 @@ class EvictionCache(_BaseCache):
     @state.setter
     def state(self, st):
         self._light, self.store.prefilled = 0, None
+        self._held_q.clear()  # what light steps held belongs to the rows being replaced
+        self._held_rows, self.holds = [], False
         if not st:
             self.store.drop()
             return
