@@ -337,9 +337,7 @@ class EvictionCache(_BaseCache):
             step.ids = mx.concatenate(ids, axis=1) if len(ids) == n else None
             fields = self.method.on_rows(self.view, step)
             step.hidden = step.ids = None
-            r, buf = self.store.rows, self.store.fields
-            for name, v in fields.items():
-                buf[name][:, :, r - v.shape[2]:r] = v
+            self.store.write(fields)
 
     def step_state(self) -> list:
         """Arrays a step updates that attention does not read (positions, per-row fields, the query window):
