@@ -9,7 +9,8 @@
 * ``cost``: the prefill's process time of ``"offload"`` over ``"end"``, paired per round, orders
   alternated, and the bytes read back from the page files.
 * ``followup``: the follow-up task (2 facts, 2 turns on the same caches): ``"offload"``, ``"end"`` and the
-  full cache; a later turn re-selects from every row under ``"offload"``.
+  full cache; a later turn re-selects from every row under ``"offload"``. With ``--recall``: each method under
+  ``"end"`` with that cold tier instead (``recall=``), its prompts paired with the offload file's by index.
 
 Results go to ``--out`` (default: figures/offload/<subcommand>_<model>.json, written there only with
 ``--publish``, else under ./veloxquant_bench/), resumed cell by cell.
@@ -19,6 +20,7 @@ Results go to ``--out`` (default: figures/offload/<subcommand>_<model>.json, wri
     python benchmark_scripts/bench_offload.py peak --model tiny --lengths 8192 32768 131072
     python benchmark_scripts/bench_offload.py cost --length 8192 --rounds 3
     python benchmark_scripts/bench_offload.py followup --model bundled --prompts 16
+    python benchmark_scripts/bench_offload.py followup --model gemma3-270m --prompts 16 --methods snapkv nexus --recall memory --out figures/offload/followup_recall_gemma3-270m.json
 """
 
 from __future__ import annotations
@@ -334,6 +336,9 @@ def followup(argv) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--density", type=float, default=0.2)
     p.add_argument("--methods", nargs="+", default=["snapkv", "kvzap", "h2o"])
+    p.add_argument("--recall", choices=("memory", "disk"), default=None,
+                   help="instead of end and offload: each method under end with this cold tier (recall=), beside the "
+                        "full cache; its prompts pair with the same model's offload file by index")
     args = p.parse_args(argv)
     preload_blas()
     from mlx_lm.models.cache import make_prompt_cache
@@ -346,7 +351,8 @@ def followup(argv) -> int:
     model, tokenizer = load_model(args.model)
     eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
     path = _out(args, "followup")
-    setting = {"model": args.model, "length": args.length, "density": args.density, "facts": 2}
+    setting = {"model": args.model, "length": args.length, "density": args.density, "facts": 2,
+               **({"recall": args.recall} if args.recall else {})}
     res = _resume(path, setting, "prompts")
     done = {r["index"] for r in res["prompts"]}
     for index in range(args.prompts):
@@ -356,6 +362,9 @@ def followup(argv) -> int:
         budget = budget_for(args.density, len(tokens))
         named = {"full": (make_prompt_cache(model), True)}
         for m in args.methods:
+            if args.recall:
+                named[f"{m}:recall-{args.recall}"] = (_caches(model, m, budget, "end", recall=args.recall), True)
+                continue
             for policy in ("end", "offload"):
                 named[f"{m}:{policy}"] = (_caches(model, m, budget, policy), True)
         cells = run_prompt(model, tokenizer, inst, tokens, named, shared=False, eos_ids=eos)

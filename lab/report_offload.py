@@ -1,5 +1,5 @@
 """The measured section of docs/offload.md, from the JSON files ``benchmark_scripts/bench_offload.py`` writes
-(``figures/offload/{identity,peak,cost,followup}_<model>.json``). Numbers come from the JSON, never by hand:
+(``figures/offload/{identity,peak,cost,followup,followup_recall}_<model>.json``). Numbers come from the JSON, never by hand:
 ``python -m lab.report_offload`` rewrites the block between the page's markers, and a test checks it.
 """
 
@@ -139,6 +139,46 @@ def followup_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _last_turns(data: dict) -> dict:
+    """cache -> {prompt index: its last turn right}, cells that raised left out."""
+    last = defaultdict(dict)
+    for p in data["prompts"]:
+        for name, turns in p["correct"].items():
+            if turns and name not in p.get("errors", {}):
+                last[name][p["index"]] = bool(turns[-1])
+    return last
+
+
+def recall_table(data: dict) -> str:
+    """The two cold tiers on the same follow-up prompts: each method under "end" with ``recall=`` (this file)
+    against the same method's "end" and "offload" (the model's offload follow-up file), the last turn paired
+    by prompt index."""
+    s = data["setting"]
+    offload = _load(f"followup_{s['model']}.json") or {"prompts": []}
+    if offload.get("setting") != {k: v for k, v in s.items() if k != "recall"}:
+        offload = {"prompts": []}  # another setting's prompts do not pair
+    ours, theirs = _last_turns(data), _last_turns(offload)
+    tier = s["recall"]
+    lines = [f"Cold tiers on follow-ups ({s['model']}, the follow-up task at {s['length']:,} tokens, "
+             f"{int(100 * s['density'])} %, turn 2 right on the prompts both files ran; the `recall=\"{tier}\"` cells "
+             f"{_prov(data)}, the others `followup_{s['model']}.json`'s):", "",
+             f"| method | prompts | `full` | `end` | `end` + `recall=\"{tier}\"` | `offload` | `offload` against "
+             f"`recall`: only `offload` / only `recall` (McNemar p) |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted(n for n in ours if n != "full"):
+        method = name.partition(":")[0]
+        rec, end, off = ours[name], theirs.get(f"{method}:end", {}), theirs.get(f"{method}:offload", {})
+        common = sorted(set(rec) & set(end) & set(off) & set(ours.get("full", {})))
+        if not common:
+            continue
+        pick = lambda d: {i: d[i] for i in common}
+        pr = paired(pick(off), pick(rec))
+        count = lambda d: f"{sum(d[i] for i in common)}/{len(common)}"
+        lines.append(f"| `{method}` | {len(common)} | {count(ours['full'])} | {count(end)} | {count(rec)} | "
+                     f"{count(off)} | {pr['only_a']} / {pr['only_b']} ({fmt_p(pr['p'])}) |")
+    return "\n".join(lines)
+
+
 def _model(data: dict) -> str:
     return {"bundled": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}.get(data["setting"]["model"],
                                                                         data["setting"]["model"])
@@ -191,7 +231,9 @@ def section() -> str:
                          ("peak_tiny.json", peak_table),
                          ("cost_bundled.json", cost_table), ("followup_bundled.json", followup_table),
                          ("followup_bundled_40pct.json", followup_table),
-                         ("followup_gemma3-270m.json", followup_table)):
+                         ("followup_gemma3-270m.json", followup_table),
+                         ("followup_recall_bundled.json", recall_table),
+                         ("followup_recall_gemma3-270m.json", recall_table)):
         data = _load(name)
         if data and (data.get("cells") or data.get("rows") or data.get("prompts")):
             parts.append(f"`figures/offload/{name}`. " + render(data))
