@@ -96,7 +96,7 @@ def _stamp_and_write(path, res, labels, regime, key):
     """Write ``res``, its provenance stamped once per run (fingerprints take seconds). Runs of one subcommand
     may extend one file side by side (other contexts, other lengths): under a lock, the file's rows that this
     run does not hold yet (``key``: the fields naming a row of the file's one list) are kept, so no run's rows
-    overwrite another's."""
+    overwrite another's; a file that a run of another setting has written since is refused, never written over."""
     import fcntl
 
     if str(path) not in _STAMPED:
@@ -106,10 +106,12 @@ def _stamp_and_write(path, res, labels, regime, key):
     with open(path, "a") as held:  # the results file is its own lock
         fcntl.flock(held, fcntl.LOCK_EX)
         disk = _load(path)
-        if disk.get("setting") == res.get("setting"):
-            name = next(n for n in ("cells", "rows", "prompts") if n in res)
-            mine = {tuple(r[k] for k in key) for r in res[name]}
-            res[name] += [r for r in disk.get(name, []) if tuple(r[k] for k in key) not in mine]
+        name = next(n for n in ("cells", "rows", "prompts") if n in res)
+        if disk.get(name) and disk.get("setting") != res.get("setting"):  # another run's file since _resume read it
+            raise SystemExit(f"{path} now holds {len(disk[name])} {name} of another setting ({disk.get('setting')}); "
+                             f"this run's is {res.get('setting')}: give it another --out")
+        mine = {tuple(r[k] for k in key) for r in res[name]}
+        res[name] += [r for r in disk.get(name, []) if tuple(r[k] for k in key) not in mine]
         write_json(path, res)
 
 

@@ -147,7 +147,8 @@ def test_the_command_check_ignores_renames_launchers_and_output_flags():
 
 def test_offload_runs_side_by_side_extend_one_file_without_losing_rows(tmp_path, monkeypatch):
     """Two resumable runs of one subcommand (other contexts) write one results file: each write keeps the
-    file's rows it does not hold, so neither run's cells overwrite the other's."""
+    file's rows it does not hold, so neither run's cells overwrite the other's; a run of another setting is
+    refused at its write."""
     bench = _import_script("bench_offload")
     monkeypatch.setattr(bench._common, "stamp", lambda res, labels, regime: res)
     KEY = ("context", "prompt", "method")
@@ -161,8 +162,9 @@ def test_offload_runs_side_by_side_extend_one_file_without_losing_rows(tmp_path,
     held = sorted((c["context"], c["prompt"]) for c in json.loads(path.read_text())["cells"])
     assert held == [(2048, 0), (2048, 1), (4096, 0)]
     other = {"setting": {"model": "another"}, "cells": [{"context": 1, "prompt": 0, "method": "snapkv"}]}
-    bench._stamp_and_write(path, other, [], "offload", KEY)  # another setting starts the file over
-    assert json.loads(path.read_text())["cells"] == other["cells"]
+    with pytest.raises(SystemExit, match="now holds 3 cells of another setting"):
+        bench._stamp_and_write(path, other, [], "offload", KEY)
+    assert len(json.loads(path.read_text())["cells"]) == 3
 
 
 def test_an_offload_run_of_another_setting_is_refused_not_written_over(tmp_path):
