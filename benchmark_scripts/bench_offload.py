@@ -12,15 +12,15 @@
   full cache; a later turn re-selects from every row under ``"offload"``. With ``--recall``: each method under
   ``"end"`` with that cold tier instead (``recall=``), its prompts paired with the offload file's by index.
 
-Results go to ``--out`` (default: figures/offload/<subcommand>_<model>.json, written there only with
-``--publish``, else under ./veloxquant_bench/), resumed cell by cell.
+Results go to ``--out`` (default: figures/offload/<subcommand>_<model>.json, followup_recall_<model>.json with
+``--recall``; written there only with ``--publish``, else under ./veloxquant_bench/), resumed cell by cell.
 
     python benchmark_scripts/bench_offload.py identity --contexts 2048 4096 --prompts 12 [--rounds 2]
     python benchmark_scripts/bench_offload.py peak --lengths 4096 8192 16384 32768 --budget 1024 --step 512
     python benchmark_scripts/bench_offload.py peak --model tiny --lengths 8192 32768 131072
     python benchmark_scripts/bench_offload.py cost --length 8192 --rounds 3
     python benchmark_scripts/bench_offload.py followup --model bundled --prompts 16
-    python benchmark_scripts/bench_offload.py followup --model gemma3-270m --prompts 16 --methods snapkv nexus --recall memory --out figures/offload/followup_recall_gemma3-270m.json
+    python benchmark_scripts/bench_offload.py followup --model gemma3-270m --prompts 16 --methods snapkv nexus --recall disk
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ def followup(argv) -> int:
 
     model, tokenizer = load_model(args.model)
     eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
-    path = _out(args, "followup")
+    path = _out(args, "followup_recall" if args.recall else "followup")
     setting = {"model": args.model, "length": args.length, "density": args.density, "facts": 2,
                **({"recall": args.recall} if args.recall else {})}
     res = _resume(path, setting, "prompts")

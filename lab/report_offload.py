@@ -106,13 +106,22 @@ def cost_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _last_turns(data: dict) -> dict:
+    """cache -> {prompt index: its last turn right}, cells that raised left out."""
+    last = defaultdict(dict)
+    for p in data["prompts"]:
+        for name, turns in p["correct"].items():
+            if turns and name not in p.get("errors", {}):
+                last[name][p["index"]] = bool(turns[-1])
+    return last
+
+
 def followup_table(data: dict) -> str:
     """Per cache and turn: how many prompts were answered right, the last turn paired against the full
     cache's (prompts only the full cache answered, only this cache answered, exact McNemar p), and the
     cells that raised."""
     s = data["setting"]
     right, n, errors = defaultdict(lambda: defaultdict(int)), defaultdict(int), defaultdict(int)
-    last = defaultdict(dict)  # cache -> {prompt index: the last turn right}
     for p in data["prompts"]:
         for name, turns in p["correct"].items():
             if name in p.get("errors", {}):
@@ -121,8 +130,7 @@ def followup_table(data: dict) -> str:
             n[name] += 1
             for i, ok in enumerate(turns):
                 right[name][i] += bool(ok)
-            if turns:
-                last[name][p["index"]] = bool(turns[-1])
+    last = _last_turns(data)
     turns = max((len(t) for p in data["prompts"] for t in p["correct"].values()), default=0)
     lines = [f"Follow-ups ({s['model']}, the follow-up task at {s['length']:,} tokens, {int(100 * s['density'])} %, "
              f"{s['facts']} facts, {turns} turns on the same caches; {_prov(data)}):", "",
@@ -137,16 +145,6 @@ def followup_table(data: dict) -> str:
         lines.append(f"| `{name}` | {n[name]} | " + " | ".join(f"{right[name][i]}/{n[name]}" for i in range(turns))
                      + f" | {vs} | {errors[name]} |")
     return "\n".join(lines)
-
-
-def _last_turns(data: dict) -> dict:
-    """cache -> {prompt index: its last turn right}, cells that raised left out."""
-    last = defaultdict(dict)
-    for p in data["prompts"]:
-        for name, turns in p["correct"].items():
-            if turns and name not in p.get("errors", {}):
-                last[name][p["index"]] = bool(turns[-1])
-    return last
 
 
 def recall_table(data: dict) -> str:
