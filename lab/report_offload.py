@@ -72,8 +72,9 @@ def peak_table(data: dict) -> str:
             notes.append(f"`{cache}` grows {b['peak_over_weights_bytes'] / a['peak_over_weights_bytes']:.2f}× from "
                          f"{ns[0]:,} to {ns[-1]:,} tokens; the per-row state grows from "
                          f"{a['page_resident_bytes'] / MIB:.2f} to {b['page_resident_bytes'] / MIB:.2f} MiB and the "
-                         f"kept rows' buffers after the prompt from {a['kv_allocated_after_bytes'] / MIB:.1f} to "
-                         f"{b['kv_allocated_after_bytes'] / MIB:.1f} MiB; the page file holds "
+                         f"caches' allocation after the prompt (the kept rows' buffers and that per-row state) from "
+                         f"{a['kv_allocated_after_bytes'] / MIB:.1f} to {b['kv_allocated_after_bytes'] / MIB:.1f} MiB; "
+                         f"the page file holds "
                          f"{b['page_disk_bytes'] / MIB:.0f} MiB")
         full = by.get("kvcache", {})
         both = set(ns) & set(full)
