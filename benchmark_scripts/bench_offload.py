@@ -57,13 +57,18 @@ def _load(path) -> dict:
     return json.loads(text) if text.strip() else {}
 
 
+def _refuse_other_setting(path, held: dict, rows: str, setting: dict, holds: str = "holds") -> None:
+    """Stop the run when ``held`` (the file at ``path``) has ``rows`` of a setting other than ``setting``."""
+    if held.get(rows) and held.get("setting") != setting:
+        raise SystemExit(f"{path} {holds} {len(held[rows])} {rows} of another setting ({held.get('setting')}); "
+                         f"this run's is {setting}: give it another --out")
+
+
 def _resume(path, setting: dict, rows: str, **fresh) -> dict:
     """The results at ``path`` to extend, or a new file's ``{"setting": setting, rows: [], **fresh}``; a file
     holding another setting's rows is refused rather than overwritten."""
     res = _load(path)
-    if res.get(rows) and res.get("setting") != setting:
-        raise SystemExit(f"{path} holds {len(res[rows])} {rows} of another setting ({res.get('setting')}); "
-                         f"this run's is {setting}: give it another --out")
+    _refuse_other_setting(path, res, rows, setting)
     return res if res.get(rows) else {"setting": setting, rows: [], **fresh}
 
 
@@ -107,9 +112,8 @@ def _stamp_and_write(path, res, labels, regime, key):
         fcntl.flock(held, fcntl.LOCK_EX)
         disk = _load(path)
         name = next(n for n in ("cells", "rows", "prompts") if n in res)
-        if disk.get(name) and disk.get("setting") != res.get("setting"):  # another run's file since _resume read it
-            raise SystemExit(f"{path} now holds {len(disk[name])} {name} of another setting ({disk.get('setting')}); "
-                             f"this run's is {res.get('setting')}: give it another --out")
+        # another run's rows, written since _resume read the file
+        _refuse_other_setting(path, disk, name, res.get("setting"), holds="now holds")
         mine = {tuple(r[k] for k in key) for r in res[name]}
         res[name] += [r for r in disk.get(name, []) if tuple(r[k] for k in key) not in mine]
         write_json(path, res)
