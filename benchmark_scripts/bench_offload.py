@@ -72,14 +72,16 @@ def _resume(path, setting: dict, rows: str, **fresh) -> dict:
     return res if res.get(rows) else {"setting": setting, rows: [], **fresh}
 
 
-def _caches(model, spec: str, budget: int, policy: str, **kw):
+def _caches(model, spec: str, budget: int, policy: str, tokenizer=None, **kw):
+    """Fresh caches; ``tokenizer``: KVzip's repeat prompt (its reconstruction pass), as a user's for_model gets it."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 
     if spec == "kvcache":
         return make_prompt_cache(model)
-    return KVCacheBuilder.for_model(model, KVCacheConfig.parse(spec, budget=budget, prompt_eviction=policy, **kw))
+    return KVCacheBuilder.for_model(model, KVCacheConfig.parse(spec, budget=budget, prompt_eviction=policy, **kw),
+                                    tokenizer=tokenizer)
 
 
 def _generate(model, tokens, caches, step: int, new_tokens: int):
@@ -168,7 +170,8 @@ def identity(argv) -> int:
             out = {}
             for policy in (("end", "offload") if i % 2 == 0 else ("offload", "end")):
                 gc.collect()
-                toks, lp = _generate(model, tokens, _caches(model, method, budget, policy), args.step, args.new_tokens)
+                toks, lp = _generate(model, tokens, _caches(model, method, budget, policy, tokenizer), args.step,
+                                     args.new_tokens)
                 out[policy] = (toks, lp)
             (te, le), (to, lo) = out["end"], out["offload"]
             cell = {"context": ctx, "prompt": i, "haystack": hay, "depth": round(depth, 3), "key": key,
@@ -237,7 +240,7 @@ def peak_cell(argv) -> int:
         tokens = ids[:n]
     method, _, policy = args.cache.partition(":")
     kw = {"page_block": args.block} if policy == "offload" else {}
-    caches = _caches(model, method, args.budget, policy or "end", **kw)
+    caches = _caches(model, method, args.budget, policy or "end", tokenizer, **kw)
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -312,7 +315,8 @@ def cost(argv) -> int:
     setting = {"model": args.model, "length": args.length, "budget": budget, "prefill_step_size": args.step}
     res = _resume(path, setting, "rows", machine=_common.machine())
     done = {(r["method"], r["round"]) for r in res["rows"]}
-    _generate(model, tokens[:1024], _caches(model, args.methods[0], budget, "offload"), args.step, 1)  # warm-up
+    warm = _caches(model, args.methods[0], budget, "offload", tokenizer)
+    _generate(model, tokens[:1024], warm, args.step, 1)  # warm-up
     for rnd in range(args.rounds):
         for method in args.methods:
             if (method, rnd) in done:
@@ -320,7 +324,7 @@ def cost(argv) -> int:
             t = {}
             for policy in (("end", "offload") if rnd % 2 == 0 else ("offload", "end")):
                 gc.collect()
-                caches = _caches(model, method, budget, policy)
+                caches = _caches(model, method, budget, policy, tokenizer)
                 (_, _), cpu, wall = _common.cpu_timed(lambda: _generate(model, tokens, caches, args.step, 1))
                 t[policy] = (cpu, wall, sum(c.byte_report().get("page_bytes_read", 0) for c in caches))
                 del caches
@@ -369,10 +373,11 @@ def followup(argv) -> int:
         named = {"full": (make_prompt_cache(model), True)}
         for m in args.methods:
             if args.recall:
-                named[f"{m}:recall-{args.recall}"] = (_caches(model, m, budget, "end", recall=args.recall), True)
+                named[f"{m}:recall-{args.recall}"] = (_caches(model, m, budget, "end", tokenizer, recall=args.recall),
+                                                      True)
                 continue
             for policy in ("end", "offload"):
-                named[f"{m}:{policy}"] = (_caches(model, m, budget, policy), True)
+                named[f"{m}:{policy}"] = (_caches(model, m, budget, policy, tokenizer), True)
         cells = run_prompt(model, tokenizer, inst, tokens, named, shared=False, eos_ids=eos)
         rec = {"index": index, "prompt_tokens": len(tokens), "budget": budget,
                "correct": {n: [bool(t.get("correct")) for t in c.get("turns", [])] for n, c in cells.items()},

@@ -105,9 +105,8 @@ def test_readme_quick_start_with_kvzip_is_silent(monkeypatch):
 
     block = re.search(r"## Quick start\s+```python\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
     assert 'method="nexus"' in block and "max_tokens=600" in block
-    assert 'prompt_eviction="offload"' in block  # kvzip cannot page its prompt: held, as "end" does
+    assert 'prompt_eviction="offload"' in block  # kvzip pages its prompt too
     code = block.replace('method="nexus"', 'method="kvzip"').replace("max_tokens=600", "max_tokens=4")
-    code = code.replace(', prompt_eviction="offload"', "")
     code = code.replace('"Tell me a story."', '"t5 t6 t7 t8 " * 40').replace("budget=512", "budget=48")
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (make_tiny_model("llama"), _chat_tokenizer()))
     namespace = {}

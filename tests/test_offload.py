@@ -23,8 +23,7 @@ from veloxquant_mlx.caches import scratch_files
 
 from conftest import greedy, make_tiny_model, random_prompt, small_config
 
-METHODS = sorted(m for m in methods() if not KVCacheConfig.parse(m).method_class.compresses_in_model_pass)
-REFUSED = sorted(set(methods()) - set(METHODS))
+METHODS = sorted(methods())
 
 
 @pytest.fixture(scope="module")
@@ -258,10 +257,31 @@ def test_a_full_disk_is_one_clear_error_and_loses_nothing(model, tmp_path, monke
     assert caches[0].pages.pending  # the rows it could not write are still held
 
 
-@pytest.mark.parametrize("method", REFUSED)
-def test_methods_whose_compression_runs_a_model_pass_refuse_offload(method):
-    with pytest.raises(ValueError, match="prompt_eviction='offload' is not supported by"):
-        KVCacheConfig(method=method, budget=64, prompt_eviction="offload")
+@pytest.mark.parametrize("options", [{"kvzip_layers": "global"}, {"kvzip_normalize": "plus"},
+                                     {"kv_bits": 8, "kv_group_size": 32}])
+def test_kvzip_reconstruction_reads_the_pages_and_keeps_the_rows_end_keeps(options, model, tmp_path):
+    prompt = random_prompt(150, seed=3)
+    kept = {}
+    for policy in ("end", "offload"):
+        caches = KVCacheBuilder.for_model(model, _config("kvzip", policy, tmp_path, **options))
+        returned = []  # (reading the rows in a model pass, new rows, rows handed to attention)
+        for c in caches:
+            def update_and_fetch(k, v, c=c, fn=c.update_and_fetch):
+                out = fn(k, v)
+                keys = out[0][0] if isinstance(out[0], tuple) else out[0]  # (quantized: the packed words)
+                returned.append((c._reading, k.shape[2], keys.shape[2]))
+                return out
+            c.update_and_fetch = update_and_fetch
+        greedy(model, prompt, max_tokens=1, prompt_cache=caches, prefill_step_size=32)
+        assert all(c.method.passes == 1 for c in caches)
+        assert caches[0].method.options.chunk < len(prompt)  # several chunks: each scores its rows, from the file
+        kept[policy] = [np.sort(np.array(c.kept_positions()), -1) for c in caches]
+        passes = [(s, rows) for reading, s, rows in returned if reading]
+        assert passes
+        if policy == "offload":  # the pass never holds the prompt: attention got its own rows alone
+            assert all(rows == s for s, rows in passes)
+    for a, b in zip(kept["end"], kept["offload"]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_offload_refuses_recall_and_cannot_batch(model, tmp_path):

@@ -183,9 +183,6 @@ def check_pages(prompt_eviction, folder, block, recall, method, cls) -> tuple:
     if recall is not None:
         raise ValueError(f"prompt_eviction='offload' keeps every row in its page file, which a follow-up input "
                          f"re-selects from: it does not take a recall tier (recall={recall!r})")
-    if cls.compresses_in_model_pass:
-        raise ValueError(f"prompt_eviction='offload' is not supported by {method!r}: its compression runs a model "
-                         "pass over every layer's rows at once, which the paged prompt does not hold (use 'end')")
     return writable_folder("page_dir", folder), block
 
 

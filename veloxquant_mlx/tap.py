@@ -167,9 +167,10 @@ class SharedRows:
 
     def tap_step(self, queries, scale, mask, kwargs, keys=None):
         src = self.source
-        pages = getattr(src, "pages", None)
-        if pages is not None and pages.step_rows is not None:  # the source read this step from its page file
-            return pages.attend_shared(queries, scale, kwargs, src.kv_bits, src.kv_group_size), mask, None
+        paged = getattr(src, "shared_output", None)
+        out = None if paged is None else paged(queries, scale, kwargs)
+        if out is not None:  # the source read this step from its page file
+            return out, mask, None
         # one cache's uniform rows under mlx-lm's string mask: that mask is right as it is (as for the source)
         fetched = getattr(src, "fetched", None)  # (a batch's rows always take the batch's mask)
         if isinstance(mask, mx.array) or fetched is None or fetched.ragged:

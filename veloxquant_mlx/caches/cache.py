@@ -36,7 +36,7 @@ from .batch import BatchMerge
 from .masks import Fetched, layer_array_mask
 from .pages import PromptPages
 from .passes import run_model_pass
-from .quant import buf_shape, quantize_rows, row_dim, rows_zip
+from .quant import buf_shape, dequantize_rows, quantize_rows, row_dim, rows_zip
 from .recall_disk import make_cold_tier
 from .rows import PAD_POSITION, RowStore
 from .schedule import Schedule
@@ -207,6 +207,8 @@ class EvictionCache(_BaseCache):
                     else f.mask(mask, queries, self.offset - 1, False)  # (fp rows: never per KV head)
             return out, mask, self._light_deps or None
         self._light_now = False
+        if self._reads_pages():  # a model pass over a closed paged prompt
+            return self._paged_read_step(queries, scale, mask, kwargs)
         if self.pages is not None and self.pages.reading:  # an input read against the page file
             return self._paged_step(queries, scale, mask, kwargs, keys)
         seen = queries if self.latent_query is None else self.latent_query(queries)
@@ -509,6 +511,9 @@ class EvictionCache(_BaseCache):
 
     def _read_fetch(self, keys, values):
         self.store.check(keys, values, self.config.head_dim)
+        if self._reads_pages():  # the tap's step attends over the file (_paged_read_step)
+            self._own = (keys, values)
+            return keys, values
         k, v = self.store.fetch()
         B, H, S = keys.shape[:3]
         new_pos = mx.broadcast_to(mx.arange(self.offset, self.offset + S, dtype=mx.int32), (B, H, S))
@@ -520,6 +525,55 @@ class EvictionCache(_BaseCache):
         join = lambda stored, new: rows_zip(lambda a, b: mx.concatenate([a, b], axis=2), stored,
                                             quantize_rows(new, self.kv_bits, self.kv_group_size))
         return join(k, keys), join(v, values)
+
+    def _reads_pages(self) -> bool:
+        """A model pass reads a closed paged prompt: its rows are in the file, none in memory."""
+        return self._reading and self.pages is not None and self.pages.closed
+
+    def _paged_read_step(self, queries, scale, mask, kwargs):
+        """A model pass's step over a closed paged prompt: attention over every paged row, a block at a time,
+        then the pass's own rows (as ``reading()`` attends them: in the stored layout, never stored); the
+        method reads the rows it scores by slices of ``step.keys`` / ``step.values`` (caches.pages.PassRows)."""
+        why = self.pages._unsupported(self, mask, kwargs, None)
+        if why:
+            raise ValueError(f"prompt_eviction='offload' cannot run {self.config.method}'s model pass on this "
+                             f"model: {why}; use prompt_eviction='end'")
+        scale = queries.shape[-1] ** -0.5 if scale is None else float(scale)
+        bits, gs = self.kv_bits, self.kv_group_size
+        out = self.pages.attend_before(queries, scale, kwargs, None, self._own_as_read(), bits, gs)
+        step = self._step
+        step.queries, step.scale, step.rows, step.attend, step.all_visible = queries, scale, queries.shape[2], False, False
+        step.keys, step.values = self.pages.pass_rows(self._own, bits, gs)
+        got = self.method.on_rows(self.view, step)
+        step.queries = step.keys = step.values = None
+        mx.eval(list((got[0] if isinstance(got, tuple) else got).values()))
+        return out, mask, None
+
+    def _own_as_read(self) -> tuple:
+        """A reading step's own (keys, values) as attention reads them: in the stored layout (quantized rows)."""
+        bits, gs = self.kv_bits, self.kv_group_size
+        return tuple(dequantize_rows(quantize_rows(a, bits, gs), bits, gs) for a in self._own)
+
+    def shared_output(self, queries: mx.array, scale, kwargs: dict):
+        """A KV-shared layer's attention over the rows this cache's step attended to, where this step read
+        them from its page file (the rows ``update_and_fetch`` returned are then only the step's own); else None."""
+        pages = self.pages
+        if pages is None:
+            return None
+        if self._reads_pages():
+            scale = queries.shape[-1] ** -0.5 if scale is None else float(scale)
+            return pages.attend_before(queries, scale, kwargs, None, self._own_as_read(), self.kv_bits,
+                                       self.kv_group_size)
+        if pages.step_rows is not None:
+            return pages.attend_shared(queries, scale, kwargs, self.kv_bits, self.kv_group_size)
+        return None
+
+    def write_fields(self, fields: dict) -> None:
+        """Per-row fields of the newest rows, ``{name: (B, H or 1, n)}``: a model pass's scores."""
+        if self.store.keys is None and self.pages is not None and self.pages.closed:
+            self.pages.write_fields(fields)
+        else:
+            self.store.write(fields)
 
     def _read_rows(self):
         """The rows a reading step attends to, for its method: the stored ones as attention reads them, then

@@ -75,6 +75,35 @@ class PagedRows:
         return getattr(self.load(), name)
 
 
+class PassRows:
+    """Every paged row then a model pass's own rows (never stored): ``Step.keys`` or ``Step.values`` while the
+    pass reads a closed paged prompt. A method takes a slice of the rows axis (``rows[:, :, a:b]``), and only
+    those rows are read from the file, dequantized."""
+
+    def __init__(self, pages, which: str, own: mx.array, bits, gs):
+        self.pages, self.which, self.own, self.bits, self.gs = pages, which, own, bits, gs
+        self.dtype = own.dtype
+        self.shape = (*own.shape[:2], pages.written + own.shape[2], own.shape[3])
+
+    def __getitem__(self, index) -> mx.array:
+        whole = slice(None)
+        if not (isinstance(index, tuple) and len(index) == 3 and index[:2] == (whole, whole)
+                and isinstance(index[2], slice)):
+            raise TypeError(f"a paged prompt's rows are read by a slice of the rows axis (rows[:, :, a:b]), not {index!r}")
+        a, b, stride = index[2].indices(self.shape[2])
+        if stride != 1:
+            raise TypeError("a paged prompt's rows are read by a contiguous slice")
+        n, parts = self.pages.written, []
+        if a < min(b, n):
+            part = _as_buf(self.pages._read(a, min(b, n), parts=self.pages._part_range(self.which)))
+            parts.append(dequantize_rows(part, self.bits, self.gs).astype(self.dtype))
+        if b > n:
+            parts.append(self.own[:, :, max(a, n) - n:b - n])
+        if not parts:
+            return self.own[:, :, :0]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
 class PromptPages:
     """One cache's page file and the per-row state of the rows in it (module docstring)."""
 
@@ -302,15 +331,11 @@ class PromptPages:
         store, bits, gs = cache.store, cache.kv_bits, cache.kv_group_size
         tail_k, tail_v = store.read("keys"), store.read("values")
         field = cache.method.attention_mass_field
-        att = BlockAttention(queries, tail_k.shape[1], scale, kwargs.get("sinks"))
-        for lo, hi, k, v, vis in self._blocks(bits, gs):
-            att.add(k, v, vis)
-            mx.eval(att.state())  # this block's rows can go before the next one is read
-        tail_vis = chunk_visibility(tail_k.shape[2], S)
-        att.add(tail_k, tail_v, tail_vis)
+        att = self._attention(queries, scale, kwargs, None, (tail_k, tail_v), bits, gs)
         out = att.output()
         mx.eval(out)
         if field is not None:  # the attention mass every row receives from this chunk (a second pass)
+            tail_vis = chunk_visibility(tail_k.shape[2], S)
             parts = []
             for lo, hi, k, _, vis in self._blocks(bits, gs, values=False):
                 parts.append(att.mass(k, vis))
@@ -364,22 +389,40 @@ class PromptPages:
     def attend_shared(self, queries: mx.array, scale, kwargs: dict, bits, gs) -> mx.array:
         """A KV-shared layer's attention in the step its source just paged: the same rows the source
         attended to, all in the file now, the last ``S`` of them the step's own (causal)."""
-        S = queries.shape[2]
-        end = self.step_rows
-        att = None
-        for lo, hi, k, v, vis in self._blocks(bits, gs, stop=end - S):
-            att = att or BlockAttention(queries, k.shape[1], scale if scale is not None else queries.shape[-1] ** -0.5,
-                                        kwargs.get("sinks"))
-            att.add(k, v, vis)
-            mx.eval(att.state())
+        S, end = queries.shape[2], self.step_rows
         k, v = self._kv(self._read(end - S, end))
-        k, v = dequantize_rows(k, bits, gs), dequantize_rows(v, bits, gs)
-        att = att or BlockAttention(queries, k.shape[1], scale if scale is not None else queries.shape[-1] ** -0.5,
-                                    kwargs.get("sinks"))
-        att.add(k, v, chunk_visibility(S, S))
-        out = att.output()
+        scale = scale if scale is not None else queries.shape[-1] ** -0.5
+        return self.attend_before(queries, scale, kwargs, end - S,
+                                  (dequantize_rows(k, bits, gs), dequantize_rows(v, bits, gs)), bits, gs)
+
+    def attend_before(self, queries: mx.array, scale: float, kwargs: dict, stop: int, own: tuple, bits,
+                      gs) -> mx.array:
+        """Attention over the file's first ``stop`` rows then the rows ``own`` (keys, values), the last ``S``
+        of which are the queries' own positions (causal): the layer's output, evaluated."""
+        out = self._attention(queries, scale, kwargs, stop, own, bits, gs).output()
         mx.eval(out)
         return out
+
+    def _attention(self, queries, scale: float, kwargs: dict, stop, own: tuple, bits, gs) -> BlockAttention:
+        att = BlockAttention(queries, own[0].shape[1], scale, kwargs.get("sinks"))
+        for lo, hi, k, v, vis in self._blocks(bits, gs, stop=stop):
+            att.add(k, v, vis)
+            mx.eval(att.state())  # this block's rows can go before the next one is read
+        att.add(*own, chunk_visibility(own[0].shape[2], queries.shape[2]))
+        return att
+
+    def pass_rows(self, own: tuple, bits, gs) -> tuple:
+        """(keys, values) of a model pass over the closed pages, as ``Step.keys`` / ``Step.values``: every
+        paged row then the pass's own ``own`` rows (never stored), read from the file by the slice a method takes."""
+        self.flush()
+        return PassRows(self, "keys", own[0], bits, gs), PassRows(self, "values", own[1], bits, gs)
+
+    def write_fields(self, fields: dict) -> None:
+        """Per-row fields of the newest paged rows (a model pass's scores): ``{name: (B, H or 1, n)}``."""
+        for name, v in fields.items():
+            old = self.extras[name]
+            self.extras[name] = mx.concatenate([old[:, :, :old.shape[2] - v.shape[2]],
+                                                mx.broadcast_to(v, (*old.shape[:2], v.shape[2]))], axis=2)
 
     @staticmethod
     def _unsupported(cache, mask, kwargs, keys) -> str:

@@ -27,7 +27,7 @@ def run_model_pass(driver, seq: list) -> None:
     method = type(due[0].method)
     fields = method.model_pass(driver, seq) or [{}] * len(due)
     for c, f in zip(due, fields, strict=True):
-        c.store.write(f)
+        c.write_fields(f)
     field, shares = due[0].method.layer_shares, None
     if field is not None and driver is None:
         if method.name not in _warned:
