@@ -534,19 +534,15 @@ class EvictionCache(_BaseCache):
         """A model pass's step over a closed paged prompt: attention over every paged row, a block at a time,
         then the pass's own rows (as ``reading()`` attends them: in the stored layout, never stored); the
         method reads the rows it scores by slices of ``step.keys`` / ``step.values`` (caches.pages.PassRows)."""
-        why = self.pages._unsupported(self, mask, kwargs, None)
+        why = self.pages.unsupported(self, mask, kwargs, None)
         if why:
             raise ValueError(f"prompt_eviction='offload' cannot run {self.config.method}'s model pass on this "
                              f"model: {why}; use prompt_eviction='end'")
         scale = queries.shape[-1] ** -0.5 if scale is None else float(scale)
         bits, gs = self.kv_bits, self.kv_group_size
         out = self.pages.attend_before(queries, scale, kwargs, None, self._own_as_read(), bits, gs)
-        step = self._step
-        step.queries, step.scale, step.rows, step.attend, step.all_visible = queries, scale, queries.shape[2], False, False
-        step.keys, step.values = self.pages.pass_rows(self._own, bits, gs)
-        got = self.method.on_rows(self.view, step)
-        step.queries = step.keys = step.values = None
-        mx.eval(list((got[0] if isinstance(got, tuple) else got).values()))
+        self._read_observe(queries, scale, self.pages.pass_rows(self._own, bits, gs))
+        mx.eval(self._read_deps)  # this layer's scores now: the rows they read from the file can go
         return out, mask, None
 
     def _own_as_read(self) -> tuple:
@@ -582,11 +578,13 @@ class EvictionCache(_BaseCache):
         return (mx.concatenate([self.store.read("keys"), keys], axis=2),
                 mx.concatenate([self.store.read("values"), values], axis=2))
 
-    def _read_observe(self, queries, scale):
+    def _read_observe(self, queries, scale, rows=None):
+        """A reading step's queries to the method's ``on_rows``, with the rows it attends to (``rows``: a paged
+        prompt's, read by slices; the method then leaves the layer's output to the tap)."""
         step = self._step
-        step.queries, step.scale, step.rows, step.attend = queries, scale, queries.shape[2], self.attend.active
-        step.all_visible = False
-        step.keys, step.values = self._read_rows()
+        step.queries, step.scale, step.rows = queries, scale, queries.shape[2]
+        step.attend, step.all_visible = self.attend.active and rows is None, False
+        step.keys, step.values = self._read_rows() if rows is None else rows
         got = self.method.on_rows(self.view, step)
         step.queries = step.keys = step.values = None
         fields, out = got if isinstance(got, tuple) else (got, None)

@@ -323,7 +323,7 @@ class PromptPages:
         and, for a method that keeps each row's attention mass (``attention_mass_field``), the mass every row
         receives from this chunk, added to its field (a second pass over the file). ``keys``: what the model
         hands attention (None: not known)."""
-        why = self._unsupported(cache, mask, kwargs, keys)
+        why = self.unsupported(cache, mask, kwargs, keys)
         if why:
             raise ValueError(f"prompt_eviction='offload' cannot read this model's attention: {why}; "
                              "use prompt_eviction='end'")
@@ -425,7 +425,9 @@ class PromptPages:
                                                 mx.broadcast_to(v, (*old.shape[:2], v.shape[2]))], axis=2)
 
     @staticmethod
-    def _unsupported(cache, mask, kwargs, keys) -> str:
+    def unsupported(cache, mask, kwargs, keys) -> str:
+        """Why this attention call cannot be read against the page file ("" where it can); ``keys``: what the
+        model hands attention (None: not checked)."""
         if cache.latent_query is not None:
             return "multi-head latent attention (its queries are read in the latent's space)"
         extra = sorted(k for k, v in kwargs.items() if v is not None and k != "sinks")
