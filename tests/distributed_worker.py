@@ -8,7 +8,8 @@ reference's rows for this rank's heads (or layers), the evictions and the bytes 
 A third run on the split model with ``group=False`` (caches that ignore the other ranks) shows what
 a rank that does not combine its selection with the others would keep.
 
-Usage: distributed_worker.py OUT_DIR   (runs tensor/llama, tensor/qwen3 and pipeline/qwen2)
+Usage: distributed_worker.py OUT_DIR   (runs tensor/llama, tensor/qwen3, pipeline/qwen2, 4-bit rows and the
+paged prompt on tensor/llama)
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def cases(kind: str, arch: str):
         out += [(m + "-ada", KVCacheConfig(m, allocation="ada", **q, **opts[m])) for m in ("nexus", "h2o")]
         return out + [("nestedkv-end", KVCacheConfig("nestedkv", budget=48, seed=3, nestedkv_window=16,
                                                      kv_bits=4, kv_group_size=32))]
+    if kind == "tensor-offload":  # the paged prompt on 2 ranks; run() compares it with one process under "end"
+        paged = dict(small, prompt_eviction="offload", page_block=16)
+        return [(m, KVCacheConfig(m, **paged, **opts[m])) for m in methods()]
     out = [("full", None), ("nexus-no-eviction", KVCacheConfig("nexus", budget=512, seed=3, **opts["nexus"]))]
     for m in methods():
         out.append((m, KVCacheConfig(m, **small, **opts[m])))
@@ -139,7 +143,9 @@ def run(kind, arch, group):
     prompt = np.random.default_rng(7).integers(0, VOCAB, size=PROMPT).tolist()
     results, full_lps = {}, None
     for name, config in cases(kind, arch):
-        ref_caches = build(ref_model, config, group=False)
+        # the paged prompt is held to "end"'s rows and tokens: its reference holds the prompt whole
+        ref_config = config.replace(prompt_eviction="end") if kind == "tensor-offload" else config
+        ref_caches = build(ref_model, ref_config, group=False)
         ref_toks, ref_lps = generate(ref_model, prompt, ref_caches)
         caches = build(model, config)
         toks, lps = generate(model, prompt, caches)
@@ -233,7 +239,7 @@ def main():
     group = mx.distributed.init()
     runs = {f"{kind}/{arch}": run(kind, arch, group)
             for kind, arch in (("tensor", "llama"), ("tensor", "qwen3"), ("pipeline", "qwen2"),
-                               ("tensor-q4", "llama-hd32"))}
+                               ("tensor-q4", "llama-hd32"), ("tensor-offload", "llama"))}
     runs["top_k"] = top_k_checks(group)
     try:
         runs["batched"] = batched_checks(group)

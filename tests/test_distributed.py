@@ -108,6 +108,22 @@ def test_quantized_rows_two_ranks_equal_one_process(ranks):
 
 
 @pytest.mark.integration
+def test_paged_prompt_on_two_ranks_keeps_what_one_process_keeps_holding_it_whole(ranks):
+    """prompt_eviction="offload" on the split model (each rank pages its own heads) against one process
+    under "end": the same tokens and, per rank, the same kept rows, for every method (KVzip's reconstruction
+    pass and kvzap's ranking across layers and heads included)."""
+    run = "tensor-offload/llama"
+    names = {name for _, name, _ in _cases(ranks, run)}
+    assert set(methods()) <= names
+    bad = [(rank, name) for rank, name, c in _cases(ranks, run)
+           if c["tokens"] != c["ref_tokens"] or not c["kept_equal"]]
+    assert not bad, f"paged prompt: 2 ranks differ from one process under end for {bad}"
+    for rank, name, c in _cases(ranks, run):
+        assert not c["kept_all"], (rank, name)  # the budget evicted
+        assert c["max_logprob_diff"] <= 1e-3, (rank, name, c["max_logprob_diff"])
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("run", RUNS)
 def test_budget_evicts_during_prompt_and_decode(ranks, run):
     for rank, name, c in _cases(ranks, run):
