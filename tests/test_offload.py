@@ -330,6 +330,39 @@ def test_window_probabilities_a_block_at_a_time_equal_the_whole():
         assert np.abs(np.array(got) - np.array(reduce(whole))).max() <= 1e-6
 
 
+
+@pytest.mark.parametrize("query_block", [None, 1, 3, 8])
+def test_block_attention_in_query_spans_equals_dense_causal_attention(query_block):
+    """A chunk of 8 queries (GQA 3) over two blocks of older rows (one with padding) and then 12 own rows whose
+    last 8 are the queries' positions: the output and each row's attention mass equal one dense masked softmax,
+    for any span of queries."""
+    from veloxquant_mlx.ops.attention import BlockAttention
+
+    rng = np.random.default_rng(1)
+    B, Hq, H, S, D, n_own = 1, 6, 2, 8, 16, 12
+    q = rng.normal(size=(B, Hq, S, D)).astype(np.float32)
+    k = rng.normal(size=(B, H, 40 + n_own, D)).astype(np.float32)
+    v = rng.normal(size=(B, H, 40 + n_own, D)).astype(np.float32)
+    pad = np.ones((B, H, 1, 40), bool)
+    pad[:, :, :, 25:30] = False  # padded rows of the second block
+    att = BlockAttention(mx.array(q), H, 0.3, query_block=query_block)
+    att.add(mx.array(k[:, :, :20]), mx.array(v[:, :, :20]))
+    att.add(mx.array(k[:, :, 20:40]), mx.array(v[:, :, 20:40]), mx.array(pad[..., 20:40]))
+    att.add_own(mx.array(k[:, :, 40:]), mx.array(v[:, :, 40:]))
+    # dense reference: query i sees the unpadded older rows and own rows <= n_own - S + i
+    vis = np.concatenate([np.broadcast_to(pad, (B, H, S, 40)),
+                          np.broadcast_to(np.arange(n_own)[None] <= (n_own - S + np.arange(S))[:, None],
+                                          (B, H, S, n_own))], axis=-1)
+    kg, vg = np.repeat(k, Hq // H, axis=1), np.repeat(v, Hq // H, axis=1)
+    logits = np.where(np.repeat(vis, Hq // H, axis=1), 0.3 * q @ kg.swapaxes(-1, -2), -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert np.abs(np.array(att.output()) - p @ vg).max() <= 1e-5
+    mass = p.reshape(B, H, Hq // H, S, -1).sum(axis=(2, 3))
+    got = np.concatenate([np.array(att.mass(mx.array(k[:, :, :40]), mx.array(pad))),
+                          np.array(att.mass(mx.array(k[:, :, 40:]), mx.array(vis[:, :, :, 40:])))], axis=-1)
+    assert np.abs(got - mass).max() <= 1e-5
+
 @pytest.mark.parametrize("method", sorted(set(METHODS) - {"nestedkv"}))
 def test_the_prompts_end_never_reads_a_whole_layers_rows_back(method, model, tmp_path, monkeypatch):
     """At the paged prompt's end every method but NestedKV (whose key anomalies read every key at once)

@@ -97,8 +97,9 @@ class KVCacheConfig:
             methods compress when the prompt ends in every mode; under ``"stream"`` also at every chunk.
         page_dir: folder of ``"offload"``'s page files (default: the OS temporary folder); must exist and
             be writable (checked here).
-        page_block: rows read back from the page file per block (the attention scratch of a chunk of S
-            queries over one block is S x query heads x ``page_block`` floats).
+        page_block: rows read back from the page file per block (the attention scratch of a chunk's
+            queries over one block is at most 512 x query heads x ``page_block`` floats: the chunk's
+            queries run in spans of 512).
         max_head_factor: ragged per-head budgets (NestedKV's cross-head pool, Ada-KV, Ada-Nexus) keep at
             most ``max_head_factor x budget`` rows in one head, the layer's total unchanged (the other
             heads take the rest). Storage is as wide as the widest head, so this keeps the allocated

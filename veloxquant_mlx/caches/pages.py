@@ -40,6 +40,9 @@ from .scratch_files import RAW_BITS, OwnedFile, host_bits
 from .rows import PAD_POSITION
 
 FLUSH_ROWS = 4096  # decode rows held for the file beyond this many are written at the next eviction
+# Queries per span of a chunk's attention over the file: a block's scratch is this x query heads x page_block
+# floats, whatever the chunk's length (mlx-lm's default prefill step is 2048; a KVzip pass chunk about 2K)
+QUERY_BLOCK = 512
 
 
 def _as_buf(parts: list):
@@ -404,11 +407,14 @@ class PromptPages:
         return out
 
     def _attention(self, queries, scale: float, kwargs: dict, stop, own: tuple, bits, gs) -> BlockAttention:
-        att = BlockAttention(queries, own[0].shape[1], scale, kwargs.get("sinks"))
+        att = BlockAttention(queries, own[0].shape[1], scale, kwargs.get("sinks"), QUERY_BLOCK)
         for lo, hi, k, v, vis in self._blocks(bits, gs, stop=stop):
             att.add(k, v, vis)
-            mx.eval(att.state())  # this block's rows can go before the next one is read
-        att.add(*own, chunk_visibility(own[0].shape[2], queries.shape[2]))
+            for span in att.state():  # one span's scratch at a time; this block's rows can go before the next
+                mx.eval(span)
+        att.add_own(*own)
+        for span in att.state():
+            mx.eval(span)
         return att
 
     def pass_rows(self, own: tuple, bits, gs) -> tuple:

@@ -115,53 +115,86 @@ def _mass_masked(q, k, lse, scale, visible):
 class BlockAttention:
     """Causal attention of a chunk of queries over keys fed in blocks, exact to the softmax's rounding.
 
-    ``queries`` (B, Hq, S, D), with mlx-lm's optional attention ``sinks`` (Hq,); every block fed with :meth:`add` is (B, Hkv, n, D) keys and (B, Hkv, n, Dv)
-    values with an optional (B, Hkv, S, n) or broadcastable visibility mask (None: every query sees every
-    row). :meth:`output` gives (B, Hq, S, Dv) in the queries' dtype; :attr:`lse` the per-query log-sum-exp
-    (B, Hkv, G, S, 1), with which :meth:`mass` gives a block's attention mass per row (summed over the
-    queries and the GQA group): H2O's accumulated attention, computed in a second pass over the blocks."""
+    ``queries`` (B, Hq, S, D), with mlx-lm's optional attention ``sinks`` (Hq,); every block fed with :meth:`add`
+    is (B, Hkv, n, D) keys and (B, Hkv, n, Dv) values with an optional (B, Hkv, S, n) or broadcastable visibility
+    mask (None: every query sees every row); :meth:`add_own` feeds the rows whose last ``S`` are the queries' own
+    positions (causal). :meth:`output` gives (B, Hq, S, Dv) in the queries' dtype; :meth:`mass` a block's
+    attention mass per row (summed over the queries and the GQA group) from each query's final log-sum-exp:
+    H2O's accumulated attention, computed in a second pass over the blocks.
 
-    def __init__(self, queries: mx.array, n_kv_heads: int, scale: float, sinks: mx.array | None = None):
+    The queries run in spans of ``query_block`` (None: one span), each with its own running (max, sum, output):
+    a block's scratch is ``query_block`` x Hq x n floats whatever the chunk's length, and a span reads only the
+    own rows in its causal past. Spans do not interact, so the result is the same for any span length."""
+
+    def __init__(self, queries: mx.array, n_kv_heads: int, scale: float, sinks: mx.array | None = None,
+                 query_block: int | None = None):
         self.dtype = queries.dtype
-        self.q = group_queries(queries, n_kv_heads).astype(mx.float32)
+        q = group_queries(queries, n_kv_heads).astype(mx.float32)
         self.scale = mx.array(scale, mx.float32)
-        B, H, G, S, _ = self.q.shape
-        if sinks is None:
-            # a finite floor: a query none of whose rows were visible yet adds exp(-inf) = 0, never NaN
-            self.m = mx.full((B, H, G, S, 1), -1e30, mx.float32)
-            self.l = mx.zeros((B, H, G, S, 1), mx.float32)
-        else:  # attention sinks (one logit per query head, value 0): a row every query sees, first
-            self.m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, G, 1, 1), (B, H, G, S, 1))
-            self.l = mx.ones((B, H, G, S, 1), mx.float32)
-        self.acc = None
+        B, H, G, S, _ = q.shape
+        step = S if query_block is None else max(int(query_block), 1)
+        self.spans = [(a, min(a + step, S)) for a in range(0, S, step)]
+        self.q = [q] if len(self.spans) == 1 else [q[:, :, :, a:b] for a, b in self.spans]
+        self.m, self.l = [], []
+        for a, b in self.spans:
+            if sinks is None:
+                # a finite floor: a query none of whose rows were visible yet adds exp(-inf) = 0, never NaN
+                self.m.append(mx.full((B, H, G, b - a, 1), -1e30, mx.float32))
+                self.l.append(mx.zeros((B, H, G, b - a, 1), mx.float32))
+            else:  # attention sinks (one logit per query head, value 0): a row every query sees, first
+                self.m.append(mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, G, 1, 1), (B, H, G, b - a, 1)))
+                self.l.append(mx.ones((B, H, G, b - a, 1), mx.float32))
+        self.acc = [None] * len(self.spans)
+
+    def _span_mask(self, visible, i):
+        # a mask with a query axis gives each span its own rows of it; (.., 1, n) broadcasts as it is
+        if visible is None or len(self.spans) == 1 or visible.shape[-2] == 1:
+            return visible
+        a, b = self.spans[i]
+        return visible[..., a:b, :]
+
+    def _add_span(self, i, keys, values, visible):
+        q, m, l, acc = self.q[i], self.m[i], self.l[i], self.acc[i]
+        if acc is None:
+            acc = mx.zeros(q.shape[:-1] + (values.shape[-1],), mx.float32)
+        if visible is None:
+            self.m[i], self.l[i], self.acc[i] = _online_visible(q, keys, values, m, l, acc, self.scale)
+        else:
+            self.m[i], self.l[i], self.acc[i] = _online_masked(q, keys, values, m, l, acc, self.scale,
+                                                               _per_group(visible))
 
     def add(self, keys: mx.array, values: mx.array, visible: mx.array | None = None) -> None:
-        if self.acc is None:
-            B, H, G, S, _ = self.q.shape
-            self.acc = mx.zeros((B, H, G, S, values.shape[-1]), mx.float32)
-        if visible is None:
-            self.m, self.l, self.acc = _online_visible(self.q, keys, values, self.m, self.l, self.acc, self.scale)
-        else:
-            self.m, self.l, self.acc = _online_masked(self.q, keys, values, self.m, self.l, self.acc,
-                                                      self.scale, _per_group(visible))
+        for i in range(len(self.spans)):
+            self._add_span(i, keys, values, self._span_mask(visible, i))
+
+    def add_own(self, keys: mx.array, values: mx.array) -> None:
+        """Rows whose last ``S`` are the queries' own positions (query i sees rows ``<= n - S + i``); a span
+        reads only the rows up to its last query."""
+        n, S = keys.shape[2], self.spans[-1][1]
+        for i, (a, b) in enumerate(self.spans):
+            stop = n - S + b
+            k, v = (keys, values) if stop == n else (keys[:, :, :stop], values[:, :, :stop])
+            self._add_span(i, k, v, chunk_visibility(stop, b - a))
 
     def state(self) -> list:
-        """The running arrays (what to evaluate after each block, so its rows can be freed)."""
-        return [self.m, self.l, self.acc]
-
-    @property
-    def lse(self) -> mx.array:
-        return self.m + mx.log(self.l)
+        """The running arrays, one list per span (what to evaluate after each block, so its rows can be freed)."""
+        return [[m, l, acc] for m, l, acc in zip(self.m, self.l, self.acc)]
 
     def output(self) -> mx.array:
-        B, H, G, S, Dv = self.acc.shape
-        return (self.acc / self.l).astype(self.dtype).reshape(B, H * G, S, Dv)
+        outs = [acc / l for acc, l in zip(self.acc, self.l)]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+        B, H, G, S, Dv = out.shape
+        return out.astype(self.dtype).reshape(B, H * G, S, Dv)
 
     def mass(self, keys: mx.array, visible: mx.array | None = None) -> mx.array:
         """(B, Hkv, n) attention mass the block's rows receive from every query (after all blocks)."""
-        if visible is None:
-            return _mass_visible(self.q, keys, self.lse, self.scale)
-        return _mass_masked(self.q, keys, self.lse, self.scale, _per_group(visible))
+        total = None
+        for i, (q, m, l) in enumerate(zip(self.q, self.m, self.l)):
+            lse, vis = m + mx.log(l), self._span_mask(visible, i)
+            part = (_mass_visible(q, keys, lse, self.scale) if vis is None
+                    else _mass_masked(q, keys, lse, self.scale, _per_group(vis)))
+            total = part if total is None else total + part
+        return total
 
 
 def _per_group(visible: mx.array) -> mx.array:

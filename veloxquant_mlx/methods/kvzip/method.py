@@ -40,7 +40,8 @@ class KVzipOptions:
     # Sec. 3 (chunked scoring): the context is reconstructed in chunks of 2K tokens (bounded memory).
     chunk: int = option(2048, low=1, small=24, doc="context tokens reconstructed per forward of the pass")
     overlap: int = option(8, low=0, doc="previous chunk's last tokens quoted in the next repeat prompt")
-    q_block: int = option(512, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")
+    # 128, not 512: the same scores and time at a quarter of the scoring scratch (docs/methods/kvzip.md)
+    q_block: int = option(128, low=1, doc="reconstruction queries per scoring sub-block (bounds memory)")
     window: int = option(16, low=1, small=8, doc="fallback only (no model pass): last queries that score")
     # One pass on the CPU (ops.attention.fused_scoring_default): the scoring softmax also gives the
     # layer's output when the chunk's rows are every row attention reads (the first pass of <= chunk).

@@ -85,7 +85,7 @@ def _grouped(queries, ctx_keys, own_keys, scale):
 
 
 def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, ctx_values: mx.array,
-                          own_values: mx.array, scale: float, q_block: int = 512, plus=None):
+                          own_values: mx.array, scale: float, q_block: int = 128, plus=None):
     """:func:`reconstruction_scores` (with no lead rows) plus the attention output, for a chunk whose
     context rows are every row attention reads: one softmax serves both (the tap's one-pass path).
     ``plus``: KVzip+'s weights, as in :func:`reconstruction_scores`.
@@ -106,7 +106,7 @@ def reconstruction_attend(queries: mx.array, ctx_keys: mx.array, own_keys: mx.ar
 
 
 def reconstruction_scores(queries: mx.array, ctx_keys: mx.array, own_keys: mx.array, scale: float,
-                          n_lead: int = 0, q_block: int = 512, plus=None) -> mx.array:
+                          n_lead: int = 0, q_block: int = 128, plus=None) -> mx.array:
     """Max attention each context row receives from one reconstruction chunk.
 
     queries (B, Hq, S, D): post-RoPE queries of the reconstruction input (repeat prompt + chunk);
