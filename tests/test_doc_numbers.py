@@ -42,12 +42,15 @@ GEMMA = _figure("figures/choosing/summary_gemma3-270m.json")
 def test_readme_allocated_row_is_written_from_its_figure():
     row = rm.readme_row(GENERATE, KVZIP)
     assert row in README.splitlines()
-    # what the row says, in the figure's own terms: kvzap / kvzip above the other methods, kvzip's peak above mlx-lm's
+    # what the row says, in the figure's own terms: kvzap / kvzip above the other methods; kvzip's peak is mlx-lm's
+    # within one reconstruction chunk (2,048 tokens) and above it past one
     runs = {r["label"]: r for r in GENERATE["runs"].values()}
     base = runs["kvcache"]["kv_allocated_bytes"]
     others = [runs[m]["kv_allocated_bytes"] / base for m in runs if "-" not in m and m not in ("kvcache", "kvzap", "kvzip")]
     assert min(runs[m]["kv_allocated_bytes"] / base for m in ("kvzap", "kvzip")) > max(others)
-    assert all(ratio > 1.1 for _, ratio, _, _ in rm.kvzip_peaks(GENERATE, KVZIP))
+    peaks = rm.kvzip_peaks(GENERATE, KVZIP)
+    assert all(ratio > 1.1 for n, ratio, _, _ in peaks if n > 2048)
+    assert all(abs(ratio - 1) < 0.05 for n, ratio, _, _ in peaks if n <= 2048)
 
 
 def test_the_default_peak_claim_names_kvzips_pass():
