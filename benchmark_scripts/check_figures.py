@@ -83,7 +83,8 @@ RENAMED = {
     "-m veloxquant_mlx._blas": "-m veloxquant_mlx.platform.blas",
 }
 # Flags that say where a run writes and what it prints, not what it measures: {flag: values it takes}.
-PLUMBING = {"--publish": 0, "--no-report": 0, "--no-progress": 0, "--out-dir": 1, "--out": 1}
+PLUMBING = {"--publish": 0, "--no-report": 0, "--no-progress": 0, "--out-dir": 1, "--out": 1, "--out-memory": 1,
+            "--out-speed": 1}
 LAUNCHER = ["-m", "veloxquant_mlx.platform.blas"]
 # "`python ...` (`figures/x.json`" or "`python ...` (... `figures/x.json`": a command beside the figure it makes.
 COMMAND_BESIDE = re.compile(r"`(python [^`]+)`\s*\((?:[^()`]*?)`(figures/[^`]+\.json)`")
