@@ -241,6 +241,23 @@ def _compress(capsys, tmp_path, *flags, words=40, name="doc.safetensors"):
     return out
 
 
+def test_compress_pages_a_long_document_with_kvzip_and_keeps_what_end_keeps(capsys, tmp_path, tiny_cli):
+    """compress's default method (kvzip) pages a document longer than the budget; the file it writes answers a
+    question as the file compressed under "end" does."""
+    answers = {}
+    for mode, flags in (("offload", []), ("end", ["--prompt-eviction", "end"])):
+        doc = tmp_path / f"{mode}.txt"
+        doc.write_text(_words(120))
+        out = tmp_path / f"{mode}.safetensors"
+        rc, _, err = _main(capsys, "compress", "--prompt-file", str(doc), "--out", str(out), "--budget", "24", *flags)
+        assert rc == 0, err
+        assert ("pages: ~" in err) == (mode == "offload"), err
+        rc, stdout, err = _main(capsys, "generate", "--prompt-cache", str(out), "--prompt", "t5 t6", "--max-tokens", "4")
+        assert rc == 0, err
+        answers[mode] = stdout.split("\n")[1]  # the answer (after the line naming the file)
+    assert answers["offload"] == answers["end"]
+
+
 def test_prompt_cache_refuses_flags_that_conflict_with_the_file(capsys, tmp_path, tiny_cli):
     out = _compress(capsys, tmp_path, "--method", "streaming", "--budget", "24")
     base = ["generate", "--prompt-cache", str(out), "--prompt", "t5 t6", "--max-tokens", "2"]
@@ -960,8 +977,8 @@ def test_extra_eos_token_ends_the_answer(capsys, tiny_cli, monkeypatch):
 
 def test_a_prompt_longer_than_the_budget_is_paged_by_default_with_ends_answer(capsys, tiny_cli, tmp_path):
     """generate pages a prompt longer than the budget unless a mode is given, and answers as "end" does; a
-    prompt within the budget, a given mode, a method that cannot page (KVzip's model pass) and one whose paged
-    prefill costs more (H2O's second pass over the file) keep "end"."""
+    prompt within the budget, a given mode and a method whose paged prefill costs more (H2O's second pass over
+    the file) keep "end"; KVzip pages (its reconstruction pass reads the file)."""
     base = ["generate", "--prompt", _words(120), "--max-tokens", "4", "--method", "snapkv", "--budget", "40"]
     runs = {}
     for name, extra in {"default": [], "end": ["--prompt-eviction", "end"],
@@ -970,12 +987,12 @@ def test_a_prompt_longer_than_the_budget_is_paged_by_default_with_ends_answer(ca
         rc, out, err = _main(capsys, *base, *extra)
         assert rc == 0, err
         runs[name] = (out.split("\n")[0], re.search(r"prompt_eviction=(\w+)", out).group(1), err)
-    assert runs["default"][1] == "offload" and "pages: ~" in runs["default"][2]
+    for name in ("default", "kvzip"):
+        assert runs[name][1] == "offload" and "pages: ~" in runs[name][2]
     assert runs["default"][0] == runs["end"][0]  # the same answer
-    assert [runs[n][1] for n in ("end", "spec", "kvzip", "h2o", "short")] == ["end"] * 5
-    assert all("pages:" not in runs[n][2] for n in ("end", "spec", "kvzip", "h2o", "short"))
+    assert [runs[n][1] for n in ("end", "spec", "h2o", "short")] == ["end"] * 4
+    assert all("pages:" not in runs[n][2] for n in ("end", "spec", "h2o", "short"))
     # the default that did not page says why, once; a given mode or a short prompt says nothing
-    for name, why in (("kvzip", "kvzip"), ("h2o", "attention mass")):
-        said = [line for line in runs[name][2].splitlines() if line.startswith("prompt: held whole")]
-        assert len(said) == 1 and why in said[0], runs[name][2]
+    said = [line for line in runs["h2o"][2].splitlines() if line.startswith("prompt: held whole")]
+    assert len(said) == 1 and "attention mass" in said[0], runs["h2o"][2]
     assert all("held whole" not in runs[n][2] for n in ("default", "end", "spec", "short"))

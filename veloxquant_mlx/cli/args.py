@@ -353,16 +353,12 @@ def page_long_prompt(model, config, prompt_tokens: int, args):
     (``prompt_eviction="offload"``: ``"end"``'s answers, by construction, at a flat peak; docs/offload.md),
     where the flags and the model allow it (``--recall``, MLA latents and models without the query tap do not)
     and its prefill costs about what ``"end"``'s does: not for a method that sums attention mass over the
-    prompt (H2O reads the file twice per chunk: well above ``"end"``'s prefill time at 8K, docs/offload.md)
-    nor for KVzip (its reconstruction pass reads the file again per chunk); else ``"end"``, said in one line
-    with the reason. A mode given as a flag or in the spec stays."""
+    prompt (H2O reads the file twice per chunk: well above ``"end"``'s prefill time at 8K, docs/offload.md);
+    else ``"end"``, said in one line with the reason. A mode given as a flag or in the spec stays."""
     if config is None or prompt_tokens <= config.budget or "prompt_eviction" in cache_spec(args)[1]:
         return config
     if config.method_class.attention_mass_field is not None:
         why = f"{config.method}'s paged prefill reads the page file twice per chunk (its attention mass)"
-    elif config.method_class.compresses_in_model_pass:
-        why = (f"{config.method}'s reconstruction pass reads every paged row again for each of its chunks "
-               "(--prompt-eviction offload pages it)")
     else:
         try:
             paged = config.replace(prompt_eviction="offload")  # the config's own refusal (--recall)
