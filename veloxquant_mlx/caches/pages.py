@@ -34,7 +34,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 
-from ..ops.attention import BlockAttention, chunk_visibility
+from ..ops.attention import BlockAttention
 from .quant import buf_parts, dequantize_rows, rows_map
 from .scratch_files import RAW_BITS, OwnedFile, host_bits
 from .rows import PAD_POSITION
@@ -330,7 +330,6 @@ class PromptPages:
         if why:
             raise ValueError(f"prompt_eviction='offload' cannot read this model's attention: {why}; "
                              "use prompt_eviction='end'")
-        S = queries.shape[2]
         store, bits, gs = cache.store, cache.kv_bits, cache.kv_group_size
         tail_k, tail_v = store.read("keys"), store.read("values")
         field = cache.method.attention_mass_field
@@ -338,14 +337,13 @@ class PromptPages:
         out = att.output()
         mx.eval(out)
         if field is not None:  # the attention mass every row receives from this chunk (a second pass)
-            tail_vis = chunk_visibility(tail_k.shape[2], S)
             parts = []
             for lo, hi, k, _, vis in self._blocks(bits, gs, values=False):
                 parts.append(att.mass(k, vis))
                 mx.eval(parts[-1])
             if parts:
                 self.extras[field] = self.extras[field] + mx.concatenate(parts, axis=2)
-            store.write({field: store.read(field) + att.mass(tail_k, tail_vis)})
+            store.write({field: store.read(field) + att.mass_own(tail_k)})
         return out
 
     def store_step(self, cache) -> None:

@@ -196,6 +196,10 @@ class BlockAttention:
             total = part if total is None else total + part
         return total
 
+    def mass_own(self, keys: mx.array) -> mx.array:
+        """:meth:`mass` of the rows :meth:`add_own` took (the last ``S`` are the queries' own, causal)."""
+        return self.mass(keys, chunk_visibility(keys.shape[2], self.spans[-1][1]))
+
 
 def _per_group(visible: mx.array) -> mx.array:
     # (B, Hkv, S, n) -> (B, Hkv, 1, S, n) over the GQA group; an (S, n) mask broadcasts as it is
